@@ -1,0 +1,67 @@
+-- acquire: one try for a slot, fair by ticket order.
+--   KEYS   the six semaphore keys (see _lib.lua)
+--   ARGV[1] wake-up channel
+--   ARGV[2] token     the holder token this try would hold the slot under
+--   ARGV[3] waiter    the waiter id that keeps its place in line across tries (a task id)
+--   ARGV[4] limit     the limit to apply when no runtime override is stored
+--   ARGV[5] lease_ms  lease length for a granted slot
+--   ARGV[6] patience_ms  how long a refused waiter keeps its place without asking again
+--   ARGV[7] enqueue   "1": a new waiter takes a ticket; "0": a one-shot try that never queues
+--   ARGV[8] label     free text shown by status for this holder (host, pid, task id)
+-- Returns {granted, position, free, limit}:
+--   granted  1 = the slot is held under token (also when token already held it: idempotent,
+--            so a resend by redis-py after a connection error is harmless); 0 = wait
+--   position the waiter's 0-based place in line (0 when granted)
+--   free     free slots after this call
+--   limit    the limit in force (override or ARGV[4])
+
+local token, waiter = ARGV[2], ARGV[3]
+local lease_ms, patience_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+
+local now = now_ms()
+local dropped = purge(now)
+local limit = current_limit(tonumber(ARGV[4]))
+
+if redis.call('ZSCORE', K_HOLDERS, token) then
+  redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
+  touch()
+  return {1, 0, limit - redis.call('ZCARD', K_HOLDERS), limit}
+end
+
+local free = limit - redis.call('ZCARD', K_HOLDERS)
+local rank = redis.call('ZRANK', K_QUEUE, waiter)
+local queued = rank ~= false
+if not queued then
+  if ARGV[7] == '1' then
+    redis.call('ZADD', K_QUEUE, redis.call('INCR', K_TICKET), waiter)
+    redis.call('HSET', K_SINCE, 'w:' .. waiter, now)
+    rank = redis.call('ZCARD', K_QUEUE) - 1
+    queued = true
+  else
+    rank = redis.call('ZCARD', K_QUEUE)
+  end
+end
+
+if rank < free then
+  redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
+  redis.call('HSET', K_SINCE, 'h:' .. token, now .. '|' .. ARGV[8])
+  if queued then
+    redis.call('ZREM', K_QUEUE, waiter)
+    redis.call('ZREM', K_SEEN, waiter)
+    redis.call('HDEL', K_SINCE, 'w:' .. waiter)
+  end
+  if dropped > 0 then
+    wake()
+  end
+  touch()
+  return {1, 0, free - 1, limit}
+end
+
+if queued then
+  redis.call('ZADD', K_SEEN, now + patience_ms, waiter)
+end
+if dropped > 0 then
+  wake()
+end
+touch()
+return {0, rank, free, limit}

@@ -1,0 +1,56 @@
+"""Checks that turn bad input into a ConfigurationError naming the setting and the value.
+
+Shared by the semaphore (arguments) and the Celery layer (task options and settings), so that
+the same mistake reads the same wherever it is made.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import ConfigurationError
+
+
+def check_limit(setting: str, value: Any) -> int:
+    """A limit is a whole number of slots, at least one; a bool is a mistake, not a 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(setting, value, "a limit must be an int of at least 1")
+    if value < 1:
+        raise ConfigurationError(setting, value, "a limit must be at least 1")
+    return value
+
+
+def check_seconds(setting: str, value: Any, *, allow_zero: bool = False) -> float:
+    """A duration in seconds: a finite real number above zero (or zero where allowed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(setting, value, "expected a number of seconds")
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise ConfigurationError(setting, value, "expected a finite number of seconds")
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = "at least 0" if allow_zero else "above 0"
+        raise ConfigurationError(setting, value, f"seconds must be {bound}")
+    return seconds
+
+
+def check_name(setting: str, value: Any) -> str:
+    """A semaphore name or key: a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(setting, value, "expected a non-empty string")
+    return value
+
+
+def check_prefix(setting: str, value: Any) -> str:
+    """A key prefix must not contain braces: the hash tag that keeps one semaphore's keys in one
+    Redis Cluster slot is the first ``{...}`` of each key, and it must be the semaphore's name."""
+    check_name(setting, value)
+    if "{" in value or "}" in value:
+        raise ConfigurationError(setting, value, "a key prefix must not contain '{' or '}'")
+    return str(value)
+
+
+def to_ms(seconds: float) -> int:
+    """Seconds (the public unit) to whole milliseconds (the unit of the Lua scripts): the one
+    place where the two meet. Rounds up so a lease is never shorter than asked."""
+    return max(1, math.ceil(seconds * 1000))

@@ -1,0 +1,617 @@
+"""Local stand-ins for the remote services the demo's Celery tasks talk to.
+
+The demo tells two stories, and each needs a server that *punishes* clients
+that ignore a concurrency limit, so the effect of ``celery_semaphore`` is
+visible in numbers rather than asserted in prose:
+
+* :class:`PaidApiServer` plays a metered third-party API that answers 429 the
+  moment a caller exceeds its plan's concurrent-request allowance.
+* :class:`CrawlSiteServer` plays several websites at once (told apart by the
+  ``Host`` header) whose ``robots.txt`` publishes a per-site
+  ``Crawl-concurrency`` allowance, and which record every breach of it.
+
+Both use only the standard library so the demo has no extra dependencies, and
+both bind to ``127.0.0.1`` exclusively: they are test fixtures, and nothing
+outside this machine should ever be able to reach them.
+
+Counting rules shared by both servers, chosen so that a well-behaved client
+can never be blamed for a race it did not cause:
+
+* A request is *active* from the moment the server starts handling it until
+  just before its response is written.  The concurrency slot is released
+  *before* the response goes out, because a client holding a semaphore only
+  releases it after reading the response; releasing afterwards would let the
+  next permitted request arrive while the slot still looked occupied.
+* ``max_observed_concurrency`` is the peak number of active requests,
+  rejected ones included, so a client that overshoots shows up as a peak
+  above the limit even though the server only ever *serves* up to the limit.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+import socketserver
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+__all__ = [
+    "LOOPBACK_HOST",
+    "CrawlSiteServer",
+    "PaidApiServer",
+    "SiteSpec",
+    "extract_links",
+    "http_get",
+    "parse_crawl_concurrency",
+    "resolve_link",
+]
+
+#: The only address these servers ever bind to.  Deliberately not a
+#: parameter: exposing a demo server that accepts anything on a real
+#: interface would be a needless risk.
+LOOPBACK_HOST = "127.0.0.1"
+
+JsonDict = dict[str, Any]
+
+_ServerT = TypeVar("_ServerT", bound="_DemoServer")
+
+
+# --------------------------------------------------------------------------
+# Shared plumbing
+# --------------------------------------------------------------------------
+
+
+class _ConcurrencyGate:
+    """Admission control plus the counters the demo reports.
+
+    One lock guards every counter so a stats snapshot is always internally
+    consistent (``ok + rejected + in_flight`` never disagrees with
+    ``requests``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._active = 0
+        self._requests = 0
+        self._ok = 0
+        self._rejected = 0
+        self._peak = 0
+
+    def enter(self) -> bool:
+        """Register an arriving request; ``False`` means answer 429 now."""
+        with self._lock:
+            self._requests += 1
+            self._active += 1
+            self._peak = max(self._peak, self._active)
+            if self._admitted >= self.limit:
+                self._rejected += 1
+                return False
+            self._admitted += 1
+            return True
+
+    def leave(self, *, admitted: bool) -> None:
+        """Free the slot; call *before* writing the response (see module doc)."""
+        with self._lock:
+            self._active -= 1
+            if admitted:
+                self._admitted -= 1
+                self._ok += 1
+
+    def reset(self) -> None:
+        """Zero the counters but keep in-flight bookkeeping intact.
+
+        Requests still being served when a reset happens must still release
+        their slot afterwards, so only the historical counters are cleared
+        and the peak restarts from what is active right now.
+        """
+        with self._lock:
+            self._requests = self._admitted
+            self._ok = 0
+            self._rejected = 0
+            self._peak = self._active
+
+    def snapshot(self) -> JsonDict:
+        with self._lock:
+            return {
+                "requests": self._requests,
+                "ok": self._ok,
+                "rejected": self._rejected,
+                "in_flight": self._admitted,
+                "max_observed_concurrency": self._peak,
+            }
+
+
+class _LoopbackHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer that knows which demo server owns it."""
+
+    # Bursts of simultaneous connections are the whole point of the demo;
+    # the default backlog of 5 would turn them into SYN retries and make the
+    # "simultaneous" requests arrive seconds apart.
+    request_queue_size = 128
+    daemon_threads = True
+
+    def __init__(self, owner: _DemoServer) -> None:
+        self.owner = owner
+        super().__init__((LOOPBACK_HOST, 0), _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can
+        # stall for seconds in sandboxes; we already know the name.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = LOOPBACK_HOST
+        self.server_port = int(self.server_address[1])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Thin adapter: all behaviour lives in the owning demo server."""
+
+    server_version = "celery-semaphore-demo/1.0"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # Per-request access logs would drown the demo's own output.
+        return
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        # Drain the body so the client never sees a reset mid-upload.
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > 0:
+            self.rfile.read(length)
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        server = self.server
+        if not isinstance(server, _LoopbackHTTPServer):  # pragma: no cover
+            raise TypeError("handler attached to a foreign server")
+        server.owner._handle(self, method)
+
+    def send_body(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
+        """Write a complete response, tolerating clients that hung up."""
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            for name, value in (extra_headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            # A client that timed out is its own problem, not a server error.
+            pass
+
+    def send_json(
+        self,
+        status: int,
+        payload: Any,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
+        body = json.dumps(payload, sort_keys=True).encode("utf-8")
+        self.send_body(status, body, "application/json", extra_headers)
+
+    def send_text(self, status: int, text: str, content_type: str = "text/plain") -> None:
+        body = text.encode("utf-8")
+        self.send_body(status, body, f"{content_type}; charset=utf-8")
+
+
+class _DemoServer:
+    """Lifecycle shared by both servers: start, stop, context manager."""
+
+    def __init__(self) -> None:
+        self._httpd: _LoopbackHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        # Set on stop() so requests sleeping out their service time wake up
+        # immediately instead of delaying shutdown.
+        self._stopping = threading.Event()
+
+    @property
+    def port(self) -> int:
+        """Port of the running server; raises if not started."""
+        if self._httpd is None:
+            raise RuntimeError(f"{type(self).__name__} is not running")
+        return self._httpd.server_port
+
+    def _start(self) -> int:
+        if self._httpd is not None:
+            raise RuntimeError(f"{type(self).__name__} is already running")
+        self._stopping.clear()
+        httpd = _LoopbackHTTPServer(self)
+        thread = threading.Thread(
+            target=httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"{type(self).__name__}:{httpd.server_port}",
+            daemon=True,
+        )
+        thread.start()
+        self._httpd, self._thread = httpd, thread
+        return httpd.server_port
+
+    def stop(self) -> None:
+        """Stop serving and free the port; safe to call more than once."""
+        httpd, thread = self._httpd, self._thread
+        self._httpd = self._thread = None
+        if httpd is None:
+            return
+        self._stopping.set()
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def _serve_for(self, seconds: float) -> None:
+        """Simulate work, but give up early if the server is stopping."""
+        if seconds > 0:
+            self._stopping.wait(seconds)
+
+    def __enter__(self: _ServerT) -> _ServerT:
+        self._start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _handle(self, handler: _Handler, method: str) -> None:
+        raise NotImplementedError
+
+
+def _path_only(raw_path: str) -> str:
+    return urlsplit(raw_path).path or "/"
+
+
+# --------------------------------------------------------------------------
+# Story 1: a paid API with a concurrent-request allowance
+# --------------------------------------------------------------------------
+
+
+class PaidApiServer(_DemoServer):
+    """A metered API that rejects, rather than queues, excess concurrency.
+
+    Real paid APIs bill or ban you for 429s, so the demo needs a server that
+    makes over-eager workers visible immediately: every request beyond
+    ``max_concurrent`` in flight is refused at once, with no queueing that
+    could hide the overshoot.
+
+    Any path other than ``/stats`` and ``/stats/reset`` is an API call (GET or
+    POST).  ``GET /stats`` returns :meth:`stats` as JSON so worker processes
+    and the orchestrator can read the counters without sharing memory;
+    ``POST /stats/reset`` does :meth:`reset_stats` remotely.
+    """
+
+    def __init__(self, max_concurrent: int, service_time: float) -> None:
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        if service_time < 0:
+            raise ValueError("service_time must not be negative")
+        super().__init__()
+        self.max_concurrent = max_concurrent
+        self.service_time = service_time
+        self._gate = _ConcurrencyGate(max_concurrent)
+        self._retry_after = str(max(1, math.ceil(service_time)))
+
+    def start(self) -> str:
+        """Start serving in a daemon thread; returns the base URL."""
+        self._start()
+        return self.base_url
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>`` of the running server."""
+        return f"http://{LOOPBACK_HOST}:{self.port}"
+
+    def stats(self) -> JsonDict:
+        """Counters since start (or the last reset), JSON-serialisable."""
+        snap = self._gate.snapshot()
+        snap["max_concurrent"] = self.max_concurrent
+        snap["service_time"] = self.service_time
+        return snap
+
+    def reset_stats(self) -> None:
+        """Zero the counters so each demo run is measured on its own."""
+        self._gate.reset()
+
+    def _handle(self, handler: _Handler, method: str) -> None:
+        path = _path_only(handler.path)
+        if method == "GET" and path == "/stats":
+            handler.send_json(200, self.stats())
+            return
+        if method == "POST" and path == "/stats/reset":
+            self.reset_stats()
+            handler.send_json(200, self.stats())
+            return
+
+        admitted = self._gate.enter()
+        if not admitted:
+            self._gate.leave(admitted=False)
+            handler.send_json(
+                429,
+                {
+                    "error": "too many concurrent requests",
+                    "max_concurrent": self.max_concurrent,
+                },
+                {"Retry-After": self._retry_after},
+            )
+            return
+        try:
+            self._serve_for(self.service_time)
+        finally:
+            self._gate.leave(admitted=True)
+        handler.send_json(200, {"ok": True, "method": method, "path": path})
+
+
+# --------------------------------------------------------------------------
+# Story 2: several crawlable sites, each with its own allowance
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """One simulated website.
+
+    ``max_concurrent`` is what the site publishes as ``Crawl-concurrency`` in
+    its robots.txt; a polite crawler must discover it there rather than be
+    configured with it, which is why the demo needs per-site limits at all.
+    """
+
+    max_concurrent: int
+    pages: int
+    service_time: float
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        if self.pages < 1:
+            raise ValueError("pages must be at least 1")
+        if self.service_time < 0:
+            raise ValueError("service_time must not be negative")
+
+
+_PAGE_PATH = re.compile(r"^/page/(0|[1-9][0-9]*)$")
+
+
+class _Site:
+    """Per-host state: the spec, its gate and the robots.txt counter."""
+
+    def __init__(self, host: str, spec: SiteSpec, neighbour: str | None) -> None:
+        self.host = host
+        self.spec = spec
+        self.neighbour = neighbour
+        self.gate = _ConcurrencyGate(spec.max_concurrent)
+        self._lock = threading.Lock()
+        self._robots_requests = 0
+        self._not_found = 0
+
+    def count_robots(self) -> None:
+        with self._lock:
+            self._robots_requests += 1
+
+    def count_not_found(self) -> None:
+        with self._lock:
+            self._not_found += 1
+
+    def reset(self) -> None:
+        self.gate.reset()
+        with self._lock:
+            self._robots_requests = 0
+            self._not_found = 0
+
+    def stats(self) -> JsonDict:
+        snap = self.gate.snapshot()
+        # Every rejection on a crawl site *is* a breach of its allowance;
+        # the alias keeps the demo's vocabulary ("violations") explicit.
+        snap["violations"] = snap["rejected"]
+        with self._lock:
+            snap["robots_requests"] = self._robots_requests
+            snap["not_found"] = self._not_found
+        snap["max_concurrent"] = self.spec.max_concurrent
+        snap["pages"] = self.spec.pages
+        snap["service_time"] = self.spec.service_time
+        return snap
+
+    def robots_txt(self) -> str:
+        return (
+            f"# {self.host}: demo site for celery_semaphore\n"
+            "User-agent: *\n"
+            "Disallow:\n"
+            f"Crawl-concurrency: {self.spec.max_concurrent}\n"
+        )
+
+    def page_html(self, index: int) -> str:
+        links = [
+            (f"/page/{child}", f"page {child}")
+            for child in (2 * index + 1, 2 * index + 2)
+            if child < self.spec.pages
+        ]
+        if index != 0:
+            # Re-visiting links make the crawler's dedup do real work.
+            links.append(("/page/0", "home"))
+        if self.neighbour is not None:
+            links.append((f"http://{self.neighbour}/page/0", self.neighbour))
+        anchors = "\n".join(f'<li><a href="{href}">{text}</a></li>' for href, text in links)
+        title = f"{self.host} page {index}"
+        return (
+            "<!doctype html>\n"
+            f"<html><head><title>{title}</title></head><body>\n"
+            f"<h1>{title}</h1>\n<ul>\n{anchors}\n</ul>\n</body></html>\n"
+        )
+
+
+class CrawlSiteServer(_DemoServer):
+    """Several virtual hosts behind one loopback port.
+
+    One process and one port keep the demo cheap, while the ``Host`` header
+    still gives every site its own identity, allowance and counters, so a
+    crawler that limits per *domain* can be checked per domain.
+
+    Routes per host: ``/robots.txt`` (publishes ``Crawl-concurrency``; not
+    counted towards concurrency, since fetching it is how a crawler learns the
+    limit) and ``/page/<i>`` for ``0 <= i < pages``.  Following links from
+    ``/page/0`` reaches every page of a site (page ``i`` links to ``2i+1`` and
+    ``2i+2``), and each page also links to ``/page/0`` of the next site.  A
+    page request that would exceed the site's allowance is answered 429 and
+    recorded as a violation.  ``GET /stats`` on any host returns
+    :meth:`stats`; ``POST /stats/reset`` resets.
+    """
+
+    def __init__(self, sites: dict[str, SiteSpec]) -> None:
+        if not sites:
+            raise ValueError("at least one site is required")
+        super().__init__()
+        hosts = sorted(_normalise_host(h) for h in sites)
+        if len(set(hosts)) != len(hosts):
+            raise ValueError("site host names must be unique (case-insensitive)")
+        specs = {_normalise_host(h): spec for h, spec in sites.items()}
+        self._sites: dict[str, _Site] = {}
+        for i, host in enumerate(hosts):
+            neighbour = hosts[(i + 1) % len(hosts)] if len(hosts) > 1 else None
+            self._sites[host] = _Site(host, specs[host], neighbour)
+
+    @property
+    def hosts(self) -> list[str]:
+        """Host names served, sorted."""
+        return list(self._sites)
+
+    def start(self) -> int:
+        """Start serving in a daemon thread; returns the port."""
+        return self._start()
+
+    def stats(self) -> dict[str, JsonDict]:
+        """Per-host counters since start (or the last reset)."""
+        return {host: site.stats() for host, site in self._sites.items()}
+
+    def reset_stats(self) -> None:
+        """Zero every host's counters."""
+        for site in self._sites.values():
+            site.reset()
+
+    def _handle(self, handler: _Handler, method: str) -> None:
+        path = _path_only(handler.path)
+        if method == "GET" and path == "/stats":
+            handler.send_json(200, self.stats())
+            return
+        if method == "POST" and path == "/stats/reset":
+            self.reset_stats()
+            handler.send_json(200, self.stats())
+            return
+
+        site = self._sites.get(_normalise_host(handler.headers.get("Host") or ""))
+        if site is None:
+            handler.send_text(404, "unknown host\n")
+            return
+        if method != "GET":
+            handler.send_text(405, "method not allowed\n")
+            return
+        if path == "/robots.txt":
+            site.count_robots()
+            handler.send_text(200, site.robots_txt())
+            return
+        match = _PAGE_PATH.match(path)
+        if match is None or int(match.group(1)) >= site.spec.pages:
+            site.count_not_found()
+            handler.send_text(404, "no such page\n")
+            return
+
+        admitted = site.gate.enter()
+        if not admitted:
+            site.gate.leave(admitted=False)
+            handler.send_text(
+                429,
+                f"crawl-concurrency allowance of {site.spec.max_concurrent} exceeded\n",
+            )
+            return
+        try:
+            self._serve_for(site.spec.service_time)
+        finally:
+            site.gate.leave(admitted=True)
+        handler.send_text(200, site.page_html(int(match.group(1))), "text/html")
+
+
+def _normalise_host(host: str) -> str:
+    """Lower-case and drop any ``:port`` suffix, as HTTP clients often add one."""
+    host = host.strip().lower()
+    if host.startswith("["):  # bracketed IPv6 literal, e.g. [::1]:8080
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+# --------------------------------------------------------------------------
+# Client-side helpers
+# --------------------------------------------------------------------------
+
+_CRAWL_CONCURRENCY = re.compile(r"^\s*crawl-concurrency\s*:\s*(\S+)", re.IGNORECASE)
+
+
+def parse_crawl_concurrency(robots_text: str) -> int | None:
+    """Return the first valid ``Crawl-concurrency`` value in a robots.txt.
+
+    ``None`` means "the site states no limit" (or states nonsense), leaving
+    the caller to pick a default instead of trusting a bogus number.  Values
+    below 1 are treated as invalid: a limit of zero would deadlock a crawler.
+    """
+    for line in robots_text.splitlines():
+        match = _CRAWL_CONCURRENCY.match(line.split("#", 1)[0])
+        if match is None:
+            continue
+        try:
+            value = int(match.group(1))
+        except ValueError:
+            continue
+        if value >= 1:
+            return value
+    return None
+
+
+_HREF = re.compile(r"""<a\s[^>]*?href\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+
+
+def extract_links(html: str) -> list[str]:
+    """Every ``<a href>`` in a page, in document order.
+
+    A regex suffices because the pages come from :class:`CrawlSiteServer`,
+    whose markup is known; this is not a general HTML parser.
+    """
+    return _HREF.findall(html)
+
+
+def resolve_link(current_host: str, href: str) -> tuple[str, str]:
+    """Turn an href found on ``current_host`` into ``(host, path)``.
+
+    The crawler never connects to the host in a URL (they are fictitious);
+    it always connects to loopback and sends the host as a header, so it
+    needs the pair rather than a URL.
+    """
+    parts = urlsplit(href)
+    host = _normalise_host(parts.netloc or current_host)
+    path = parts.path or "/"
+    if parts.query:
+        path = f"{path}?{parts.query}"
+    return host, path
+
+
+def http_get(port: int, host: str, path: str, timeout: float = 10) -> tuple[int, str]:
+    """GET ``path`` from the local server on ``port`` posing as ``host``.
+
+    Always connects to 127.0.0.1, whatever ``host`` says, so that demo
+    traffic for fictitious domains can never leak onto the network.
+    """
+    conn = http.client.HTTPConnection(LOOPBACK_HOST, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Host": host})
+        response = conn.getresponse()
+        return response.status, response.read().decode("utf-8", errors="replace")
+    finally:
+        conn.close()
