@@ -6,8 +6,10 @@ before the task body runs and gives it back however the task ends.
 
 from __future__ import annotations
 
+from .decorators import limit_concurrency
 from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
+from .task import SemaphoreTask
 
 __all__ = [
     "ConfigurationError",
@@ -18,6 +20,8 @@ __all__ = [
     "RedisUnavailable",
     "SemaphoreError",
     "SemaphoreStatus",
+    "SemaphoreTask",
     "SemaphoreUnavailable",
     "Waiting",
+    "limit_concurrency",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -74,6 +75,7 @@ class Waiting:
     position: int  # 0-based place in line
     free: int  # free slots when the try ran (may be above 0 while older waiters are ahead)
     limit: int
+    hold_time: float | None = None  # recent average seconds a holder kept its slot, if known
 
     @property
     def granted(self) -> bool:
@@ -223,22 +225,40 @@ class FairSemaphore:
             if isinstance(attempt, Granted):
                 return attempt.lease
             raise SemaphoreUnavailable(self.name, attempt.limit, time.monotonic() - started)
+        try:
+            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label)
+        except BaseException:
+            self._leave_quietly(waiter)
+            raise
+        if isinstance(attempt, Granted):
+            return attempt.lease
+        self._leave_quietly(waiter)
+        raise SemaphoreUnavailable(self.name, attempt.limit, time.monotonic() - started)
+
+    def wait_for_slot(
+        self,
+        *,
+        token: str,
+        waiter: str,
+        timeout: float | None,
+        patience: float | None = None,
+        label: str | None = None,
+    ) -> Attempt:
+        """Try, then sleep on the wake-up channel and try again on every release, until granted
+        or ``timeout`` seconds pass (None: no bound). Returns the last try; a waiter that runs
+        out of time keeps its place in line (call ``leave`` to give it up)."""
+        started = time.monotonic()
+        patience_s = self.patience if patience is None else patience
         with self._wake_ups() as wait_for_wake_up:
-            try:
-                while True:
-                    attempt = self.try_acquire(token=token, waiter=waiter, label=label)
-                    if isinstance(attempt, Granted):
-                        return attempt.lease
-                    waited = time.monotonic() - started
-                    if timeout is not None and waited >= timeout:
-                        raise SemaphoreUnavailable(self.name, attempt.limit, waited)
-                    pause = self.patience / 3
-                    if timeout is not None:
-                        pause = min(pause, timeout - waited)
-                    wait_for_wake_up(pause)
-            except BaseException:
-                self._leave_quietly(waiter)
-                raise
+            while True:
+                attempt = self.try_acquire(token=token, waiter=waiter, patience=patience_s, label=label)
+                waited = time.monotonic() - started
+                if isinstance(attempt, Granted) or (timeout is not None and waited >= timeout):
+                    return attempt
+                pause = patience_s / 3
+                if timeout is not None:
+                    pause = min(pause, timeout - waited)
+                wait_for_wake_up(pause)
 
     def try_acquire(
         self,
@@ -260,7 +280,7 @@ class FairSemaphore:
         waiter = waiter or token
         label = default_label() if label is None else label
         patience_s = self.patience if patience is None else check_seconds("patience", patience)
-        granted, position, free, limit = self._run(
+        granted, position, free, limit, hold_ms = self._run(
             "acquire",
             self._scripts.acquire,
             [token, waiter, self.limit, to_ms(self.lease), to_ms(patience_s), int(enqueue), label],
@@ -270,7 +290,8 @@ class FairSemaphore:
             renewer.track(lease)
             return Granted(lease)
         if granted == 0:
-            return Waiting(position=int(position), free=int(free), limit=int(limit))
+            hold_time = int(hold_ms) / 1000 if int(hold_ms) >= 0 else None
+            return Waiting(position=int(position), free=int(free), limit=int(limit), hold_time=hold_time)
         raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {granted!r}", key=self.name)
 
     def leave(self, waiter: str) -> bool:
@@ -283,6 +304,16 @@ class FairSemaphore:
         """Give a slot back by its token. True if the token held it; False if its lease had
         already gone. Safe to repeat. Prefer ``Lease.release``, which also stops renewal."""
         return bool(self._run("release", self._scripts.release, [token]))
+
+    def release_holders_with_prefix(self, prefix: str) -> int:
+        """Release every holder whose token starts with ``prefix``; how many were released.
+
+        For a worker's parent process, which knows the task id of a killed child but not the
+        random part of its token. Several round trips: for that rare path only."""
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
+        with self._redis_errors("release"):
+            tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys[0], match=pattern)]
+        return sum(self.release(token) for token in tokens)
 
     def renew(self, token: str) -> bool:
         """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""

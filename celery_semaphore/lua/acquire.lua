@@ -8,12 +8,13 @@
 --   ARGV[6] patience_ms  how long a refused waiter keeps its place without asking again
 --   ARGV[7] enqueue   "1": a new waiter takes a ticket; "0": a one-shot try that never queues
 --   ARGV[8] label     free text shown by status for this holder (host, pid, task id)
--- Returns {granted, position, free, limit}:
+-- Returns {granted, position, free, limit, hold}:
 --   granted  1 = the slot is held under token (also when token already held it: idempotent,
 --            so a resend by redis-py after a connection error is harmless); 0 = wait
 --   position the waiter's 0-based place in line (0 when granted)
 --   free     free slots after this call
 --   limit    the limit in force (override or ARGV[4])
+--   hold     moving average of recent hold times in ms, or -1 while none is known
 
 local token, waiter = ARGV[2], ARGV[3]
 local lease_ms, patience_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -21,11 +22,12 @@ local lease_ms, patience_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local now = now_ms()
 local dropped = purge(now)
 local limit = current_limit(tonumber(ARGV[4]))
+local hold = tonumber(redis.call('HGET', K_SINCE, 'hold')) or -1
 
 if redis.call('ZSCORE', K_HOLDERS, token) then
   redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
   touch()
-  return {1, 0, limit - redis.call('ZCARD', K_HOLDERS), limit}
+  return {1, 0, limit - redis.call('ZCARD', K_HOLDERS), limit, hold}
 end
 
 local free = limit - redis.call('ZCARD', K_HOLDERS)
@@ -54,7 +56,7 @@ if rank < free then
     wake()
   end
   touch()
-  return {1, 0, free - 1, limit}
+  return {1, 0, free - 1, limit, hold}
 end
 
 if queued then
@@ -64,4 +66,4 @@ if dropped > 0 then
   wake()
 end
 touch()
-return {0, rank, free, limit}
+return {0, rank, free, limit, hold}

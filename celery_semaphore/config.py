@@ -1,0 +1,172 @@
+"""The ``semaphore_*`` settings of a Celery app, parsed once into a frozen dataclass.
+
+Celery finalizes its configuration on first access, so nothing here reads ``app.conf`` at import
+or decoration time: ``config_for(app)`` parses on first use (the worker calls it at start, so a
+bad value stops the worker before it takes any task) and caches the result on the app. Settings
+are plain Celery settings, so Django's ``CELERY_SEMAPHORE_*`` works through Celery's namespace.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import ConfigurationError
+from .validation import check_limit, check_prefix, check_seconds
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+DEFAULT_PREFIX = "semaphore"
+DEFAULT_LEASE = 60.0
+DEFAULT_COUNTDOWN = (1.0, 30.0)
+DEFAULT_INLINE_WAIT = 2.0
+
+
+@dataclass(frozen=True)
+class LimitRule:
+    """Where a limit came from, for status output and error messages."""
+
+    limit: int
+    source: str
+
+
+@dataclass(frozen=True)
+class SemaphoreConfig:
+    backend_url: str
+    prefix: str = DEFAULT_PREFIX
+    lease: float = DEFAULT_LEASE
+    countdown: tuple[float, float] = DEFAULT_COUNTDOWN
+    max_wait: float | None = None
+    fail_open: bool = False
+    inline_wait: float = DEFAULT_INLINE_WAIT
+    exact_limits: Mapping[str, int] = field(default_factory=dict)
+    glob_limits: tuple[tuple[str, int], ...] = ()
+    # seconds after which the Redis broker redelivers an unacked message; None for other brokers
+    visibility_timeout: float | None = None
+
+    def limit_for(self, key: str, task_name: str, task_limit: int | None) -> LimitRule | None:
+        """The configured limit of one semaphore key: an exact key, the task name, a glob over
+        the key, a glob over the task name, then the task's own option. (A runtime override
+        stored in Redis wins over all of these; the acquire script applies it.)"""
+        for name in (key, task_name):
+            if name in self.exact_limits:
+                return LimitRule(self.exact_limits[name], f"semaphore_limits[{name!r}]")
+        for name in (key, task_name):
+            for pattern, limit in self.glob_limits:
+                if fnmatch.fnmatchcase(name, pattern):
+                    return LimitRule(limit, f"semaphore_limits[{pattern!r}]")
+        if task_limit is not None:
+            return LimitRule(task_limit, f"{task_name}.semaphore_limit")
+        return None
+
+    def could_limit(self, sample_key: str, task_name: str) -> bool:
+        """Whether some configured limit would apply to keys shaped like ``sample_key``."""
+        return self.limit_for(sample_key, task_name, None) is not None
+
+
+def parse_countdown(setting: str, value: Any) -> tuple[float, float]:
+    """Seconds, or a (min, max) pair; whole seconds >= 1, since RabbitMQ quorum queues deliver
+    delays in whole seconds and a shorter countdown only spins the broker."""
+    pair = (value, value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ConfigurationError(setting, value, "expected seconds or a (min, max) pair of seconds")
+    low, high = (check_seconds(setting, part) for part in pair)
+    if low < 1:
+        raise ConfigurationError(setting, value, "countdowns are at least 1 second")
+    if high < low:
+        raise ConfigurationError(setting, value, "the max countdown is below the min")
+    return low, high
+
+
+def parse_max_wait(setting: str, value: Any) -> float | None:
+    return None if value is None else check_seconds(setting, value)
+
+
+def parse_limits(value: Any) -> tuple[dict[str, int], tuple[tuple[str, int], ...]]:
+    if value is None:
+        return {}, ()
+    if not isinstance(value, Mapping):
+        raise ConfigurationError("semaphore_limits", value, "expected a mapping of task name or key to limit")
+    exact: dict[str, int] = {}
+    globs: list[tuple[str, int]] = []
+    for name, limit in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError("semaphore_limits", name, "keys are task names or semaphore keys")
+        check_limit(f"semaphore_limits[{name!r}]", limit)
+        if any(char in name for char in "*?["):
+            globs.append((name, limit))
+        else:
+            exact[name] = limit
+    return exact, tuple(globs)
+
+
+def parse_url(setting: str, value: Any) -> str:
+    if not isinstance(value, str) or urlsplit(value).scheme not in REDIS_SCHEMES:
+        raise ConfigurationError(setting, value, f"expected a URL with scheme {', '.join(REDIS_SCHEMES)}")
+    return value
+
+
+def _broker_url(app: Any) -> str | None:
+    url = app.conf.broker_url
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else None
+    if isinstance(url, str) and ";" in url:
+        url = url.split(";")[0]
+    return url if isinstance(url, str) else None
+
+
+def parse_config(app: Any) -> SemaphoreConfig:
+    """Read and check every ``semaphore_*`` setting of ``app``; raises ConfigurationError."""
+    conf = app.conf
+    url = conf.get("semaphore_backend_url")
+    if url is None:
+        broker = _broker_url(app)
+        if broker is None or urlsplit(broker).scheme not in REDIS_SCHEMES:
+            raise ConfigurationError(
+                "semaphore_backend_url", url, f"not set, and the broker URL {broker!r} is not a Redis URL to default to"
+            )
+        url = broker
+    fail_open = conf.get("semaphore_fail_open", False)
+    if not isinstance(fail_open, bool):
+        raise ConfigurationError("semaphore_fail_open", fail_open, "expected True or False")
+    exact, globs = parse_limits(conf.get("semaphore_limits"))
+    visibility_timeout = None
+    broker = _broker_url(app)
+    if broker is not None and urlsplit(broker).scheme in REDIS_SCHEMES:
+        options = conf.get("broker_transport_options") or {}
+        visibility_timeout = float(options.get("visibility_timeout", 3600))
+    return SemaphoreConfig(
+        backend_url=parse_url("semaphore_backend_url", url),
+        prefix=check_prefix("semaphore_prefix", conf.get("semaphore_prefix", DEFAULT_PREFIX)),
+        lease=check_seconds("semaphore_lease", conf.get("semaphore_lease", DEFAULT_LEASE)),
+        countdown=parse_countdown("semaphore_countdown", conf.get("semaphore_countdown", DEFAULT_COUNTDOWN)),
+        max_wait=parse_max_wait("semaphore_max_wait", conf.get("semaphore_max_wait")),
+        fail_open=fail_open,
+        inline_wait=check_seconds(
+            "semaphore_inline_wait", conf.get("semaphore_inline_wait", DEFAULT_INLINE_WAIT), allow_zero=True
+        ),
+        exact_limits=exact,
+        glob_limits=globs,
+        visibility_timeout=visibility_timeout,
+    )
+
+
+_configs: weakref.WeakKeyDictionary[Any, SemaphoreConfig] = weakref.WeakKeyDictionary()
+
+
+def config_for(app: Any) -> SemaphoreConfig:
+    """The parsed settings of ``app``, parsed on first use and then cached."""
+    try:
+        return _configs[app]
+    except KeyError:
+        config = _configs[app] = parse_config(app)
+        return config
+
+
+def forget_config(app: Any) -> None:
+    """Drop the cached settings (tests and long-lived shells that change ``app.conf``)."""
+    _configs.pop(app, None)

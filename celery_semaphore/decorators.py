@@ -1,0 +1,45 @@
+"""``limit_concurrency``: the decorator form of ``base=SemaphoreTask``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from celery import shared_task
+
+from .task import KeyFunction, SemaphoreTask, check_template
+from .validation import check_limit
+
+
+def limit_concurrency(
+    limit: int | None = None,
+    *,
+    key: str | KeyFunction | None = None,
+    app: Any = None,
+    **task_options: Any,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Declare a Celery task that runs at most ``limit`` at once per semaphore key.
+
+    ``@limit_concurrency(3, key="crawl:{host}", app=app)`` is ``@app.task(base=SemaphoreTask,
+    semaphore_limit=3, semaphore_key="crawl:{host}")``; without ``app`` it is a ``shared_task``.
+    ``limit=None`` takes the limit from ``semaphore_limits``. The limit and the key template are
+    checked here, at declaration: a template naming an argument the function lacks is an error
+    now, not when the first task runs.
+    """
+    if limit is not None:
+        check_limit("limit", limit)
+
+    def decorate(function: Callable[..., Any]) -> Any:
+        name = task_options.get("name") or f"{function.__module__}.{function.__qualname__}"
+        if isinstance(key, str):
+            parameters = list(inspect.signature(function).parameters.values())
+            if task_options.get("bind"):
+                parameters = parameters[1:]
+            check_template(f"{name}.semaphore_key", key, parameters)
+        options = {"base": SemaphoreTask, "semaphore_limit": limit, "semaphore_key": key, **task_options}
+        if app is None:
+            return shared_task(**options)(function)
+        return app.task(**options)(function)
+
+    return decorate

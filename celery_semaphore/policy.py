@@ -1,0 +1,66 @@
+"""How a refused task waits: a short in-process wait, or a countdown retry of how long.
+
+Two costs pull against each other. A refused task that waits in-process keeps a worker slot
+busy doing nothing; one that is re-sent with a countdown frees the worker, but if its turn comes
+while it sleeps in the broker, the semaphore's slot idles until the countdown ends (a fair line
+lets nobody else take it). So a waiter whose turn is near waits in-process for the release
+signal, and one whose turn is far away sleeps for most of its expected wait and comes back a
+little early. The expected wait comes from the waiter's place in line, the free slots and the
+recent average hold time that the semaphore reports.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from .semaphore import Waiting
+
+# Come back after this share of the expected wait, so the waiter is present when its turn comes.
+EARLY = 0.8
+# Spread of the countdown, so waiters refused together do not all come back together.
+JITTER = 0.2
+# A countdown stays this far below the Redis broker's visibility_timeout: beyond it the broker
+# would deliver the waiting message a second time.
+VISIBILITY_MARGIN = 0.5
+
+
+def expected_wait(waiting: Waiting) -> float | None:
+    """Seconds until this waiter's turn, or None while no hold time has been observed."""
+    releases_needed = waiting.position - waiting.free + 1
+    if releases_needed <= 0:
+        return 0.0
+    if waiting.hold_time is None:
+        return None
+    return math.ceil(releases_needed / waiting.limit) * waiting.hold_time
+
+
+def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
+    """Whether to wait for a release signal in-process rather than be re-sent."""
+    if inline_wait <= 0:
+        return False
+    expected = expected_wait(waiting)
+    if expected is None:
+        # nothing observed yet: only the waiters next in line stay, the rest make room
+        return waiting.position < waiting.limit
+    return expected <= inline_wait
+
+
+def countdown(
+    waiting: Waiting,
+    bounds: tuple[float, float],
+    *,
+    waits: int = 0,
+    visibility_timeout: float | None = None,
+    rng: random.Random | None = None,
+) -> int:
+    """Whole seconds to wait before asking again, within ``bounds`` and below the broker's
+    visibility timeout. ``waits`` counts earlier refusals: with no hold time known, the countdown
+    doubles with each refusal, as a backoff."""
+    low, high = bounds
+    expected = expected_wait(waiting)
+    base: float = low * 2.0 ** min(waits, 16) if expected is None else expected * EARLY
+    base *= 1 + (rng or random).uniform(-JITTER, JITTER)
+    if visibility_timeout is not None:
+        high = min(high, visibility_timeout * VISIBILITY_MARGIN)
+    return max(1, round(min(max(base, low), max(high, 1.0))))

@@ -1,0 +1,126 @@
+"""What the worker does for semaphore tasks outside the task body.
+
+* At start (a bootstep): parse the settings and check that every semaphore task has a limit
+  somewhere. A bad setting or a task with no limit stops the worker before it takes any task,
+  naming the setting or the task: a silent unlimited run is the one outcome we never allow.
+  Also warn where countdowns could outlast the Redis broker's visibility timeout (the broker
+  would then deliver a waiting task twice) and where Redis may evict lease keys.
+* In the parent process: a child killed by ``revoke(terminate=True)``, a hard time limit or a
+  crash runs no ``finally``; the parent gives its slot back by task id as a best effort (the lease
+  is the guarantee). Celery may report such a failure twice, so this is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps, signals
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+
+from .backend import client_for
+from .config import config_for, forget_config
+from .errors import ConfigurationError, SemaphoreError
+
+logger = logging.getLogger("celery_semaphore")
+
+_INSTALLED_FLAG = "_celery_semaphore_installed"
+
+
+class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Checks the semaphore configuration when the worker starts."""
+
+    label = "Semaphore"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        check_app(worker.app)
+
+
+def install(app: Any) -> None:
+    """Hook the semaphore into ``app``'s workers (once per app)."""
+    if getattr(app, _INSTALLED_FLAG, False):
+        return
+    setattr(app, _INSTALLED_FLAG, True)
+    app.steps["worker"].add(SemaphoreStep)
+
+
+def semaphore_tasks(app: Any) -> list[Any]:
+    from .task import SemaphoreTask
+
+    return [task for task in app.tasks.values() if isinstance(task, SemaphoreTask)]
+
+
+def check_app(app: Any) -> None:
+    """Raise ConfigurationError if a setting is bad or some semaphore task has no limit."""
+    from .task import key_option, sample_key
+
+    forget_config(app)
+    config = config_for(app)
+    for task in semaphore_tasks(app):
+        key = key_option(type(task))
+        high = task.countdown_bounds(config)[1]
+        if config.visibility_timeout is not None and high >= config.visibility_timeout * 0.5:
+            logger.warning(
+                "%s: countdowns up to %s s come near the Redis broker's visibility_timeout (%s s); they are "
+                "kept below half of it, so waiting tasks come back sooner than semaphore_countdown says",
+                task.name, high, config.visibility_timeout,
+            )
+        if task.semaphore_limit is not None:
+            continue
+        if callable(key):
+            continue  # the key is only known per call; a missing limit fails that call loudly
+        sample = sample_key(key) if isinstance(key, str) else task.name
+        if not config.could_limit(sample, task.name):
+            raise ConfigurationError(
+                f"{task.name}.semaphore_limit",
+                None,
+                "the task has no limit: set semaphore_limit on it or an entry in semaphore_limits",
+            )
+    _warn_about_eviction(config.backend_url)
+
+
+def _warn_about_eviction(url: str) -> None:
+    try:
+        policy = client_for(url).config_get("maxmemory-policy").get("maxmemory-policy")
+    except Exception:  # managed Redis often forbids CONFIG; unreachable Redis fails closed later
+        return
+    if policy and policy != "noeviction":
+        logger.warning(
+            "the semaphore Redis has maxmemory-policy %s: it may evict lease keys under memory pressure "
+            "and so admit more holders than the limit; use noeviction",
+            policy,
+        )
+
+
+def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
+    try:
+        semaphore = task.semaphore_for(tuple(args or ()), dict(kwargs or {}))
+        released = semaphore.release_holders_with_prefix(f"{task_id}:")
+        semaphore.leave(task_id)
+    except (SemaphoreError, TypeError) as error:
+        logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
+        return
+    if released:
+        logger.info("released %d slot(s) of %s[%s] for a killed child", released, task.name, task_id)
+
+
+def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
+    from .task import SemaphoreTask
+
+    if isinstance(sender, SemaphoreTask) and request is not None:
+        _release_by_task_id(sender, request.id, request.args, request.kwargs)
+
+
+def _on_failure(
+    sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
+    args: Any = None, kwargs: Any = None, **_: Any,
+) -> None:
+    from .task import SemaphoreTask
+
+    if isinstance(sender, SemaphoreTask) and task_id and isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+        _release_by_task_id(sender, task_id, args, kwargs)
+
+
+signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_semaphore.revoked")
+signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="celery_semaphore.failure")

@@ -1,0 +1,104 @@
+"""A Celery app for the integration tests, configured from the environment so that worker
+subprocesses and the test process build the same app.
+
+Tasks record when they start and end in Redis (through the concurrency probe), so a test can
+compute the true maximum of concurrent executions per semaphore key, independently of the
+semaphore itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_semaphore import SemaphoreTask, limit_concurrency
+
+from ..concurrency_probe import ConcurrencyProbe
+
+app = Celery(
+    "proj",
+    broker=os.environ.get("PROJ_BROKER_URL", "redis://127.0.0.1:1/0"),
+    backend=os.environ.get("PROJ_RESULT_URL", "redis://127.0.0.1:1/2"),
+)
+app.conf.update(
+    semaphore_backend_url=os.environ.get("PROJ_SEMAPHORE_URL", "redis://127.0.0.1:1/1"),
+    task_default_queue=os.environ.get("PROJ_QUEUE", "celery"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    result_expires=600,
+)
+app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
+
+_probe_client: redis.Redis | None = None
+
+
+def probe(key: str) -> ConcurrencyProbe:
+    """The probe of one semaphore key, in db 3 of the semaphore's Redis."""
+    global _probe_client
+    if _probe_client is None:
+        _probe_client = redis.Redis.from_url(os.environ.get("PROJ_PROBE_URL", "redis://127.0.0.1:1/3"))
+    return ConcurrencyProbe(_probe_client, f"probe:{key}")
+
+
+def _held(key: str, seconds: float, task_id: str) -> None:
+    p = probe(key)
+    p.enter()
+    p.client.rpush(f"probe:{key}:starts", task_id)
+    try:
+        time.sleep(seconds)  # the work being limited
+    finally:
+        p.leave()
+        p.client.rpush(f"probe:{key}:ends", task_id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=3, bind=True, name="proj.hold")
+def hold(self: Any, seconds: float, key: str = "proj.hold") -> str:
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@limit_concurrency(key="crawl:{host}", app=app, bind=True, name="proj.crawl")
+def crawl(self: Any, host: str, seconds: float) -> str:
+    _held(f"crawl:{host}", seconds, self.request.id)
+    return host
+
+
+@app.task(base=SemaphoreTask, name="proj.config_only", bind=True)
+def config_only(self: Any, seconds: float) -> str:
+    _held("proj.config_only", seconds, self.request.id)
+    return "ok"
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.fail")
+def fail(message: str) -> None:
+    raise RuntimeError(message)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, bind=True, name="proj.own_retry", max_retries=1)
+def own_retry(self: Any) -> str:
+    if self.request.retries == 0:
+        raise self.retry(countdown=1)
+    return "second time"
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.ignored")
+def ignored() -> None:
+    raise Ignore()
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.rejected")
+def rejected() -> None:
+    raise Reject("no", requeue=False)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.sleepy", bind=True)
+def sleepy(self: Any, seconds: float, key: str = "proj.sleepy") -> str:
+    """Holds its slot for a long time: for revoke, time-limit and kill tests."""
+    _held(key, seconds, self.request.id)
+    return "woke"
