@@ -122,6 +122,9 @@ class Lease:
         self.semaphore = semaphore
         self.token = token
         self.label = label
+        # what metrics group this lease under: the semaphore name, or (set by the Celery layer)
+        # the key template it came from, so per-host keys do not explode label cardinality
+        self.family = semaphore.name
         self.acquired_at = time.monotonic()
         self.lost = False
         self.released = False

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Retry
 
-from . import policy
+from . import metrics, policy
 from .backend import client_for
 from .config import SemaphoreConfig, config_for
 from .errors import ConfigurationError, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
@@ -102,6 +102,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         bound = inspect.signature(self.run).bind(*args, **kwargs)
         bound.apply_defaults()
         return key.format(*bound.args, **bound.arguments)
+
+    def semaphore_family(self) -> str:
+        """A bounded name for metrics: the key template (``crawl:{host}``), not each key."""
+        key = key_option(type(self))
+        if isinstance(key, str):
+            return key
+        return str(self.name)
 
     def semaphore_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FairSemaphore:
         """The semaphore one call of this task must hold; ConfigurationError if no limit applies."""
@@ -183,11 +190,14 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 return None
             logger.warning("%s[%s] waits: Redis unavailable for %r: %s", self.name, request.id, semaphore.name, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
-        if isinstance(attempt, Granted):
-            return attempt.lease
         now = time.time()
         first_refused = float(first_refused) if first_refused is not None else now
         waited = max(0.0, now - first_refused)
+        if isinstance(attempt, Granted):
+            attempt.lease.family = self.semaphore_family()
+            metrics.acquired(attempt.lease.family, waited)
+            return attempt.lease
+        metrics.refused(self.semaphore_family())
         max_wait = self.max_wait(config)
         if max_wait is not None and waited >= max_wait:
             _leave_quietly(semaphore, waiter)

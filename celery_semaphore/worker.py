@@ -18,6 +18,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
+from . import metrics
 from .backend import client_for
 from .config import config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
@@ -102,6 +103,7 @@ def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any) -> None
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
         return
     if released:
+        metrics.reclaimed(task.semaphore_family(), released)
         logger.info("released %d slot(s) of %s[%s] for a killed child", released, task.name, task_id)
 
 
