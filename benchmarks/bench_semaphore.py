@@ -13,7 +13,9 @@ each client count:
   baselines only, written here from the book's description.
 
 Every figure is ops/s and its ratio to the baseline measured in the same run with the same client
-count, so the ratio says how many round trip equivalents one cycle costs whatever the machine.
+count: its inverse is how many baseline calls one cycle costs, a figure that travels between
+machines better than ops/s. Each measurement is split into interleaved rounds (``--rounds``) so
+that noise on a shared host hits every case alike.
 Clients are threads by default (one redis.Redis each); ``--workers processes`` runs one process
 per client instead, for when the GIL, not Redis, is the bottleneck.
 """

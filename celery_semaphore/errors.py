@@ -4,6 +4,10 @@ Every error the package raises derives from :class:`SemaphoreError`, so callers 
 whole family in one ``except`` and still tell the cases apart by subclass. Each error carries the
 context an operator needs to act (the semaphore key, its limit, how long a caller waited) as
 attributes, not only in the message.
+
+Each error's ``args`` are its constructor's arguments: Celery stores a failed task's exception as
+its class and args and rebuilds it for ``AsyncResult.get()``, so a caller sees the real class
+with its attributes, not a generic stand-in.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from typing import Any
 class SemaphoreError(Exception):
     """Root of every error raised by celery_semaphore."""
 
-    def __init__(self, message: str, *, key: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message, key)
         self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class ConfigurationError(SemaphoreError, ValueError):
@@ -26,29 +33,27 @@ class ConfigurationError(SemaphoreError, ValueError):
     """
 
     def __init__(self, setting: str, value: Any, reason: str) -> None:
-        super().__init__(f"{setting}={value!r}: {reason}")
+        Exception.__init__(self, setting, value, reason)
+        self.key = None
         self.setting = setting
         self.value = value
         self.reason = reason
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Celery pickles exceptions into results; keep the constructor's arguments.
-        return (type(self), (self.setting, self.value, self.reason))
+    def __str__(self) -> str:
+        return f"{self.setting}={self.value!r}: {self.reason}"
 
 
 class SemaphoreUnavailable(SemaphoreError):
     """No slot was granted within the time the caller allowed."""
 
     def __init__(self, key: str, limit: int, waited: float) -> None:
-        super().__init__(
-            f"semaphore {key!r} (limit {limit}) granted no slot within {waited:.3f} s",
-            key=key,
-        )
+        Exception.__init__(self, key, limit, waited)
+        self.key = key
         self.limit = limit
         self.waited = waited
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.limit, self.waited))
+    def __str__(self) -> str:
+        return f"semaphore {self.key!r} (limit {self.limit}) granted no slot within {self.waited:.3f} s"
 
 
 class LeaseLost(SemaphoreError):
@@ -59,22 +64,24 @@ class LeaseLost(SemaphoreError):
     """
 
     def __init__(self, key: str, token: str) -> None:
-        super().__init__(f"lease {token!r} on semaphore {key!r} was lost", key=key)
+        Exception.__init__(self, key, token)
+        self.key = key
         self.token = token
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.token))
+    def __str__(self) -> str:
+        return f"lease {self.token!r} on semaphore {self.key!r} was lost"
 
 
 class RedisUnavailable(SemaphoreError):
     """Redis could not be reached, even after redis-py's own retries.
 
-    The redis-py error is kept as ``__cause__``.
+    The redis-py error is kept as ``__cause__``; its text is part of the message.
     """
 
-    def __init__(self, key: str | None, operation: str, error: BaseException) -> None:
-        super().__init__(f"{operation} on semaphore {key!r}: Redis unavailable: {error}", key=key)
+    def __init__(self, key: str | None, operation: str, error: object) -> None:
+        Exception.__init__(self, key, operation, str(error))
+        self.key = key
         self.operation = operation
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.operation, RuntimeError(str(self))))
+    def __str__(self) -> str:
+        return f"{self.operation} on semaphore {self.key!r}: Redis unavailable: {self.args[2]}"

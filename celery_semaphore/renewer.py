@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -51,6 +52,7 @@ class _Renewer:
         self.cycle = threading.RLock()
         self.changed = threading.Condition(threading.Lock())
         self.thread: threading.Thread | None = None
+        self.wakes_at = math.inf  # monotonic time the thread's current wait ends
 
     def track(self, lease: Lease) -> None:
         with self.changed:
@@ -58,7 +60,10 @@ class _Renewer:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="celery-semaphore-renewer", daemon=True)
                 self.thread.start()
-            self.changed.notify()
+            elif lease.renew_due < self.wakes_at:
+                # waking the thread costs a context switch per acquire; only do it when this
+                # lease is due before the thread would wake anyway
+                self.changed.notify()
 
     def forget(self, lease: Lease) -> None:
         with self.changed:
@@ -68,21 +73,27 @@ class _Renewer:
 
     def held(self) -> list[Lease]:
         with self.changed:
-            live = [lease for ref in self.leases.values() if (lease := ref()) is not None]
-            self.leases = {id(lease): weakref.ref(lease) for lease in live}
-            return live
+            return self._live()
+
+    def _live(self) -> list[Lease]:
+        live = [lease for ref in self.leases.values() if (lease := ref()) is not None]
+        self.leases = {id(lease): weakref.ref(lease) for lease in live}
+        return live
 
     def _run(self) -> None:
         while True:
-            leases = self.held()
-            now = time.monotonic()
-            due = [lease for lease in leases if lease.renew_due <= now]
-            if due:
-                self.renew(due)
-                continue
-            next_due = min((lease.renew_due for lease in leases), default=now + 3600)
             with self.changed:
-                self.changed.wait(timeout=max(0.0, next_due - now))
+                # deciding and starting to wait under the lock that track() takes, so a lease
+                # tracked meanwhile is either seen here or wakes the wait
+                leases = self._live()
+                now = time.monotonic()
+                due = [lease for lease in leases if lease.renew_due <= now]
+                if not due:
+                    self.wakes_at = min((lease.renew_due for lease in leases), default=now + 3600)
+                    self.changed.wait(timeout=max(0.0, self.wakes_at - now))
+                    self.wakes_at = math.inf
+                    continue
+            self.renew(due)
 
     def renew(self, leases: list[Lease]) -> None:
         by_semaphore: dict[int, tuple[FairSemaphore, list[Lease]]] = {}

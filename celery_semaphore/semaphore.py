@@ -280,7 +280,9 @@ class FairSemaphore:
         waiter in line would get one too.
         """
         token = token or new_token()
-        waiter = waiter or token
+        if waiter is None:
+            # nobody will ask again under a fresh waiter id: a ticket would only block the line
+            waiter, enqueue = token, False
         label = default_label() if label is None else label
         patience_s = self.patience if patience is None else check_seconds("patience", patience)
         granted, position, free, limit, hold_ms = self._run(

@@ -22,6 +22,7 @@ from . import metrics
 from .backend import client_for
 from .config import config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
+from .policy import VISIBILITY_MARGIN
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -58,19 +59,14 @@ def check_app(app: Any) -> None:
 
     forget_config(app)
     config = config_for(app)
+    near_visibility_timeout = []
     for task in semaphore_tasks(app):
         key = key_option(type(task))
         high = task.countdown_bounds(config)[1]
-        if config.visibility_timeout is not None and high >= config.visibility_timeout * 0.5:
-            logger.warning(
-                "%s: countdowns up to %s s come near the Redis broker's visibility_timeout (%s s); they are "
-                "kept below half of it, so waiting tasks come back sooner than semaphore_countdown says",
-                task.name, high, config.visibility_timeout,
-            )
-        if task.semaphore_limit is not None:
-            continue
-        if callable(key):
-            continue  # the key is only known per call; a missing limit fails that call loudly
+        if config.visibility_timeout is not None and high >= config.visibility_timeout * VISIBILITY_MARGIN:
+            near_visibility_timeout.append(task.name)
+        if task.semaphore_limit is not None or callable(key):
+            continue  # a callable key is only known per call; a missing limit fails that call loudly
         sample = sample_key(key) if isinstance(key, str) else task.name
         if not config.could_limit(sample, task.name):
             raise ConfigurationError(
@@ -78,6 +74,12 @@ def check_app(app: Any) -> None:
                 None,
                 "the task has no limit: set semaphore_limit on it or an entry in semaphore_limits",
             )
+    if near_visibility_timeout:
+        logger.warning(
+            "countdowns of %s may reach half the Redis broker's visibility_timeout (%s s), past which the broker "
+            "would deliver a waiting task twice; they are capped there",
+            ", ".join(sorted(near_visibility_timeout)), config.visibility_timeout,
+        )
     _warn_about_eviction(config.backend_url)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -56,3 +57,46 @@ def own_redis() -> Iterator[RedisServer]:
     yield server
     with contextlib.suppress(Exception):
         server.__exit__()
+
+
+class CeleryStack:
+    """A broker Redis and a separate semaphore Redis for worker tests, and the env that points
+    the test app (tests/proj/app.py) at them: the test process and its workers share it."""
+
+    def __init__(self) -> None:
+        self.broker = RedisServer().start()
+        self.semaphore = RedisServer().start()
+        self.env = {
+            "PROJ_BROKER_URL": f"{self.broker.url[:-2]}/0",
+            "PROJ_RESULT_URL": f"{self.broker.url[:-2]}/2",
+            "PROJ_PROBE_URL": f"{self.broker.url[:-2]}/3",
+            "PROJ_SEMAPHORE_URL": f"{self.semaphore.url[:-2]}/1",
+        }
+
+    def close(self) -> None:
+        for server in (self.broker, self.semaphore):
+            with contextlib.suppress(Exception):
+                server.__exit__()
+
+
+@pytest.fixture(scope="session")
+def celery_stack() -> Iterator[CeleryStack]:
+    stack = CeleryStack()
+    saved = {name: os.environ.get(name) for name in stack.env}
+    os.environ.update(stack.env)
+    import tests.proj.app as proj
+
+    # The app may have been imported (and its settings read) before this fixture ran.
+    proj.app.conf.update(
+        broker_url=stack.env["PROJ_BROKER_URL"],
+        result_backend=stack.env["PROJ_RESULT_URL"],
+        semaphore_backend_url=stack.env["PROJ_SEMAPHORE_URL"],
+    )
+    proj._probe_client = None
+    yield stack
+    stack.close()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

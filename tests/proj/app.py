@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from celery_semaphore import SemaphoreTask, limit_concurrency
@@ -32,6 +32,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     result_expires=600,
+    # limits from configuration only (no semaphore_limit in code for these)
+    semaphore_limits={"crawl:*": 2, "proj.config_only": 2},
 )
 app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
 
@@ -102,3 +104,27 @@ def sleepy(self: Any, seconds: float, key: str = "proj.sleepy") -> str:
     """Holds its slot for a long time: for revoke, time-limit and kill tests."""
     _held(key, seconds, self.request.id)
     return "woke"
+
+
+@app.task(
+    base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=1,
+    bind=True, name="proj.no_retries", max_retries=0,
+)
+def no_retries(self: Any, seconds: float) -> dict[str, Any]:
+    """Waits by countdown re-sends only; reports what waiting did to its request."""
+    _held("proj.no_retries", seconds, self.request.id)
+    return {"retries": self.request.retries, "waits": getattr(self.request, "semaphore_waits", None)}
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_wait=2, semaphore_inline_wait=0,
+          semaphore_countdown=1, name="proj.impatient")
+def impatient() -> str:
+    return "ran"
+
+
+@signals.task_prerun.connect
+def _record_first_ask(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    """The order in which tasks first asked for a slot (their first delivery), for fairness."""
+    if isinstance(task, SemaphoreTask) and getattr(task.request, "semaphore_waits", None) is None:
+        key = task.semaphore_key_for(tuple(task.request.args or ()), dict(task.request.kwargs or {}))
+        probe(key).client.rpush(f"probe:{key}:asks", task_id or "")

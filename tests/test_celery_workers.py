@@ -1,0 +1,234 @@
+"""SemaphoreTask with real `celery worker` processes (prefork) on a Redis broker.
+
+Two workers of four pool processes each serve one queue of this module. Tasks record their
+start and end in Redis through the concurrency probe, so each test checks the true number of
+concurrent executions, not what the semaphore believes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_semaphore import FairSemaphore, SemaphoreUnavailable
+from celery_semaphore.backend import client_for
+
+from .conftest import CeleryStack
+from .waiting import wait_until
+from .workers import Worker
+
+QUEUE = "workers"
+
+
+@pytest.fixture(scope="module")
+def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
+    env = {**celery_stack.env, "PROJ_QUEUE": QUEUE}
+    group = [Worker(env, name=f"w{i}", concurrency=4) for i in (1, 2)]
+    for worker in group:
+        worker.start()
+    yield group
+    for worker in group:
+        worker.stop()
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack, workers: list[Worker]) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def send(task: Any, *args: Any, **options: Any) -> AsyncResult:
+    return task.apply_async(args, queue=QUEUE, **options)
+
+
+def semaphore(proj: Any, key: str, limit: int = 1) -> FairSemaphore:
+    return FairSemaphore(client_for(proj.app.conf.semaphore_backend_url), key, limit)
+
+
+def holders(proj: Any, key: str) -> int:
+    return semaphore(proj, key).status().holder_count
+
+
+def test_limit_holds_and_is_reached_with_40_tasks_on_two_workers(proj: Any) -> None:
+    """40 tasks, limit 3, 2 workers x 4 children: at most 3 run at once, 3 do, each runs once,
+    and no slot is held at the end."""
+    key = "limit-40"
+    results = [send(proj.hold, 0.2, key) for _ in range(40)]
+    # hold's semaphore is its task name, limit 3 in code; `key` only names its probe
+    ids = [r.get(timeout=120) for r in results]
+    probe = proj.probe(key)
+    assert sorted(ids) == sorted(r.id for r in results)
+    assert probe.maximum == 3
+    assert probe.entries == 40
+    assert len(set(probe.client.lrange(f"probe:{key}:starts", 0, -1))) == 40
+    wait_until(lambda: holders(proj, "proj.hold") == 0, timeout=10, what="every slot released")
+
+
+def test_waiting_by_countdown_leaves_retries_and_max_retries_alone(proj: Any) -> None:
+    """A task with max_retries=0 that waits through countdown re-sends still succeeds, with
+    request.retries untouched and the wait count carried in headers."""
+    results = [send(proj.no_retries, 0.3) for _ in range(4)]
+    reports = [r.get(timeout=120) for r in results]
+    assert all(report["retries"] == 0 for report in reports)
+    assert max(report["waits"] or 0 for report in reports) >= 1, "some task waited by countdown"
+    assert proj.probe("proj.no_retries").maximum == 1
+
+
+@pytest.mark.parametrize(
+    ("task_name", "args"),
+    [("fail", ("boom",)), ("ignored", ()), ("rejected", ())],
+)
+def test_every_exit_of_the_body_releases_the_slot(proj: Any, task_name: str, args: tuple[Any, ...]) -> None:
+    """An exception, Ignore and Reject each give the slot back at once."""
+    task = getattr(proj, task_name)
+    result = send(task, *args)
+    wait_until(lambda: holders(proj, task.name) == 0 and _ran(proj, result), timeout=30,
+               what=f"{task_name} to end and release")
+    second = send(task, *args)
+    wait_until(lambda: _ran(proj, second), timeout=30, what="the next task to get the slot")
+    assert holders(proj, task.name) == 0
+
+
+def _ran(proj: Any, result: AsyncResult) -> bool:
+    # Ignore and Reject store no state; the worker log is the witness then
+    return result.state in {"SUCCESS", "FAILURE"} or any(
+        f"[{result.id}] ignored" in line or f"[{result.id}] rejected" in line for line in _all_logs(proj)
+    )
+
+
+def _all_logs(proj: Any) -> list[str]:
+    return [line for worker in proj._test_workers for line in worker.log().splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def _expose_workers(proj: Any, workers: list[Worker]) -> None:
+    proj._test_workers = workers
+
+
+def test_the_tasks_own_retry_releases_and_runs_again(proj: Any) -> None:
+    """self.retry() inside the body releases the slot; the retried run takes it again."""
+    result = send(proj.own_retry)
+    assert result.get(timeout=60) == "second time"
+    wait_until(lambda: holders(proj, "proj.own_retry") == 0, timeout=10, what="release")
+
+
+def test_revoke_with_terminate_releases_at_once(proj: Any) -> None:
+    """revoke(terminate=True) of a running holder frees its slot long before its 60 s lease."""
+    key = "revoke-me"
+    result = send(proj.sleepy, 120, key)
+    wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the task to run")
+    assert holders(proj, "proj.sleepy") == 1
+    result.revoke(terminate=True, signal="SIGTERM")
+    wait_until(lambda: holders(proj, "proj.sleepy") == 0, timeout=15, what="the slot back after revoke")
+
+
+def test_a_second_copy_of_a_running_task_waits_for_the_first(proj: Any) -> None:
+    """Two deliveries of one task id (as after a redelivery) never hold the slot together."""
+    key = "duplicate"
+    first = send(proj.sleepy, 1.0, key, task_id="same-id-twice")
+    send(proj.sleepy, 1.0, key, task_id="same-id-twice")
+    wait_until(lambda: proj.probe(key).entries == 2 and proj.probe(key).live == 0, timeout=60,
+               what="both copies to run")
+    assert proj.probe(key).maximum == 1
+    assert first.get(timeout=10) == "woke"
+
+
+def test_per_key_limits_are_independent(proj: Any) -> None:
+    """crawl:{host} keys each get their own limit of 2 (from the crawl:* glob)."""
+    results = [send(proj.crawl, host, 0.3) for _ in range(6) for host in ("alpha", "beta")]
+    for r in results:
+        r.get(timeout=120)
+    for host in ("alpha", "beta"):
+        assert proj.probe(f"crawl:{host}").maximum == 2
+        assert proj.probe(f"crawl:{host}").entries == 6
+
+
+def test_a_limit_from_config_only(proj: Any) -> None:
+    """A task with no limit in code takes it from semaphore_limits (2 here)."""
+    results = [send(proj.config_only, 0.3) for _ in range(6)]
+    for r in results:
+        r.get(timeout=120)
+    assert proj.probe("proj.config_only").maximum == 2
+
+
+def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
+    """Past semaphore_max_wait a waiting task fails, visibly, with SemaphoreUnavailable."""
+    blocker = semaphore(proj, "proj.impatient").acquire(timeout=0)
+    try:
+        result = send(proj.impatient)
+        with pytest.raises(SemaphoreUnavailable):
+            result.get(timeout=60)
+        assert result.state == "FAILURE"
+    finally:
+        blocker.release()
+
+
+def test_a_long_task_keeps_its_slot_past_its_lease(celery_stack: CeleryStack) -> None:
+    """A task running 5x its 1 s lease keeps the slot: the renewer in the pool child renews it."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "long"}
+    worker = Worker(env, name="long", concurrency=2, conf={"semaphore_lease": 1}).start()
+    try:
+        key = "long-task"
+        results = [proj.sleepy.apply_async((5, key), queue="long") for _ in range(2)]
+        wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the first to run")
+        for r in results:
+            assert r.get(timeout=60) == "woke"
+        assert proj.probe(key).maximum == 1
+        assert "was lost" not in worker.log()
+    finally:
+        worker.stop()
+
+
+def test_sigkill_of_a_worker_frees_its_slot_within_the_lease_and_the_task_reruns(
+    celery_stack: CeleryStack,
+) -> None:
+    """A worker SIGKILLed while holding a slot (acks_late): its slot comes back within the 2 s
+    lease and the task is delivered again and completes."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "crash"}
+    conf = {
+        "semaphore_lease": 2,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        # redeliver unacked messages of a dead worker after 4 s, sweeping every second
+        "broker_transport_options": {
+            "visibility_timeout": 4, "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+        },
+    }
+    victim = Worker(env, name="victim", concurrency=1, conf=conf).start()
+    key = "crash"
+    result = proj.sleepy.apply_async((3, key), queue="crash", acks_late=True)
+    wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the task to hold its slot")
+    victim.kill()
+    killed_at = time.monotonic()
+    wait_until(lambda: holders(proj, "proj.sleepy") == 0, timeout=10, what="the lease to expire")
+    assert time.monotonic() - killed_at < 2 + 1.5
+    rescuer = Worker(env, name="rescuer", concurrency=1, conf=conf).start()
+    try:
+        assert result.get(timeout=90) == "woke"
+        assert proj.probe(key).entries == 2, "run once before the crash and once after"
+    finally:
+        rescuer.stop()
+
+
+def test_fail_closed_when_the_semaphore_redis_is_down(celery_stack: CeleryStack, proj: Any) -> None:
+    """With the semaphore's Redis down the task does not run; once Redis is back, it does."""
+    key = "redis-down"
+    celery_stack.semaphore.stop()
+    try:
+        result = send(proj.sleepy, 0.1, key)
+        wait_until(lambda: any(f"[{result.id}] waits: Redis unavailable" in line for line in _all_logs(proj)),
+                   timeout=60, what="the task to be refused for want of Redis")
+        assert proj.probe(key).entries == 0
+    finally:
+        celery_stack.semaphore.start()
+    assert result.get(timeout=120) == "woke"
+    assert proj.probe(key).entries == 1

@@ -1,0 +1,77 @@
+"""The built wheel ships the Lua scripts and py.typed, and every script documents its interface."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LUA_DIR = ROOT / "celery_semaphore" / "lua"
+LUA_SCRIPTS = ("acquire.lua", "release.lua", "renew.lua", "leave.lua", "status.lua", "_lib.lua")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
+    """The wheel built from this checkout, without build isolation (no network needed)."""
+    missing = [name for name in ("build", "hatchling") if importlib.util.find_spec(name) is None]
+    assert not missing, f"building the wheel offline needs {missing} installed next to the tests"
+    outdir = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(outdir), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"wheel build failed:\n{result.stdout}\n{result.stderr}"
+    (path,) = outdir.glob("celery_semaphore-*.whl")
+    with zipfile.ZipFile(path) as archive:
+        yield archive
+
+
+def leading_comment(text: str) -> str:
+    """The comment block a Lua file opens with: its first lines that start with ``--``."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def test_wheel_ships_lua_scripts_and_py_typed(wheel: zipfile.ZipFile) -> None:
+    """The wheel holds every Lua script the semaphore loads at run time and the py.typed marker."""
+    names = set(wheel.namelist())
+    expected = {f"celery_semaphore/lua/{script}" for script in LUA_SCRIPTS} | {"celery_semaphore/py.typed"}
+    assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
+
+
+def test_wheel_ships_every_lua_file_of_the_package(wheel: zipfile.ZipFile) -> None:
+    """No Lua file of the source package is left out of the wheel, and the shipped text is the source text."""
+    in_source = {path.name for path in LUA_DIR.glob("*.lua")}
+    in_wheel = {Path(name).name for name in wheel.namelist() if name.startswith("celery_semaphore/lua/")}
+    assert in_source == in_wheel
+    for name in in_source:
+        assert wheel.read(f"celery_semaphore/lua/{name}") == (LUA_DIR / name).read_bytes()
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in LUA_DIR.glob("*.lua")))
+def test_lua_script_opens_with_interface_header(script: str) -> None:
+    """Each Lua file opens with a comment block naming its KEYS, ARGV and return values (_lib.lua: the key schema)."""
+    header = leading_comment((LUA_DIR / script).read_text(encoding="utf-8"))
+    assert header, f"{script} does not open with a comment block"
+    for word in ("KEYS", "ARGV"):
+        assert word in header, f"the header of {script} does not mention {word}"
+    if script == "_lib.lua":
+        assert "Key schema" in header
+        for position in range(1, 7):
+            assert re.search(rf"KEYS\[{position}\]\s+\w+", header), f"_lib.lua does not document KEYS[{position}]"
+    else:
+        assert "Return" in header, f"the header of {script} does not say what it returns"
