@@ -1,0 +1,218 @@
+"""Settings, task options and declaration-time checks of the Celery layer (no worker needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_semaphore import ConfigurationError, SemaphoreTask, limit_concurrency
+from celery_semaphore.config import config_for, forget_config, parse_config
+
+from .redis_server import RedisServer
+from .workers import Worker
+
+
+def make_app(**conf: Any) -> Celery:
+    app = Celery("cfg", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def test_defaults_with_a_redis_broker() -> None:
+    """With nothing set, the backend is the Redis broker and every default applies."""
+    config = config_for(make_app())
+    assert config.backend_url == "redis://127.0.0.1:1/0"
+    assert (config.prefix, config.lease, config.countdown, config.max_wait, config.fail_open) == (
+        "semaphore", 60.0, (1.0, 30.0), None, False,
+    )
+    assert config.visibility_timeout == 3600
+
+
+def test_settings_are_parsed_once_and_cached_per_app() -> None:
+    """config_for returns the same frozen object until forget_config."""
+    app = make_app(semaphore_lease=10)
+    first = config_for(app)
+    app.conf.semaphore_lease = 20
+    assert config_for(app) is first
+    forget_config(app)
+    assert config_for(app).lease == 20
+
+
+def test_django_style_namespaced_settings_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CELERY_SEMAPHORE_* settings read through config_from_object(namespace="CELERY")."""
+    (tmp_path / "djsettings_for_test.py").write_text(
+        "CELERY_BROKER_URL = 'redis://127.0.0.1:1/0'\n"
+        "CELERY_SEMAPHORE_LIMITS = {'crawl:*': 4}\n"
+        "CELERY_SEMAPHORE_LEASE = 45\n"
+        "CELERY_SEMAPHORE_BACKEND_URL = 'redis://127.0.0.1:2/3'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = Celery("dj", set_as_current=False)
+    app.config_from_object("djsettings_for_test", namespace="CELERY")
+    config = config_for(app)
+    assert config.lease == 45
+    assert config.backend_url == "redis://127.0.0.1:2/3"
+    assert config.limit_for("crawl:example.org", "t", None).limit == 4  # type: ignore[union-attr]
+    sys.modules.pop("djsettings_for_test", None)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("semaphore_backend_url", "http://127.0.0.1:6379"),
+        ("semaphore_limits", {"a": 0}),
+        ("semaphore_limits", {"a": "3"}),
+        ("semaphore_limits", ["a"]),
+        ("semaphore_prefix", ""),
+        ("semaphore_prefix", "a{b}"),
+        ("semaphore_lease", 0),
+        ("semaphore_lease", "60"),
+        ("semaphore_countdown", 0.5),
+        ("semaphore_countdown", (5, 2)),
+        ("semaphore_countdown", (1, 2, 3)),
+        ("semaphore_max_wait", -1),
+        ("semaphore_fail_open", "yes"),
+        ("semaphore_inline_wait", -1),
+    ],
+)
+def test_each_bad_setting_is_a_configuration_error_naming_it(setting: str, value: Any) -> None:
+    """Bad values are refused when the settings are parsed, naming the setting."""
+    with pytest.raises(ConfigurationError) as caught:
+        parse_config(make_app(**{setting: value}))
+    assert caught.value.setting.startswith(setting)
+
+
+def test_no_backend_url_and_a_non_redis_broker_is_an_error() -> None:
+    """Without semaphore_backend_url, an AMQP broker gives nothing to default to."""
+    app = Celery("amqp", broker="amqp://guest@127.0.0.1//", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="semaphore_backend_url"):
+        parse_config(app)
+
+
+def test_limit_precedence_exact_key_task_name_globs_then_code() -> None:
+    """semaphore_limits: the exact key wins, then the task name, then globs, then the option."""
+    config = config_for(make_app(semaphore_limits={"crawl:a": 1, "proj.crawl": 2, "crawl:*": 3, "proj.*": 4}))
+    assert config.limit_for("crawl:a", "proj.crawl", 9).source == "semaphore_limits['crawl:a']"  # type: ignore[union-attr]
+    assert config.limit_for("crawl:b", "proj.crawl", 9).limit == 2  # type: ignore[union-attr]
+    assert config.limit_for("crawl:b", "proj.other", 9).limit == 3  # type: ignore[union-attr]
+    assert config.limit_for("x", "proj.other", 9).limit == 4  # type: ignore[union-attr]
+    assert config.limit_for("x", "other", 9).limit == 9  # type: ignore[union-attr]
+    assert config.limit_for("x", "other", None) is None
+
+
+def test_a_key_template_naming_a_missing_argument_fails_at_declaration() -> None:
+    """limit_concurrency checks the template against the function when decorating."""
+    app = make_app()
+    with pytest.raises(ConfigurationError) as caught:
+
+        @limit_concurrency(3, key="crawl:{hostname}", app=app)
+        def crawl(host: str, path: str) -> None: ...
+
+    assert "hostname" in str(caught.value)
+    assert caught.value.setting.endswith("semaphore_key")
+
+
+def test_app_task_with_a_bad_template_fails_when_the_task_is_created() -> None:
+    """base=SemaphoreTask checks the template when Celery builds the task class."""
+    app = make_app()
+    with pytest.raises(ConfigurationError, match="missing"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key="k:{missing}", lazy=False)
+        def work(present: int) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("semaphore_limit", 0),
+        ("semaphore_limit", True),
+        ("semaphore_lease", -5),
+        ("semaphore_countdown", (0, 1)),
+        ("semaphore_max_wait", 0),
+        ("semaphore_key", 42),
+    ],
+)
+def test_bad_task_options_fail_at_declaration(option: str, value: Any) -> None:
+    """Each bad option value raises ConfigurationError naming the task and the option."""
+    app = make_app()
+    with pytest.raises(ConfigurationError) as caught:
+
+        @app.task(base=SemaphoreTask, lazy=False, name="cfg.bad", **{option: value})
+        def bad() -> None: ...
+
+    assert caught.value.setting == f"cfg.bad.{option}"
+
+
+def test_a_bad_limit_in_the_decorator_fails_at_once() -> None:
+    """limit_concurrency(0) is refused before any function is decorated."""
+    with pytest.raises(ConfigurationError, match="limit"):
+        limit_concurrency(0)
+
+
+def test_keys_from_templates_positional_fields_and_functions() -> None:
+    """A key is the task name, a template over bound arguments (defaults included), or a function."""
+    app = make_app()
+
+    @limit_concurrency(2, key="crawl:{host}:{0}:{depth}", app=app, lazy=False)
+    def crawl(host: str, path: str, depth: int = 1) -> None: ...
+
+    @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key=lambda a, k: f"fn:{a[0]}", lazy=False)
+    def by_function(x: int) -> None: ...
+
+    @app.task(base=SemaphoreTask, semaphore_limit=1, lazy=False, name="cfg.plain")
+    def plain() -> None: ...
+
+    assert crawl.semaphore_key_for(("a.org", "/x"), {}) == "crawl:a.org:a.org:1"
+    assert crawl.semaphore_key_for((), {"host": "b.org", "path": "/", "depth": 3}) == "crawl:b.org:b.org:3"
+    assert by_function.semaphore_key_for((7,), {}) == "fn:7"
+    assert plain.semaphore_key_for((), {}) == "cfg.plain"
+
+
+def test_calling_the_function_directly_bypasses_the_semaphore() -> None:
+    """task(...) in plain code runs the body without Redis (the backend here does not exist)."""
+    app = make_app(semaphore_backend_url="redis://127.0.0.1:1/0")
+
+    @limit_concurrency(1, app=app, lazy=False)
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    assert add(2, 3) == 5
+
+
+def _worker_start_error(tmp_path: Path, module_body: str) -> str:
+    """Start a real worker on an app with a configuration problem; return what it printed."""
+    with RedisServer() as broker:
+        (tmp_path / "badapp.py").write_text(
+            "from celery import Celery\n"
+            "from celery_semaphore import SemaphoreTask\n"
+            f"app = Celery('badapp', broker='{broker.url}')\n" + module_body
+        )
+        worker = Worker({"PYTHONPATH": str(tmp_path)}, name="bad", concurrency=1, app="badapp")
+        worker.env["PYTHONPATH"] = f"{tmp_path}:{worker.env['PYTHONPATH']}"
+        worker.start(wait_ready=False)
+        code = worker.wait_exit(timeout=60)
+        assert code != 0, "the worker must refuse to start"
+        return worker.log()
+
+
+def test_a_worker_refuses_to_start_with_a_task_that_has_no_limit(tmp_path: Path) -> None:
+    """A SemaphoreTask with no limit anywhere stops the worker at start, naming the task."""
+    log = _worker_start_error(
+        tmp_path, "@app.task(base=SemaphoreTask, name='badapp.unlimited')\ndef unlimited(): pass\n"
+    )
+    assert "badapp.unlimited.semaphore_limit" in log
+    assert "ConfigurationError" in log
+
+
+def test_a_worker_refuses_to_start_with_a_bad_setting(tmp_path: Path) -> None:
+    """A bad semaphore_* setting stops the worker at start, naming the setting and value."""
+    log = _worker_start_error(
+        tmp_path,
+        "app.conf.semaphore_countdown = (10, 2)\n"
+        "@app.task(base=SemaphoreTask, semaphore_limit=1)\ndef limited(): pass\n",
+    )
+    assert "semaphore_countdown=(10, 2)" in log
