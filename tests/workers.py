@@ -7,6 +7,7 @@ shutdown with SIGTERM, or SIGKILL of the parent and its pool children to play a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -70,10 +71,8 @@ class Worker:
         """What the worker logged, then what it printed (start-up errors go there)."""
         text = ""
         for path in (self.logfile, self.logfile.with_suffix(".out")):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 text += path.read_text(errors="replace")
-            except FileNotFoundError:
-                pass
         return text
 
     def wait_exit(self, timeout: float = 60) -> int:
@@ -105,8 +104,6 @@ class Worker:
         if self.process is None:
             return
         for pid in [self.process.pid, *self.children()]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait(timeout=30)

@@ -1,0 +1,69 @@
+"""The waiting policy: when to wait in-process, and how long a countdown to choose."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_semaphore.policy import countdown, expected_wait, waits_in_process
+from celery_semaphore.semaphore import Waiting
+
+waitings = st.builds(
+    Waiting,
+    position=st.integers(0, 10_000),
+    free=st.integers(-5, 50),
+    limit=st.integers(1, 50),
+    hold_time=st.one_of(st.none(), st.floats(0.001, 3600)),
+)
+bounds = st.tuples(st.floats(1, 60), st.floats(0, 600)).map(lambda b: (b[0], b[0] + b[1]))
+
+
+@given(waitings, bounds, st.integers(0, 100), st.one_of(st.none(), st.floats(2, 7200)))
+def test_countdowns_are_whole_seconds_within_bounds_and_below_the_visibility_timeout(
+    waiting: Waiting, bounds: tuple[float, float], waits: int, visibility: float | None
+) -> None:
+    """Always an int >= 1, within [min, max] (rounded), and at most half the visibility timeout."""
+    value = countdown(waiting, bounds, waits=waits, visibility_timeout=visibility, rng=random.Random(0))
+    assert isinstance(value, int)
+    assert value >= 1
+    assert value <= max(1, round(bounds[1]))
+    if visibility is not None:
+        assert value <= max(1, round(min(visibility * 0.5, bounds[1])))
+
+
+def test_the_expected_wait_grows_with_the_place_in_line() -> None:
+    """Each `limit` waiters ahead cost one average hold time."""
+    assert expected_wait(Waiting(position=0, free=0, limit=3, hold_time=2.0)) == 2.0
+    assert expected_wait(Waiting(position=5, free=0, limit=3, hold_time=2.0)) == 4.0
+    assert expected_wait(Waiting(position=1, free=2, limit=3, hold_time=2.0)) == 0.0
+    assert expected_wait(Waiting(position=4, free=0, limit=3, hold_time=None)) is None
+
+
+def test_waiters_near_the_head_wait_in_process_the_rest_are_re_sent() -> None:
+    """Short expected waits stay in-process; long ones, or inline_wait=0, go back to the broker."""
+    near = Waiting(position=1, free=0, limit=3, hold_time=0.2)
+    far = Waiting(position=60, free=0, limit=3, hold_time=0.2)
+    assert waits_in_process(near, inline_wait=2.0)
+    assert not waits_in_process(far, inline_wait=2.0)
+    assert not waits_in_process(near, inline_wait=0)
+    unknown = Waiting(position=2, free=0, limit=3, hold_time=None)
+    assert waits_in_process(unknown, inline_wait=2.0)
+    assert not waits_in_process(Waiting(position=3, free=0, limit=3, hold_time=None), inline_wait=2.0)
+
+
+def test_a_far_waiter_comes_back_before_its_turn() -> None:
+    """The countdown is about 80% of the expected wait, so the waiter is back in time."""
+    far = Waiting(position=29, free=0, limit=3, hold_time=1.0)  # 10 rounds of 1 s
+    values = {countdown(far, (1, 60), rng=random.Random(seed)) for seed in range(50)}
+    assert min(values) >= 6
+    assert max(values) <= 10
+
+
+def test_with_no_hold_time_known_countdowns_back_off() -> None:
+    """Unknown hold times double the countdown with each refusal, up to the max."""
+    unknown = Waiting(position=9, free=0, limit=3, hold_time=None)
+    assert countdown(unknown, (1, 30), waits=0, rng=random.Random(1)) <= 2
+    assert countdown(unknown, (1, 30), waits=3, rng=random.Random(1)) >= 6
+    assert countdown(unknown, (1, 30), waits=20, rng=random.Random(1)) == 30

@@ -1,0 +1,71 @@
+"""SemaphoreTask on a RabbitMQ broker, with real workers.
+
+The broker URL comes from CELERY_SEMAPHORE_TEST_AMQP_URL (CI sets it); where no broker answers
+there, the test reports itself skipped with the reason. It uses a queue of its own and deletes it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from kombu import Connection
+
+from .conftest import CeleryStack
+from .workers import Worker
+
+AMQP_URL = os.environ.get("CELERY_SEMAPHORE_TEST_AMQP_URL")
+
+
+def _reachable(url: str) -> str | None:
+    try:
+        with Connection(url, connect_timeout=3) as connection:
+            connection.ensure_connection(max_retries=1)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def amqp_url() -> str:
+    if not AMQP_URL:
+        pytest.skip("CELERY_SEMAPHORE_TEST_AMQP_URL is not set: no RabbitMQ broker to test against")
+    problem = _reachable(AMQP_URL)
+    if problem:
+        pytest.skip(f"RabbitMQ at {AMQP_URL} is not reachable: {problem}")
+    return AMQP_URL
+
+
+@pytest.fixture(scope="module")
+def amqp_queue(amqp_url: str) -> Iterator[str]:
+    queue = f"celery-semaphore-test-{uuid.uuid4().hex[:8]}"
+    yield queue
+    with Connection(amqp_url) as connection:
+        channel = connection.channel()
+        channel.queue_delete(queue)
+
+
+@pytest.mark.rabbitmq
+def test_the_limit_holds_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str, amqp_queue: str) -> None:
+    """24 tasks (limit 3) on 2 workers over RabbitMQ: at most 3 at once, 3 reached, all run once,
+    including waits by countdown re-send (whole-second delays)."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
+    workers = [Worker(env, name=f"amqp{i}", concurrency=3).start() for i in (1, 2)]
+    try:
+        sender = Celery("sender", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+        key = "amqp"
+        results = [sender.send_task("proj.hold", (0.2, key), queue=amqp_queue) for _ in range(24)]
+        results += [sender.send_task("proj.no_retries", (0.2,), queue=amqp_queue) for _ in range(4)]
+        for result in results:
+            result.get(timeout=120)
+        assert proj.probe(key).maximum == 3
+        assert proj.probe(key).entries == 24
+        assert proj.probe("proj.no_retries").maximum == 1
+    finally:
+        for worker in workers:
+            worker.stop()
