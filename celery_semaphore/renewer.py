@@ -96,9 +96,13 @@ class _Renewer:
             self.renew(due)
 
     def renew(self, leases: list[Lease]) -> None:
-        by_semaphore: dict[int, tuple[FairSemaphore, list[Lease]]] = {}
+        # one round trip per semaphore: leases of equal semaphores (the Celery layer makes a
+        # FairSemaphore object per task run) share it
+        by_semaphore: dict[tuple[int, str, float], tuple[FairSemaphore, list[Lease]]] = {}
         for lease in leases:
-            by_semaphore.setdefault(id(lease.semaphore), (lease.semaphore, []))[1].append(lease)
+            semaphore = lease.semaphore
+            same = (id(semaphore.client), semaphore.keys[0], semaphore.lease)
+            by_semaphore.setdefault(same, (semaphore, []))[1].append(lease)
         for semaphore, group in by_semaphore.values():
             with self.cycle:
                 group = [lease for lease in group if not lease.released]

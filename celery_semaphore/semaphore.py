@@ -423,6 +423,12 @@ class FairSemaphore:
             yield
         except (redis.ConnectionError, redis.TimeoutError) as error:
             raise RedisUnavailable(self.name, operation, error) from error
+        except redis.ResponseError as error:
+            # a full Redis (maxmemory with noeviction) or one still loading its data set is
+            # unavailable for now, like an unreachable one: callers wait, they do not fail
+            if isinstance(error, _NOT_NOW) or str(error).startswith(("OOM", "LOADING", "BUSY", "MASTERDOWN")):
+                raise RedisUnavailable(self.name, operation, error) from error
+            raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
         except redis.RedisError as error:
             raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
 
@@ -457,6 +463,10 @@ class FairSemaphore:
             self.leave(waiter)
         except SemaphoreError:
             logger.warning("could not leave the line of %r; the place lapses by itself", self.name)
+
+
+# Answers that mean "not now" rather than "wrong": the caller should wait and try again.
+_NOT_NOW = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 
 
 def _text(value: Any) -> str:

@@ -178,6 +178,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         waits = int(_header(request, WAITS_HEADER) or 0)
         first_refused = _header(request, FIRST_REFUSED_HEADER)
         token, waiter = f"{request.id}:{new_token()}", str(request.id)
+        asked_at = time.time()
         try:
             attempt = semaphore.try_acquire(token=token, waiter=waiter, label=self._label())
             inline_wait = self._option("semaphore_inline_wait", config.inline_wait)
@@ -191,7 +192,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             logger.warning("%s[%s] waits: Redis unavailable for %r: %s", self.name, request.id, semaphore.name, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
         now = time.time()
-        first_refused = float(first_refused) if first_refused is not None else now
+        first_refused = float(first_refused) if first_refused is not None else asked_at
         waited = max(0.0, now - first_refused)
         if isinstance(attempt, Granted):
             attempt.lease.family = self.semaphore_family()
@@ -314,7 +315,8 @@ def check_task_options(cls: type) -> None:
         from .config import parse_countdown
 
         parse_countdown(f"{name}.semaphore_countdown", options["semaphore_countdown"])
-    key = key_option(cls) if "semaphore_key" in options else None
+    # the key may be inherited from a base class: check it against every class that has a run
+    key = key_option(cls)
     if key is None or callable(key):
         return
     if not isinstance(key, str) or not key:

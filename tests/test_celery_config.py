@@ -216,3 +216,20 @@ def test_a_worker_refuses_to_start_with_a_bad_setting(tmp_path: Path) -> None:
         "@app.task(base=SemaphoreTask, semaphore_limit=1)\ndef limited(): pass\n",
     )
     assert "semaphore_countdown=(10, 2)" in log
+
+
+def test_an_inherited_key_template_is_checked_against_each_task() -> None:
+    """A template set on a SemaphoreTask subclass is checked against every task built on it."""
+    app = make_app()
+
+    class AccountTask(SemaphoreTask):  # type: ignore[misc]
+        semaphore_key = "api:{account}"
+        semaphore_limit = 2
+
+    @app.task(base=AccountTask, lazy=False)
+    def good(account: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="account"):
+
+        @app.task(base=AccountTask, lazy=False)
+        def bad(user: str) -> None: ...

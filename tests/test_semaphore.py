@@ -367,3 +367,28 @@ def test_a_negative_timeout_is_a_configuration_error(redis_client: redis.Redis) 
     """acquire(timeout=-1) is refused before touching Redis."""
     with pytest.raises(ConfigurationError, match="timeout"):
         FairSemaphore(redis_client, "x", 1).acquire(timeout=-1)
+
+
+def test_a_full_redis_is_unavailable_not_an_error(own_redis: RedisServer) -> None:
+    """Redis at maxmemory with noeviction refuses writes: that is RedisUnavailable (wait, fail
+    closed), not a generic failure."""
+    client = own_redis.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    with pytest.raises(RedisUnavailable, match="maxmemory"):
+        FairSemaphore(client, "full", 1).acquire(timeout=0)
+
+
+def test_the_hold_time_average_is_reported_to_waiters(redis_client: redis.Redis) -> None:
+    """Releases fold hold times (server time) into an average that refused tries report."""
+    semaphore = FairSemaphore(redis_client, "hold-average", 2)
+    timed, keeper = semaphore.acquire(timeout=0), semaphore.acquire(timeout=0)
+    time.sleep(0.2)  # the hold being measured
+    timed.release()
+    refill = semaphore.acquire(timeout=0)
+    refused = semaphore.try_acquire(waiter="w")
+    assert isinstance(refused, Waiting)
+    assert refused.hold_time is not None
+    assert 0.2 <= refused.hold_time < 2
+    keeper.release()
+    refill.release()

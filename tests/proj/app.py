@@ -49,14 +49,15 @@ def probe(key: str) -> ConcurrencyProbe:
 
 
 def _held(key: str, seconds: float, task_id: str) -> None:
+    """Run the limited "work", recording "<task id> <time>" at start and end."""
     p = probe(key)
     p.enter()
-    p.client.rpush(f"probe:{key}:starts", task_id)
+    p.client.rpush(f"probe:{key}:starts", f"{task_id} {time.time()}")
     try:
         time.sleep(seconds)  # the work being limited
     finally:
         p.leave()
-        p.client.rpush(f"probe:{key}:ends", task_id)
+        p.client.rpush(f"probe:{key}:ends", f"{task_id} {time.time()}")
 
 
 @app.task(base=SemaphoreTask, semaphore_limit=3, bind=True, name="proj.hold")
@@ -99,6 +100,13 @@ def rejected() -> None:
     raise Reject("no", requeue=False)
 
 
+@app.task(name="proj.unlimited", bind=True)
+def unlimited(self: Any, seconds: float, key: str) -> str:
+    """No semaphore: a baseline for the benchmarks (the worker's concurrency is the limit)."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
 @app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.sleepy", bind=True)
 def sleepy(self: Any, seconds: float, key: str = "proj.sleepy") -> str:
     """Holds its slot for a long time: for revoke, time-limit and kill tests."""
@@ -127,4 +135,4 @@ def _record_first_ask(task_id: str | None = None, task: Any = None, **_: Any) ->
     """The order in which tasks first asked for a slot (their first delivery), for fairness."""
     if isinstance(task, SemaphoreTask) and getattr(task.request, "semaphore_waits", None) is None:
         key = task.semaphore_key_for(tuple(task.request.args or ()), dict(task.request.kwargs or {}))
-        probe(key).client.rpush(f"probe:{key}:asks", task_id or "")
+        probe(key).client.rpush(f"probe:{key}:asks", f"{task_id} {time.time()}")
