@@ -25,9 +25,13 @@ JITTER = 0.2
 VISIBILITY_MARGIN = 0.5
 
 
-def expected_wait(waiting: Waiting) -> float | None:
-    """Seconds until this waiter's turn, or None while no hold time has been observed."""
-    releases_needed = waiting.position - waiting.free + 1
+def expected_wait(waiting: Waiting, *, among_present: bool = False) -> float | None:
+    """Seconds until this waiter's turn, or None while no hold time has been observed.
+
+    Counting every waiter ahead (``among_present=False``) gives when its turn comes if those
+    away come back in time; counting only present ones gives how soon a slot can reach it."""
+    position = waiting.turn if among_present and waiting.turn is not None else waiting.position
+    releases_needed = position - waiting.free + 1
     if releases_needed <= 0:
         return 0.0
     if waiting.hold_time is None:
@@ -36,13 +40,17 @@ def expected_wait(waiting: Waiting) -> float | None:
 
 
 def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
-    """Whether to wait for a release signal in-process rather than be re-sent."""
+    """Whether to wait for a release signal in-process rather than be re-sent.
+
+    Judged by the place among present waiters: waiters away on a countdown are passed by, so
+    what keeps a freed slot from idling is enough waiters present to take it."""
     if inline_wait <= 0:
         return False
-    expected = expected_wait(waiting)
+    expected = expected_wait(waiting, among_present=True)
     if expected is None:
         # nothing observed yet: only the waiters next in line stay, the rest make room
-        return waiting.position < waiting.limit
+        turn = waiting.position if waiting.turn is None else waiting.turn
+        return turn < waiting.limit
     return expected <= inline_wait
 
 

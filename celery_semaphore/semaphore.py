@@ -76,6 +76,8 @@ class Waiting:
     free: int  # free slots when the try ran (may be above 0 while older waiters are ahead)
     limit: int
     hold_time: float | None = None  # recent average seconds a holder kept its slot, if known
+    ticket: int | None = None  # the place-keeping ticket; None for a try that did not queue
+    turn: int | None = None  # 0-based place among present waiters (slots go by this)
 
     @property
     def granted(self) -> bool:
@@ -100,6 +102,7 @@ class WaiterInfo:
     ticket: int
     waited: float  # seconds since the waiter first asked
     must_ask_within: float  # seconds before it loses its place unless it asks again
+    present: bool  # asking now (True) or away on a countdown (False)
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,10 @@ class FairSemaphore:
         self.patience = check_seconds("patience", patience)
         base = f"{self.prefix}:{{{self.name}}}"
         # Order matters: the Lua scripts read KEYS by position (see lua/_lib.lua).
-        self.keys = [f"{base}:{part}" for part in ("holders", "queue", "seen", "ticket", "limit", "since")]
+        self.keys = [
+            f"{base}:{part}"
+           for part in ("holders", "queue", "seen", "ticket", "limit", "since", "present")
+        ]
         self.channel = f"{base}:wake"
         self._scripts = scripts_for(client)
 
@@ -246,6 +252,7 @@ class FairSemaphore:
         timeout: float | None,
         patience: float | None = None,
         label: str | None = None,
+        ticket: int | None = None,
     ) -> Attempt:
         """Try, then sleep on the wake-up channel and try again on every release, until granted
         or ``timeout`` seconds pass (None: no bound). Returns the last try; a waiter that runs
@@ -254,7 +261,9 @@ class FairSemaphore:
         patience_s = self.patience if patience is None else patience
         with self._wake_ups() as wait_for_wake_up:
             while True:
-                attempt = self.try_acquire(token=token, waiter=waiter, patience=patience_s, label=label)
+                attempt = self.try_acquire(token=token, waiter=waiter, patience=patience_s, label=label, ticket=ticket)
+                if isinstance(attempt, Waiting):
+                    ticket = attempt.ticket  # if the place ever lapses, come back to it
                 waited = time.monotonic() - started
                 if isinstance(attempt, Granted) or (timeout is not None and waited >= timeout):
                     return attempt
@@ -271,13 +280,15 @@ class FairSemaphore:
         patience: float | None = None,
         enqueue: bool = True,
         label: str | None = None,
+        ticket: int | None = None,
     ) -> Attempt:
         """One try, one round trip: Granted with a Lease, or Waiting with the place in line.
 
         Pass the same ``waiter`` on every try to keep the place in line; ``token`` names the
         slot if granted (a repeat with the same token is granted again, not twice). With
         ``enqueue=False`` a new waiter does not take a ticket: it gets a slot only if every
-        waiter in line would get one too.
+        waiter in line would get one too. A waiter that left the line (to sleep elsewhere, not
+        blocking those behind it) comes back to its old place by passing its old ``ticket``.
         """
         token = token or new_token()
         if waiter is None:
@@ -285,10 +296,11 @@ class FairSemaphore:
             waiter, enqueue = token, False
         label = default_label() if label is None else label
         patience_s = self.patience if patience is None else check_seconds("patience", patience)
-        granted, position, free, limit, hold_ms = self._run(
+        granted, position, free, limit, hold_ms, ticket_text, turn = self._run(
             "acquire",
             self._scripts.acquire,
-            [token, waiter, self.limit, to_ms(self.lease), to_ms(patience_s), int(enqueue), label],
+            [token, waiter, self.limit, to_ms(self.lease), to_ms(patience_s), int(enqueue), label,
+             "" if ticket is None else int(ticket)],
         )
         if granted == 1:
             lease = Lease(self, token, label=label)
@@ -296,12 +308,20 @@ class FairSemaphore:
             return Granted(lease)
         if granted == 0:
             hold_time = int(hold_ms) / 1000 if int(hold_ms) >= 0 else None
-            return Waiting(position=int(position), free=int(free), limit=int(limit), hold_time=hold_time)
+            ticket_value = int(float(ticket_text)) if _text(ticket_text) else None
+            return Waiting(
+                int(position), int(free), int(limit), hold_time=hold_time, ticket=ticket_value, turn=int(turn)
+            )
         raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {granted!r}", key=self.name)
 
-    def leave(self, waiter: str) -> bool:
-        """Give up a place in line at once, so those behind move up. True if it was in line."""
-        return bool(self._run("leave", self._scripts.leave, [waiter]))
+    def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
+        """Step out of line at once, so those behind move up. True if it was in line.
+
+        With ``away_for`` (seconds) the waiter keeps its place and shows in status while away,
+        but slots pass it by until it asks again; if it does not ask within ``away_for`` its
+        place lapses. A Celery task sleeping through a countdown steps away like this."""
+        away = "" if away_for is None else to_ms(check_seconds("away_for", away_for))
+        return bool(self._run("leave", self._scripts.leave, [waiter, away]))
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -357,15 +377,16 @@ class FairSemaphore:
                 )
             )
         waiter_list = []
-        for i in range(0, len(waiters), 4):
+        for i in range(0, len(waiters), 5):
             first_ask = _text(waiters[i + 3]) or str(now)
             waiter_list.append(
                 WaiterInfo(
                     waiter=_text(waiters[i]),
-                    position=i // 4,
+                    position=i // 5,
                     ticket=int(float(waiters[i + 1])),
                     waited=(now - int(first_ask)) / 1000,
                     must_ask_within=(float(waiters[i + 2]) - now) / 1000,
+                    present=bool(int(waiters[i + 4])),
                 )
             )
         return SemaphoreStatus(
@@ -406,7 +427,7 @@ class FairSemaphore:
         they end."""
         with self._redis_errors("reset"):
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(*(key for i, key in enumerate(self.keys) if i != 4))
+            pipe.delete(*(key for key in self.keys if key != self.keys[4]))
             pipe.publish(self.channel, "1")
             pipe.execute()
 

@@ -39,10 +39,11 @@ logger = logging.getLogger("celery_semaphore")
 # Message headers that carry a waiting task's history across re-sends.
 WAITS_HEADER = "semaphore_waits"
 FIRST_REFUSED_HEADER = "semaphore_first_refused"
+TICKET_HEADER = "semaphore_ticket"
 
-# A waiter re-sent with a countdown keeps its place this much longer than the countdown, to
-# cover the broker's delivery and a busy worker's delay in starting it.
-PATIENCE_SLACK = 15.0
+# A waiter away on a countdown keeps its place this much longer than the countdown, to cover
+# the broker's delivery and a busy worker's delay in starting it.
+AWAY_SLACK = 15.0
 
 # Releasing when Redis is unreachable: tries in the background, the lease is the backstop.
 RELEASE_TRIES = 5
@@ -125,7 +126,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             rule.limit,
             lease=self._option("semaphore_lease", config.lease),
             prefix=config.prefix,
-            patience=self.countdown_bounds(config)[1] + PATIENCE_SLACK,
         )
 
     def countdown_bounds(self, config: SemaphoreConfig) -> tuple[float, float]:
@@ -177,13 +177,18 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request = self.request
         waits = int(_header(request, WAITS_HEADER) or 0)
         first_refused = _header(request, FIRST_REFUSED_HEADER)
+        ticket = _header(request, TICKET_HEADER)
         token, waiter = f"{request.id}:{new_token()}", str(request.id)
         asked_at = time.time()
         try:
-            attempt = semaphore.try_acquire(token=token, waiter=waiter, label=self._label())
+            attempt = semaphore.try_acquire(
+                token=token, waiter=waiter, label=self._label(), ticket=int(ticket) if ticket else None
+            )
             inline_wait = self._option("semaphore_inline_wait", config.inline_wait)
             if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, inline_wait):
-                attempt = semaphore.wait_for_slot(token=token, waiter=waiter, timeout=inline_wait, label=self._label())
+                attempt = semaphore.wait_for_slot(
+                    token=token, waiter=waiter, timeout=inline_wait, label=self._label(), ticket=attempt.ticket
+                )
         except RedisUnavailable as error:
             if config.fail_open:
                 logger.warning("%s[%s] runs WITHOUT its semaphore %r (fail open): %s", self.name, request.id,
@@ -208,12 +213,20 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         )
         if max_wait is not None:
             countdown = max(1, min(countdown, round(max_wait - waited + 0.5)))
-        headers = {**(request.headers or {}), WAITS_HEADER: waits + 1, FIRST_REFUSED_HEADER: first_refused}
+        # Step away while asleep in the broker: a waiter that is not asking must not hold up
+        # those behind it. It keeps its place (and shows in status); should the place lapse, its
+        # ticket travels in the headers and puts it back where it was.
+        _leave_quietly(semaphore, waiter, away_for=countdown + AWAY_SLACK)
+        headers = {
+            **(request.headers or {}),
+            WAITS_HEADER: waits + 1,
+            FIRST_REFUSED_HEADER: first_refused,
+            TICKET_HEADER: attempt.ticket if attempt.ticket is not None else ticket,
+        }
         signature = self.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
         try:
             signature.apply_async()
         except Exception as error:
-            _leave_quietly(semaphore, waiter)
             raise SemaphoreError(f"could not re-send {self.name}[{request.id}] to wait for {semaphore.name!r}: "
                                  f"{error}", key=semaphore.name) from error
         raise Retry(
@@ -239,9 +252,9 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
-def _leave_quietly(semaphore: FairSemaphore, waiter: str) -> None:
+def _leave_quietly(semaphore: FairSemaphore, waiter: str, *, away_for: float | None = None) -> None:
     try:
-        semaphore.leave(waiter)
+        semaphore.leave(waiter, away_for=away_for)
     except SemaphoreError as error:
         logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)
 

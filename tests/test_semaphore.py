@@ -75,9 +75,13 @@ def test_waiters_get_slots_in_the_order_they_first_asked(redis_client: redis.Red
     whatever order they ask again in."""
     semaphore = FairSemaphore(redis_client, "fifo", 1, patience=30)
     holder = semaphore.acquire(timeout=0)
+    tickets = []
     for i in range(5):
         attempt = semaphore.try_acquire(waiter=f"w{i}")
-        assert attempt == Waiting(position=i, free=0, limit=1)
+        assert isinstance(attempt, Waiting)
+        assert (attempt.position, attempt.free, attempt.limit) == (i, 0, 1)
+        tickets.append(attempt.ticket)
+    assert tickets == sorted(tickets), "tickets grow with the order of first asks"
     holder.release()
     order = []
     while len(order) < 5:
@@ -113,6 +117,46 @@ def test_blocked_waiters_are_served_first_come_first_served(redis_client: redis.
     for thread in threads:
         thread.join(timeout=30)
     assert order == [0, 1, 2, 3]
+
+
+def test_a_waiter_that_left_comes_back_to_its_old_place(redis_client: redis.Redis) -> None:
+    """A waiter away from the line (a Celery countdown) blocks nobody, and on return its old
+    ticket puts it ahead of those who asked after it."""
+    semaphore = FairSemaphore(redis_client, "away", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    early = semaphore.try_acquire(waiter="early")
+    assert isinstance(early, Waiting) and early.ticket is not None
+    semaphore.leave("early")
+    later = semaphore.try_acquire(waiter="later")
+    assert isinstance(later, Waiting) and later.position == 0, "nobody ahead while early is away"
+    back = semaphore.try_acquire(waiter="early", ticket=early.ticket)
+    assert isinstance(back, Waiting) and back.position == 0
+    assert semaphore.try_acquire(waiter="later").position == 1  # type: ignore[union-attr]
+    holder.release()
+    granted = semaphore.try_acquire(waiter="early", ticket=early.ticket)
+    assert isinstance(granted, Granted)
+    granted.lease.release()
+
+
+def test_an_away_waiter_keeps_its_place_but_holds_up_nobody(redis_client: redis.Redis) -> None:
+    """Stepping away keeps the place (status shows it, positions count it), slots pass it by
+    meanwhile, and on return it is ahead of those who asked after it."""
+    semaphore = FairSemaphore(redis_client, "step-away", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    assert isinstance(semaphore.try_acquire(waiter="sleeper"), Waiting)
+    semaphore.leave("sleeper", away_for=30)
+    behind = semaphore.try_acquire(waiter="behind")
+    assert isinstance(behind, Waiting) and behind.position == 1
+    status = semaphore.status()
+    assert [(w.waiter, w.present) for w in status.waiters] == [("sleeper", False), ("behind", True)]
+    holder.release()
+    passed_by = semaphore.try_acquire(waiter="behind")
+    assert isinstance(passed_by, Granted), "the slot does not idle for an away waiter"
+    back = semaphore.try_acquire(waiter="sleeper")
+    assert isinstance(back, Waiting) and back.position == 0
+    passed_by.lease.release()
+    assert isinstance(semaphore.try_acquire(waiter="sleeper"), Granted)
+    semaphore.release_holders_with_prefix("")
 
 
 def test_a_newcomer_trying_once_cannot_jump_the_line(redis_client: redis.Redis) -> None:

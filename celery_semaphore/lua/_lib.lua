@@ -4,17 +4,21 @@
 -- Key schema (the same KEYS positions in every script; all keys of one semaphore share one
 -- Redis Cluster hash tag, "{prefix}:{<key>}:..."):
 --   KEYS[1] holders  ZSET  holder token -> lease deadline (server time, ms)
---   KEYS[2] queue    ZSET  waiter id -> ticket (from KEYS[4]); rank = place in line
+--   KEYS[2] queue    ZSET  waiter id -> ticket (first-ask server ms * 1024 + counter); rank = place in line
 --   KEYS[3] seen     ZSET  waiter id -> deadline by which the waiter must ask again (ms)
---   KEYS[4] ticket   STRING the ticket counter (INCR)
+--   KEYS[4] ticket   STRING the counter that orders tickets taken in the same millisecond (INCR)
 --   KEYS[5] limit    STRING runtime limit override, if any
---   KEYS[6] since    HASH  "h:<token>" -> "<granted ms>|<label>", "w:<waiter>" -> "<first ask ms>"
+--   KEYS[6] since    HASH  "h:<token>" -> "<granted ms>|<label>", "w:<waiter>" -> "<first ask ms>",
+--                         "hold" -> moving average of hold times (ms)
+--   KEYS[7] present  ZSET  waiter id -> ticket, for waiters asking now (not away on a countdown):
+--                         slots go to present waiters in ticket order; an away waiter keeps its
+--                         place in KEYS[2] but holds up nobody until it is back
 -- ARGV[1] is always the wake-up channel; PUBLISH on it tells blocked waiters to ask again.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.
 
-local K_HOLDERS, K_QUEUE, K_SEEN, K_TICKET, K_LIMIT, K_SINCE =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local K_HOLDERS, K_QUEUE, K_SEEN, K_TICKET, K_LIMIT, K_SINCE, K_PRESENT =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local CHANNEL = ARGV[1]
 -- keys outlive the last deadline by this much, so a reader right at the deadline sees a
 -- consistent set instead of half-expired keys
@@ -49,6 +53,7 @@ local function purge(now)
   if #gone > 0 then
     redis.call('ZREMRANGEBYSCORE', K_SEEN, '-inf', now)
     remove_members('ZREM', K_QUEUE, gone, '')
+    remove_members('ZREM', K_PRESENT, gone, '')
     remove_members('HDEL', K_SINCE, gone, 'w:')
   end
   return #dead + #gone
@@ -89,4 +94,14 @@ local function touch()
   redis.call('PEXPIREAT', K_SEEN, at)
   redis.call('PEXPIREAT', K_TICKET, at)
   redis.call('PEXPIREAT', K_SINCE, at)
+  redis.call('PEXPIREAT', K_PRESENT, at)
+end
+
+-- Take a waiter out of the line entirely.
+local function drop_waiter(waiter)
+  local left = redis.call('ZREM', K_QUEUE, waiter)
+  redis.call('ZREM', K_SEEN, waiter)
+  redis.call('ZREM', K_PRESENT, waiter)
+  redis.call('HDEL', K_SINCE, 'w:' .. waiter)
+  return left
 end

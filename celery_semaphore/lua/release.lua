@@ -1,5 +1,5 @@
 -- release: give a slot back.
---   KEYS    the six semaphore keys (see _lib.lua)
+--   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] wake-up channel
 --   ARGV[2] token
 -- Returns 1 if token held a slot and now does not; 0 if its lease was already gone (expired,

@@ -1,5 +1,5 @@
 -- renew: extend the leases of several holders of one semaphore in one round trip.
---   KEYS    the six semaphore keys (see _lib.lua)
+--   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] wake-up channel
 --   ARGV[2] lease_ms  new lease length, counted from now
 --   ARGV[3] limit     the limit to apply when no runtime override is stored

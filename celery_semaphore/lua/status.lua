@@ -1,10 +1,11 @@
 -- status: a read-only snapshot of one semaphore, for the CLI and metrics. Writes nothing, so
 -- expired entries are filtered here rather than purged.
---   KEYS    the six semaphore keys (see _lib.lua; not prepended: this script writes nothing)
+--   KEYS    the semaphore keys (see _lib.lua; not prepended: this script writes nothing)
 --   ARGV[1] at most this many holders and waiters are listed (counts are always exact)
 -- Returns {now_ms, override or false, holder_count, waiter_count, holders, waiters}:
 --   holders  flat list: token, lease deadline ms, since value ("<granted ms>|<label>")
---   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms; in line order
+--   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms, present (1) or away (0);
+--            in line order
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -33,6 +34,7 @@ for i = 1, #line, 2 do
       waiters[#waiters + 1] = line[i + 1]
       waiters[#waiters + 1] = seen
       waiters[#waiters + 1] = redis.call('HGET', KEYS[6], 'w:' .. line[i]) or ''
+      waiters[#waiters + 1] = redis.call('ZSCORE', KEYS[7], line[i]) and 1 or 0
     end
   end
 end

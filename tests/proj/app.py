@@ -33,7 +33,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=600,
     # limits from configuration only (no semaphore_limit in code for these)
-    semaphore_limits={"crawl:*": 2, "proj.config_only": 2},
+    semaphore_limits={"crawl:*": 2, "proj.config_only": 2, "bench:*": 3},
 )
 app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
 
@@ -70,6 +70,13 @@ def hold(self: Any, seconds: float, key: str = "proj.hold") -> str:
 def crawl(self: Any, host: str, seconds: float) -> str:
     _held(f"crawl:{host}", seconds, self.request.id)
     return host
+
+
+@limit_concurrency(key="bench:{name}", app=app, bind=True, name="proj.keyed")
+def keyed(self: Any, seconds: float, name: str) -> str:
+    """Limited per name by the bench:* glob; for the benchmarks."""
+    _held(f"bench:{name}", seconds, self.request.id)
+    return str(self.request.id)
 
 
 @app.task(base=SemaphoreTask, name="proj.config_only", bind=True)
