@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from celery_semaphore import FairSemaphore, SemaphoreUnavailable
@@ -117,6 +118,23 @@ def test_the_tasks_own_retry_releases_and_runs_again(proj: Any) -> None:
     wait_until(lambda: holders(proj, "proj.own_retry") == 0, timeout=10, what="release")
 
 
+def test_a_soft_time_limit_releases_at_once(proj: Any) -> None:
+    """SoftTimeLimitExceeded raised in the body gives the slot back through the finally."""
+    result = send(proj.soft_limited)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=60)
+    wait_until(lambda: holders(proj, "proj.soft_limited") == 0, timeout=10, what="the slot back")
+
+
+def test_a_hard_time_limit_releases_through_the_worker_parent(proj: Any) -> None:
+    """A child killed by its hard time limit runs no finally; the worker's parent releases by
+    task id, long before the 60 s lease would."""
+    result = send(proj.hard_limited)
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=60)
+    wait_until(lambda: holders(proj, "proj.hard_limited") == 0, timeout=10, what="the slot back")
+
+
 def test_revoke_with_terminate_releases_at_once(proj: Any) -> None:
     """revoke(terminate=True) of a running holder frees its slot long before its 60 s lease."""
     key = "revoke-me"
@@ -168,15 +186,19 @@ def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
         blocker.release()
 
 
-def test_a_long_task_keeps_its_slot_past_its_lease(celery_stack: CeleryStack) -> None:
-    """A task running 5x its 1 s lease keeps the slot: the renewer in the pool child renews it."""
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+def test_a_long_task_keeps_its_slot_past_its_lease(celery_stack: CeleryStack, pool: str) -> None:
+    """A task running 5x its 1 s lease keeps the slot: the renewer in the pool process renews it
+    (prefork child, threads pool, solo pool)."""
     import tests.proj.app as proj
 
-    env = {**celery_stack.env, "PROJ_QUEUE": "long"}
-    worker = Worker(env, name="long", concurrency=2, conf={"semaphore_lease": 1}).start()
+    queue = f"long-{pool}"
+    env = {**celery_stack.env, "PROJ_QUEUE": queue}
+    concurrency = 1 if pool == "solo" else 2
+    worker = Worker(env, name=queue, concurrency=concurrency, pool=pool, conf={"semaphore_lease": 1}).start()
     try:
-        key = "long-task"
-        results = [proj.sleepy.apply_async((5, key), queue="long") for _ in range(2)]
+        key = f"long-task-{pool}"
+        results = [proj.sleepy.apply_async((5, key), queue=queue) for _ in range(2)]
         wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the first to run")
         for r in results:
             assert r.get(timeout=60) == "woke"

@@ -143,3 +143,17 @@ def _record_first_ask(task_id: str | None = None, task: Any = None, **_: Any) ->
     if isinstance(task, SemaphoreTask) and getattr(task.request, "semaphore_waits", None) is None:
         key = task.semaphore_key_for(tuple(task.request.args or ()), dict(task.request.kwargs or {}))
         probe(key).client.rpush(f"probe:{key}:asks", f"{task_id} {time.time()}")
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.soft_limited", bind=True, soft_time_limit=0.5)
+def soft_limited(self: Any) -> str:
+    """Overruns its soft time limit: SoftTimeLimitExceeded is raised inside the body."""
+    _held("proj.soft_limited", 30, self.request.id)
+    return "not reached"
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.hard_limited", bind=True, time_limit=1)
+def hard_limited(self: Any) -> str:
+    """Overruns its hard time limit: the pool child is killed, no finally runs."""
+    _held("proj.hard_limited", 30, self.request.id)
+    return "not reached"
