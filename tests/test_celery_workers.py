@@ -254,3 +254,24 @@ def test_fail_closed_when_the_semaphore_redis_is_down(celery_stack: CeleryStack,
         celery_stack.semaphore.start()
     assert result.get(timeout=120) == "woke"
     assert proj.probe(key).entries == 1
+
+
+def test_fail_open_runs_the_task_unprotected_with_a_warning(celery_stack: CeleryStack) -> None:
+    """With semaphore_fail_open and no Redis at the semaphore URL, the task runs, and the worker
+    logs that it ran without its semaphore."""
+    import tests.proj.app as proj
+
+    from .redis_server import free_port
+
+    env = {
+        **celery_stack.env,
+        "PROJ_QUEUE": "fail-open",
+        "PROJ_SEMAPHORE_URL": f"redis://127.0.0.1:{free_port()}/1",  # nothing listens there
+    }
+    worker = Worker(env, name="fail-open", concurrency=1, conf={"semaphore_fail_open": True}).start()
+    try:
+        result = proj.sleepy.apply_async((0.1, "fail-open"), queue="fail-open")
+        assert result.get(timeout=60) == "woke"
+        assert "WITHOUT its semaphore" in worker.log()
+    finally:
+        worker.stop()
