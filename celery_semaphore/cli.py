@@ -192,14 +192,14 @@ class Report:
 
 
 def report(catalogue: Catalogue, key: str) -> Report:
-    """Read one semaphore: status() plus the limit's source (two round trips with an override)."""
+    """Read one semaphore: status() (one round trip) plus where its limit comes from."""
     task = catalogue.task_for(key)
     rule = catalogue.configured_limit(key, task)
     semaphore = catalogue.semaphore(key, rule)
     status: SemaphoreStatus = semaphore.status()
     override = None
     if status.limit_source == "override":
-        override = {"limit": status.limit, "expires_in": _override_ttl(semaphore)}
+        override = {"limit": status.limit, "expires_in": status.override_expires_in}
         limit, source = status.limit, OVERRIDE
     elif rule is not None:
         limit, source = rule.limit, rule.source
@@ -218,17 +218,6 @@ def report(catalogue: Catalogue, key: str) -> Report:
         holders=status.holders,
         waiters=status.waiters,
     )
-
-
-def _override_ttl(semaphore: FairSemaphore) -> float | None:
-    """Seconds the runtime override has left; None when it is kept until cleared."""
-    try:
-        ms = int(semaphore.client.pttl(semaphore.keys[4]))
-    except redis.RedisError as error:
-        raise SemaphoreError(f"reading the limit of {semaphore.name!r}: {error}", key=semaphore.name) from error
-    if ms == -1:
-        return None
-    return max(ms, 0) / 1000
 
 
 # -- formatting -----------------------------------------------------------------------------
@@ -290,8 +279,13 @@ def detail_lines(r: Report) -> list[str]:
     else:
         lines.append("holders: none")
     if r.waiters:
-        rows = [[str(w.position), w.waiter, duration(w.waited), duration(w.must_ask_within)] for w in r.waiters]
-        lines += ["waiters:", *table(["POS", "WAITER", "WAITED", "MUST ASK WITHIN"], rows, indent="  ")]
+        # "away": re-sent with a countdown, so it keeps its place but holds up nobody until it asks again
+        rows = [
+            [str(w.position), w.waiter, "asking" if w.present else "away", duration(w.waited),
+             duration(w.must_ask_within)]
+            for w in r.waiters
+        ]
+        lines += ["waiters:", *table(["POS", "WAITER", "STATE", "WAITED", "MUST ASK WITHIN"], rows, indent="  ")]
         if r.waiter_count > len(r.waiters):
             lines.append(f"  ... and {r.waiter_count - len(r.waiters)} more")
     else:

@@ -114,6 +114,7 @@ class SemaphoreStatus:
     waiter_count: int
     holders: list[HolderInfo]  # at most STATUS_LISTING_LIMIT entries, oldest deadline first
     waiters: list[WaiterInfo]  # at most STATUS_LISTING_LIMIT entries, in line order
+    override_expires_in: float | None = None  # seconds a ttl'd override has left; None: no ttl
 
 
 class Lease:
@@ -361,7 +362,7 @@ class FairSemaphore:
 
     def status(self) -> SemaphoreStatus:
         """The limit in force, the holders and the line, from one read-only script."""
-        now, override, holder_count, waiter_count, holders, waiters = self._run(
+        now, override, holder_count, waiter_count, holders, waiters, override_ttl = self._run(
             "status", self._scripts.status, [STATUS_LISTING_LIMIT], channel=False
         )
         now = int(now)
@@ -397,6 +398,7 @@ class FairSemaphore:
             waiter_count=int(waiter_count),
             holders=holder_list,
             waiters=waiter_list,
+            override_expires_in=int(override_ttl) / 1000 if int(override_ttl) >= 0 else None,
         )
 
     def set_limit(self, limit: int, *, ttl: float | None = None) -> None:
@@ -423,8 +425,9 @@ class FairSemaphore:
 
     def reset(self) -> None:
         """Forget every holder and waiter (the limit override stays). For operators recovering
-        from a mistake: running holders no longer count, so the limit can be exceeded until
-        they end."""
+        from a mistake, such as holders left by a test run against the wrong Redis. Holders that
+        are still running register again at their next renewal while slots are free; those that
+        find no free slot run uncounted (and are logged as lost) until they end."""
         with self._redis_errors("reset"):
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(*(key for key in self.keys if key != self.keys[4]))

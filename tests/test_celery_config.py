@@ -109,7 +109,7 @@ def test_a_key_template_naming_a_missing_argument_fails_at_declaration() -> None
     app = make_app()
     with pytest.raises(ConfigurationError) as caught:
 
-        @limit_concurrency(3, key="crawl:{hostname}", app=app)
+        @limit_concurrency(3, key="crawl:{hostname}", app=app, shared=False)
         def crawl(host: str, path: str) -> None: ...
 
     assert "hostname" in str(caught.value)
@@ -121,7 +121,9 @@ def test_app_task_with_a_bad_template_fails_when_the_task_is_created() -> None:
     app = make_app()
     with pytest.raises(ConfigurationError, match="missing"):
 
-        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key="k:{missing}", lazy=False)
+        @app.task(
+            base=SemaphoreTask, semaphore_limit=1, semaphore_key="k:{missing}", lazy=False, shared=False
+        )
         def work(present: int) -> None: ...
 
 
@@ -141,7 +143,7 @@ def test_bad_task_options_fail_at_declaration(option: str, value: Any) -> None:
     app = make_app()
     with pytest.raises(ConfigurationError) as caught:
 
-        @app.task(base=SemaphoreTask, lazy=False, name="cfg.bad", **{option: value})
+        @app.task(base=SemaphoreTask, lazy=False, shared=False, name="cfg.bad", **{option: value})
         def bad() -> None: ...
 
     assert caught.value.setting == f"cfg.bad.{option}"
@@ -157,13 +159,15 @@ def test_keys_from_templates_positional_fields_and_functions() -> None:
     """A key is the task name, a template over bound arguments (defaults included), or a function."""
     app = make_app()
 
-    @limit_concurrency(2, key="crawl:{host}:{0}:{depth}", app=app, lazy=False)
+    @limit_concurrency(2, key="crawl:{host}:{0}:{depth}", app=app, lazy=False, shared=False)
     def crawl(host: str, path: str, depth: int = 1) -> None: ...
 
-    @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key=lambda a, k: f"fn:{a[0]}", lazy=False)
+    @app.task(
+        base=SemaphoreTask, semaphore_limit=1, semaphore_key=lambda a, k: f"fn:{a[0]}", lazy=False, shared=False
+    )
     def by_function(x: int) -> None: ...
 
-    @app.task(base=SemaphoreTask, semaphore_limit=1, lazy=False, name="cfg.plain")
+    @app.task(base=SemaphoreTask, semaphore_limit=1, lazy=False, shared=False, name="cfg.plain")
     def plain() -> None: ...
 
     assert crawl.semaphore_key_for(("a.org", "/x"), {}) == "crawl:a.org:a.org:1"
@@ -176,7 +180,7 @@ def test_calling_the_function_directly_bypasses_the_semaphore() -> None:
     """task(...) in plain code runs the body without Redis (the backend here does not exist)."""
     app = make_app(semaphore_backend_url="redis://127.0.0.1:1/0")
 
-    @limit_concurrency(1, app=app, lazy=False)
+    @limit_concurrency(1, app=app, lazy=False, shared=False)
     def add(a: int, b: int) -> int:
         return a + b
 
@@ -226,10 +230,10 @@ def test_an_inherited_key_template_is_checked_against_each_task() -> None:
         semaphore_key = "api:{account}"
         semaphore_limit = 2
 
-    @app.task(base=AccountTask, lazy=False)
+    @app.task(base=AccountTask, lazy=False, shared=False)
     def good(account: str) -> None: ...
 
     with pytest.raises(ConfigurationError, match="account"):
 
-        @app.task(base=AccountTask, lazy=False)
+        @app.task(base=AccountTask, lazy=False, shared=False)
         def bad(user: str) -> None: ...

@@ -24,7 +24,7 @@ def test_eager_tasks_hold_the_limit_across_threads(redis_server: RedisServer) ->
     app = eager_app(redis_server)
     probe = ConcurrencyProbe(redis_server.client(db=1))
 
-    @limit_concurrency(2, app=app, lazy=False)
+    @limit_concurrency(2, app=app, lazy=False, shared=False)
     def work(i: int) -> int:
         probe.enter()
         try:
@@ -46,7 +46,7 @@ def test_an_eager_task_past_its_max_wait_raises_semaphore_unavailable(redis_serv
     """An eager call that cannot get a slot within semaphore_max_wait fails instead of recursing."""
     app = eager_app(redis_server)
 
-    @limit_concurrency(1, app=app, lazy=False, semaphore_max_wait=0.3, name="eager.blocked")
+    @limit_concurrency(1, app=app, lazy=False, shared=False, semaphore_max_wait=0.3, name="eager.blocked")
     def blocked() -> str:
         return "ran"
 

@@ -2,10 +2,11 @@
 -- expired entries are filtered here rather than purged.
 --   KEYS    the semaphore keys (see _lib.lua; not prepended: this script writes nothing)
 --   ARGV[1] at most this many holders and waiters are listed (counts are always exact)
--- Returns {now_ms, override or false, holder_count, waiter_count, holders, waiters}:
+-- Returns {now_ms, override or false, holder_count, waiter_count, holders, waiters, override_ttl_ms}:
 --   holders  flat list: token, lease deadline ms, since value ("<granted ms>|<label>")
 --   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms, present (1) or away (0);
 --            in line order
+--   override_ttl_ms  ms the override has left; -1 kept until cleared; -2 no override
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -39,4 +40,5 @@ for i = 1, #line, 2 do
   end
 end
 
-return {now, override or false, redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf'), waiting, holders, waiters}
+return {now, override or false, redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf'), waiting, holders, waiters,
+        redis.call('PTTL', KEYS[5])}
