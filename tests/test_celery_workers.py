@@ -226,18 +226,20 @@ def test_sigkill_of_a_worker_frees_its_slot_within_the_lease_and_the_task_reruns
         },
     }
     victim = Worker(env, name="victim", concurrency=1, conf=conf).start()
-    key = "crash"
-    result = proj.sleepy.apply_async((3, key), queue="crash", acks_late=True)
-    wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the task to hold its slot")
-    victim.kill()
-    killed_at = time.monotonic()
-    wait_until(lambda: holders(proj, "proj.sleepy") == 0, timeout=10, what="the lease to expire")
-    assert time.monotonic() - killed_at < 2 + 1.5
-    rescuer = Worker(env, name="rescuer", concurrency=1, conf=conf).start()
+    rescuer = Worker(env, name="rescuer", concurrency=1, conf=conf)
     try:
+        key = "crash"
+        result = proj.sleepy.apply_async((3, key), queue="crash", acks_late=True)
+        wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the task to hold its slot")
+        victim.kill()
+        killed_at = time.monotonic()
+        wait_until(lambda: holders(proj, "proj.sleepy") == 0, timeout=10, what="the lease to expire")
+        assert time.monotonic() - killed_at < 2 + 1.5
+        rescuer.start()
         assert result.get(timeout=90) == "woke"
         assert proj.probe(key).entries == 2, "run once before the crash and once after"
     finally:
+        victim.kill()
         rescuer.stop()
 
 

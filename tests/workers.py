@@ -7,6 +7,7 @@ shutdown with SIGTERM, or SIGKILL of the parent and its pool children to play a 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -20,6 +21,15 @@ from typing import Any
 from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# every worker this process started, so none outlives the test run whatever a test does
+_started: list[Worker] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for worker in _started:
+        worker.kill()
 
 
 class Worker:
@@ -58,6 +68,7 @@ class Worker:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, env=self.env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
             )
+        _started.append(self)
         if wait_ready:
             wait_until(self._ready_or_dead, timeout=60, interval=0.05, what=f"worker {self.name} ready")
             if self.process.poll() is not None:
@@ -101,7 +112,7 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool children at once: a crash, no cleanup runs."""
-        if self.process is None:
+        if self.process is None or self.process.poll() is not None:
             return
         for pid in [self.process.pid, *self.children()]:
             with contextlib.suppress(ProcessLookupError):

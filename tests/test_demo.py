@@ -1,0 +1,236 @@
+"""The demo (``python -m example_project``) end to end, as a user runs it: a subprocess on its
+embedded Redis, with real ``celery worker`` subprocesses.
+
+Besides its exit code and what it reports, each test checks that the demo leaves no process
+behind. Two independent ways find the processes it caused: the demo writes the id of each one
+it starts (Redis, worker parents, pool processes) to the file named by
+``CELERY_SEMAPHORE_DEMO_PIDFILE``, and every descendant inherits a marker in its environment
+that this test sets and then looks for in ``/proc/*/environ``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from .redis_server import RedisServer
+from .waiting import wait_until
+
+pytest.importorskip("rich", reason="the demo needs the demo extra: pip install -e '.[demo]'")
+pytest.importorskip("matplotlib", reason="the demo needs the demo extra: pip install -e '.[demo]'")
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER_VAR = "CELERY_SEMAPHORE_DEMO_TEST_MARKER"
+PIDFILE_VAR = "CELERY_SEMAPHORE_DEMO_PIDFILE"
+RUN_TIMEOUT = 240.0
+HOSTS = ("alpha.test", "beta.test", "gamma.test")
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an exited child nobody reaped yet is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _marked(marker: str) -> set[int]:
+    """Live processes whose environment carries this test's marker."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (entry / "environ").read_bytes().split(b"\0") and _alive(int(entry.name)):
+                found.add(int(entry.name))
+    return found
+
+
+@dataclass
+class DemoRun:
+    """One ``python -m example_project`` subprocess, its output and the processes it caused."""
+
+    cwd: Path
+    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    process: subprocess.Popen[str] | None = None
+    lines: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pidfile(self) -> Path:
+        return self.cwd / "demo-pids.txt"
+
+    def env(self) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "CELERY_SEMAPHORE_DEMO")}
+        pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        # TMPDIR: the demo's logs (kept when it fails) land in this test's own directory
+        return {**env, "PYTHONPATH": pythonpath, MARKER_VAR: self.marker, PIDFILE_VAR: str(self.pidfile),
+                "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.cwd), **self.extra_env}
+
+    def start(self, *args: str) -> DemoRun:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "example_project", *args], cwd=self.cwd, env=self.env(),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        code = self.process.wait(timeout=timeout)
+        self._close_output()
+        return code
+
+    def _close_output(self) -> None:
+        """Let the reader drain the pipe, then close it (the demo and its children are gone)."""
+        if self.reader is not None:
+            self.reader.join(timeout=10)
+        if self.process is not None and self.process.stdout is not None and not self.reader_alive:
+            self.process.stdout.close()
+
+    @property
+    def reader_alive(self) -> bool:
+        return self.reader is not None and self.reader.is_alive()
+
+    def started_pids(self) -> set[int]:
+        try:
+            return {int(line) for line in self.pidfile.read_text().split()}
+        except FileNotFoundError:
+            return set()
+
+    def leftovers(self) -> set[int]:
+        """Processes the demo caused that are still alive."""
+        return {pid for pid in self.started_pids() if _alive(pid)} | _marked(self.marker)
+
+    def kill_leftovers(self) -> None:
+        """After a failed test: SIGKILL what this run left, so one failure does not leak into
+        the next test (only processes that carry this run's marker or that it recorded)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        for pid in self.leftovers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._close_output()
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[DemoRun]:
+    run = DemoRun(cwd=tmp_path)
+    yield run
+    run.kill_leftovers()
+
+
+def _assert_nothing_left(run: DemoRun) -> None:
+    assert run.started_pids(), f"the demo recorded no process ids:\n{run.output}"
+    wait_until(lambda: not run.leftovers(), timeout=10, interval=0.1,
+               what=f"every process of the demo to be gone (left: {sorted(run.leftovers())})")
+
+
+def _assert_checks_hold(output: str) -> None:
+    assert re.search(r"^check: demo\.call_api: 0 answered 429, peak [0-4] of limit 4 \.\.\. ok$", output, re.M), output
+    contrast = re.search(r"^check: paid-api \(no semaphore\), the contrast: (\d+) answered 429", output, re.M)
+    assert contrast is not None, output
+    assert int(contrast.group(1)) > 0, output
+    for host in HOSTS:
+        key = re.escape(f"crawl:{host}")
+        assert re.search(rf"^check: {key}: 0 violations, peak \d+ of limit \d+ \.\.\. ok$", output, re.M), output
+        assert re.search(rf"^check: {key}: (\d+)/\1 pages crawled \.\.\. ok$", output, re.M), output
+    assert re.search(r"^check: task failures: 0 \.\.\. ok$", output, re.M), output
+
+
+def test_quick_demo_passes_every_check_and_leaves_nothing_behind(demo: DemoRun) -> None:
+    """The quick demo exits 0, reports 429s only without the semaphore and no robots.txt
+    violation on any host, writes its chart into the cwd, and leaves no process behind."""
+    code = demo.start("--quick", "--no-live").wait(timeout=RUN_TIMEOUT)
+    output = demo.output
+    assert code == 0, output
+    assert "embedded redis-server" in output
+    _assert_checks_hold(output)
+    chart = demo.cwd / "demo-concurrency.png"
+    assert f"chart: {chart}" in output
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert chart.stat().st_size > 10_000
+    _assert_nothing_left(demo)
+
+
+def _all_keys(server: RedisServer) -> dict[int, list[bytes]]:
+    """Every key of the first 16 databases (the demo uses the URL's db; it must touch no other)."""
+    keys = {}
+    for db in range(16):
+        with server.client(db=db) as client:
+            keys[db] = sorted(client.keys())
+    return keys
+
+
+def test_with_redis_url_the_demo_deletes_its_own_keys_and_nothing_else(demo: DemoRun, own_redis: RedisServer) -> None:
+    """Given REDIS_URL, the demo runs on that Redis under a prefix of its own and at the end has
+    deleted every key it wrote while the keys already there are untouched."""
+    with own_redis.client(db=0) as users, own_redis.client(db=1) as jobs:
+        users.set("users:precious", "keep")
+        jobs.set("jobs:precious", "keep")
+    before = _all_keys(own_redis)
+    demo.extra_env = {"REDIS_URL": f"redis://127.0.0.1:{own_redis.port}/0"}
+    code = demo.start("--quick", "--no-live").wait(timeout=RUN_TIMEOUT)
+    assert code == 0, demo.output
+    assert "(REDIS_URL), every key of this run under celery-semaphore-demo:" in demo.output
+    _assert_checks_hold(demo.output)
+    after = _all_keys(own_redis)
+    assert after == before
+    _assert_nothing_left(demo)
+
+
+@pytest.mark.parametrize(
+    ("trigger", "signum"),
+    [
+        pytest.param("paid API on http://", signal.SIGINT, id="SIGINT-while-workers-start"),
+        pytest.param("calls with the semaphore", signal.SIGINT, id="SIGINT-while-tasks-run"),
+        pytest.param("Story 2: polite crawler", signal.SIGTERM, id="SIGTERM-while-crawling"),
+    ],
+)
+def test_a_signal_stops_the_demo_promptly_and_leaves_nothing_behind(
+    demo: DemoRun, trigger: str, signum: signal.Signals
+) -> None:
+    """A signal in the middle of a run makes the demo stop its workers and Redis and exit with
+    128 + the signal number within seconds, leaving no process behind."""
+    demo.start("--quick", "--no-live")
+    wait_until(lambda: trigger in demo.output or demo.process is None or demo.process.poll() is not None,
+               timeout=RUN_TIMEOUT, interval=0.02, what=f"the demo to print {trigger!r}")
+    assert demo.process is not None
+    assert demo.process.poll() is None, f"the demo ended before the signal:\n{demo.output}"
+    demo.process.send_signal(signum)
+    sent = time.monotonic()
+    code = demo.wait(timeout=30)
+    took = time.monotonic() - sent
+    assert code == 128 + signum, demo.output
+    assert "interrupted" in demo.output, demo.output
+    assert took < 15, f"took {took:.1f} s to stop:\n{demo.output}"
+    _assert_nothing_left(demo)
