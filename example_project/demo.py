@@ -1,0 +1,510 @@
+"""The demo's orchestrator: ``python -m example_project [--quick] [--no-live]``.
+
+It starts everything it needs (a Redis unless ``REDIS_URL`` is set, the two local HTTP servers,
+two real ``celery worker`` subprocesses), tells the two stories, shows what happened (a live
+view of each semaphore while the tasks run, a summary table, a PNG chart), and stops everything
+again, also on Ctrl-C and on errors. The exit code is 0 only when every check held: no 429 and
+no robots.txt violation wherever the semaphore was in charge, and all the work done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .embedded_redis import EmbeddedRedis
+from .processes import Interrupted, WorkerProcess, guard
+from .report import KeyResult, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
+from .servers import CrawlSiteServer, PaidApiServer, SiteSpec
+from .settings import DemoSettings, Keys
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CHART_NAME = "demo-concurrency.png"
+# Set by tests: the demo appends the id of every process it starts (or causes to start) here.
+PIDFILE_ENV = "CELERY_SEMAPHORE_DEMO_PIDFILE"
+
+WORKERS = 2
+WORKER_CONCURRENCY = 4
+WORKER_READY_TIMEOUT = 60.0
+PHASE_TIMEOUT = 60.0
+# Warm shutdown gets this long before the worker's whole process group is SIGKILLed.
+STOP_TIMEOUT = 10.0
+STOP_TIMEOUT_INTERRUPTED = 3.0
+REFRESH = 0.2
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Sizes of one run. Service times are short and counts small so the whole demo stays
+    well under a minute, yet long enough that 8 pool processes overlap on a busy 2-core box."""
+
+    api_limit: int
+    api_calls: int
+    api_service: float
+    sites: dict[str, SiteSpec] = field(default_factory=dict)
+
+
+FULL = Scenario(
+    api_limit=4, api_calls=40, api_service=0.3,
+    sites={
+        "alpha.test": SiteSpec(max_concurrent=1, pages=8, service_time=0.25),
+        "beta.test": SiteSpec(max_concurrent=2, pages=16, service_time=0.25),
+        "gamma.test": SiteSpec(max_concurrent=3, pages=24, service_time=0.25),
+    },
+)
+QUICK = Scenario(
+    api_limit=4, api_calls=20, api_service=0.2,
+    sites={
+        "alpha.test": SiteSpec(max_concurrent=1, pages=4, service_time=0.15),
+        "beta.test": SiteSpec(max_concurrent=2, pages=8, service_time=0.15),
+        "gamma.test": SiteSpec(max_concurrent=3, pages=12, service_time=0.15),
+    },
+)
+
+
+@dataclass
+class Row:
+    """One line of the live view."""
+
+    key: str
+    limit: str
+    running: int
+    waiting: str
+    done: int
+    total: int
+    rejected: int
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What the stories need once everything runs: the wiring, the Celery app's module, the
+    client for the tasks' records and the two servers."""
+
+    settings: DemoSettings
+    keys: Keys
+    tasks: ModuleType
+    data: redis.Redis
+    api: PaidApiServer
+    sites: CrawlSiteServer
+
+
+class Demo:
+    """One run of the demo. ``run`` tells the stories; ``cleanup`` (always called) stops what
+    ``run`` started, in reverse order, whatever state ``run`` was left in."""
+
+    def __init__(self, scenario: Scenario, console: Console, *, live: bool) -> None:
+        self.scenario = scenario
+        self.console = console
+        self.live = live
+        self.started = time.monotonic()
+        self.workdir = Path(tempfile.mkdtemp(prefix="celery-semaphore-demo-"))
+        self.redis: EmbeddedRedis | None = None
+        self.api: PaidApiServer | None = None
+        self.sites: CrawlSiteServer | None = None
+        self.workers: list[WorkerProcess] = []
+        self.settings: DemoSettings | None = None
+        self.data: redis.Redis | None = None
+        self._stack: Stack | None = None
+        self.failed = False
+
+    @property
+    def stack(self) -> Stack:
+        if self._stack is None:
+            raise RuntimeError("the demo has not started")
+        return self._stack
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def say(self, message: str) -> None:
+        guard.check()
+        # soft_wrap: a line is never broken by rich (the terminal wraps it), so logs stay greppable
+        self.console.print(f"[dim]{time.monotonic() - self.started:5.1f}s[/] {message}", soft_wrap=True)
+
+    def record_pid(self, pid: int | None) -> None:
+        """Append to the file named by $CELERY_SEMAPHORE_DEMO_PIDFILE, for the tests."""
+        target = os.environ.get(PIDFILE_ENV)
+        if target and pid is not None:
+            with open(target, "a") as out:
+                out.write(f"{pid}\n")
+
+    def start_redis(self) -> tuple[str, str, str, str, bool]:
+        """(broker, semaphore, results URL, key prefix, isolated): a Redis of the user's, shared
+        under a unique prefix, or an embedded one of our own with db 0, 1 and 2."""
+        url = os.environ.get("REDIS_URL")
+        if url:
+            prefix = f"celery-semaphore-demo:{uuid.uuid4().hex[:8]}"
+            client = redis.Redis.from_url(url, socket_connect_timeout=5)
+            try:
+                client.ping()
+            finally:
+                client.close()
+            self.say(f"Redis: {_redact(url)} (REDIS_URL), every key of this run under [bold]{prefix}:[/]")
+            return url, url, url, prefix, True
+        self.redis = EmbeddedRedis(str(self.workdir))
+        self.redis.start()
+        self.record_pid(self.redis.pid)
+        self.say(f"Redis: embedded redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} "
+                 "(broker db 0, semaphore db 1, results db 2)")
+        return self.redis.url(0), self.redis.url(1), self.redis.url(2), "demo", False
+
+    def start(self) -> None:
+        broker, semaphore, results, prefix, isolated = self.start_redis()
+        scenario = self.scenario
+        self.api = PaidApiServer(scenario.api_limit, scenario.api_service)
+        self.api.start()
+        self.sites = CrawlSiteServer(scenario.sites)
+        self.sites.start()
+        self.say(f"paid API on {self.api.base_url} (max {scenario.api_limit} concurrent, else 429); "
+                 f"sites {', '.join(self.sites.hosts)} on port {self.sites.port}")
+        settings = self.settings = DemoSettings(
+            broker_url=broker, semaphore_url=semaphore, result_url=results, prefix=prefix, isolated=isolated,
+            queue=f"{prefix}:tasks", api_port=self.api.port, api_limit=scenario.api_limit,
+            crawl_port=self.sites.port,
+        )
+        os.environ.update(settings.to_env())
+        tasks = _load_tasks()
+        self.data = tasks.data()
+        self._stack = Stack(settings, Keys(prefix), tasks, self.data, self.api, self.sites)
+        pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, **settings.to_env(), "PYTHONPATH": pythonpath}
+        for i in range(1, WORKERS + 1):
+            worker = WorkerProcess(
+                f"demo{i}-{uuid.uuid4().hex[:6]}", app="example_project.tasks", queue=settings.queue,
+                concurrency=WORKER_CONCURRENCY, env=env, log_dir=self.workdir,
+            )
+            self.workers.append(worker)
+            worker.start()
+            self.record_pid(worker.pid)
+        self.wait_for_workers()
+
+    def wait_for_workers(self) -> None:
+        stack = self.stack
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT
+        while stack.data.scard(stack.keys.ready) < len(self.workers):
+            for worker in self.workers:
+                if worker.exited():
+                    raise RuntimeError(f"worker {worker.name} exited at start:\n{worker.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not ready within {WORKER_READY_TIMEOUT:.0f} s; logs in {self.workdir}")
+            guard.sleep(0.1)
+        for pid in self.pool_pids():
+            self.record_pid(pid)
+        pids = ", ".join(str(w.pid) for w in self.workers)
+        self.say(f"{len(self.workers)} celery workers ready (prefork, {WORKER_CONCURRENCY} processes each; "
+                 f"pids {pids}; logs in {self.workdir}, kept if something fails)")
+
+    def pool_pids(self) -> list[int]:
+        stack = self.stack
+        return sorted(int(pid) for pid in stack.data.smembers(stack.keys.pids))
+
+    # -- the live view ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def display(self, title: str, rows: Callable[[], list[Row]]) -> Iterator[Callable[[], None]]:
+        """A live table while a phase runs (when enabled); yields a function to refresh it."""
+        def render() -> Group:
+            table = Table(title=title, title_justify="left", expand=False)
+            for column in ("semaphore key", "limit", "running", "waiting", "done", "429s / violations"):
+                table.add_column(column, justify="left" if column == "semaphore key" else "right")
+            for row in rows():
+                table.add_row(row.key, row.limit, str(row.running), row.waiting, f"{row.done}/{row.total}",
+                              f"[{'green' if row.rejected == 0 else 'red'}]{row.rejected}[/]")
+            elapsed = Text(f"{time.monotonic() - self.started:5.1f}s elapsed", style="dim")
+            return Group(table, elapsed)
+
+        if not self.live:
+            yield lambda: None
+            return
+        with Live(render(), console=self.console, refresh_per_second=8, transient=False) as live:
+            yield lambda: live.update(render())
+            live.update(render())
+
+    def wait(self, what: str, finished: Callable[[], bool], refresh: Callable[[], None]) -> bool:
+        """Poll until ``finished()``, a task failure or the phase deadline; False unless finished."""
+        deadline = time.monotonic() + PHASE_TIMEOUT
+        while not finished():
+            for worker in self.workers:
+                if worker.exited():
+                    raise RuntimeError(f"worker {worker.name} died:\n{worker.log_tail()}")
+            if self.stack.data.llen(self.stack.keys.errors):
+                refresh()
+                self.say(f"[red]{what}: a task failed: {self.errors()[0]}[/]")
+                return False
+            if time.monotonic() > deadline:
+                self.say(f"[red]{what}: not finished within {PHASE_TIMEOUT:.0f} s[/]")
+                return False
+            refresh()
+            guard.sleep(REFRESH)
+        refresh()
+        return True
+
+    def semaphore_row(self, key: str, task_limit: int, total: int, rejected: int) -> Row:
+        """Holders and waiters straight from the semaphore (FairSemaphore.status())."""
+        from celery_semaphore import FairSemaphore
+        from celery_semaphore.backend import client_for
+        from celery_semaphore.config import config_for
+
+        stack = self.stack
+        config = config_for(stack.tasks.app)
+        status = FairSemaphore(client_for(config.backend_url), key, task_limit, prefix=config.prefix).status()
+        source = "robots.txt" if status.limit_source == "override" else "default"
+        done = int(stack.data.get(stack.keys.done(key)) or 0)
+        return Row(key, f"{status.limit} ({source})", status.holder_count, str(status.waiter_count), done, total,
+                   rejected)
+
+    # -- story 1 ------------------------------------------------------------------------------
+
+    def paid_api(self, *, protected: bool) -> KeyResult:
+        stack, scenario = self.stack, self.scenario
+        tasks, api, data, keys = stack.tasks, stack.api, stack.data, stack.keys
+        key = "demo.call_api" if protected else tasks.UNPROTECTED_KEY
+        task = tasks.call_api if protected else tasks.call_api_unprotected
+        api.reset_stats()
+        label = "with the semaphore" if protected else "WITHOUT the semaphore"
+        self.say(f"[bold]Story 1: paid API, {scenario.api_calls} calls {label}[/] "
+                 f"({WORKERS * WORKER_CONCURRENCY} pool processes compete)")
+        origin = time.time()
+        results = []
+        for i in range(scenario.api_calls):
+            guard.check()
+            results.append(task.delay(i))
+
+        def rows() -> list[Row]:
+            rejected = int(api.stats()["rejected"])
+            if protected:
+                return [self.semaphore_row(key, scenario.api_limit, scenario.api_calls, rejected)]
+            running = int(data.get(keys.in_flight(key)) or 0)
+            done = int(data.get(keys.done(key)) or 0)
+            return [Row(key, f"none (API: {scenario.api_limit})", running, "-", done, scenario.api_calls, rejected)]
+
+        with self.display(f"Story 1: paid API {label}", rows) as refresh:
+            finished = self.wait(f"story 1 {label}", lambda: all(r.ready() for r in results), refresh)
+        stats = api.stats()
+        spans = self.spans(key)
+        result = KeyResult(
+            story="paid API", key=key, limit=scenario.api_limit, protected=protected, calls=scenario.api_calls,
+            served=int(stats["ok"]), rejected=int(stats["rejected"]),
+            server_peak=int(stats["max_observed_concurrency"]), client_peak=peak_in_flight(spans),
+            makespan=makespan(spans), service_time=scenario.api_service, origin=origin, spans=tuple(spans),
+            finished=finished,
+        )
+        self.say(f"  {result.served}/{result.calls} served, [{'green' if not result.rejected else 'yellow'}]"
+                 f"{result.rejected} answered 429[/], at most {result.server_peak} in flight at the API "
+                 f"(allows {result.limit}), {result.makespan:.1f} s")
+        return result
+
+    # -- story 2 ------------------------------------------------------------------------------
+
+    def crawler(self) -> list[KeyResult]:
+        stack, scenario = self.stack, self.scenario
+        tasks, sites, data, keys = stack.tasks, stack.sites, stack.data, stack.keys
+        hosts = sites.hosts
+        self.say(f"[bold]Story 2: polite crawler[/] from http://{hosts[0]}/page/0, limits from robots.txt "
+                 f"(until read: crawl:* = {tasks.SAFE_CRAWL_LIMIT})")
+        sites.reset_stats()
+        origin = time.time()
+        tasks.schedule(hosts[0], "/page/0")
+
+        def rows() -> list[Row]:
+            stats = sites.stats()
+            return [
+                self.semaphore_row(tasks.crawl_key(host), tasks.SAFE_CRAWL_LIMIT, scenario.sites[host].pages,
+                                   int(stats[host]["violations"]))
+                for host in hosts
+            ]
+
+        def finished() -> bool:
+            return int(data.get(keys.pending) or 0) <= 0
+
+        with self.display("Story 2: polite crawler, one semaphore per host", rows) as refresh:
+            done = self.wait("story 2", finished, refresh)
+        stats = sites.stats()
+        allowances = {_text(h): int(n) for h, n in data.hgetall(keys.robots).items()}
+        results = []
+        for host in hosts:
+            key = tasks.crawl_key(host)
+            spans = self.spans(key)
+            spec = scenario.sites[host]
+            results.append(KeyResult(
+                story="crawler", key=key, limit=spec.max_concurrent, protected=True, calls=spec.pages,
+                served=int(stats[host]["ok"]), rejected=int(stats[host]["violations"]),
+                server_peak=int(stats[host]["max_observed_concurrency"]), client_peak=peak_in_flight(spans),
+                makespan=makespan(spans), service_time=spec.service_time, origin=origin, spans=tuple(spans),
+                finished=done,
+            ))
+            self.say(f"  {host}: robots.txt says {allowances.get(host, '?')}; {stats[host]['ok']}/{spec.pages} pages, "
+                     f"[{'green' if not stats[host]['violations'] else 'red'}]{stats[host]['violations']} "
+                     f"violations[/], at most {stats[host]['max_observed_concurrency']} at once")
+        return results
+
+    # -- results ------------------------------------------------------------------------------
+
+    def spans(self, key: str) -> list[Span]:
+        raw = self.stack.data.lrange(self.stack.keys.spans, 0, -1)
+        return [span for span in map(Span.from_json, raw) if span.key == key]
+
+    def errors(self) -> list[str]:
+        return [_text(e) for e in self.stack.data.lrange(self.stack.keys.errors, 0, -1)]
+
+    def run(self) -> int:
+        self.start()
+        results = [self.paid_api(protected=False), self.paid_api(protected=True), *self.crawler()]
+        self.console.print()
+        self.console.print(summary_table(results))
+        checks = checks_for(results, self.errors())
+        for check in checks:
+            mark = "[green]ok[/]" if check.ok else "[red]FAILED[/]"
+            self.console.print(f"check: {check.text} ... {mark}", soft_wrap=True)
+        guard.check()
+        chart = draw_chart(results, Path.cwd() / CHART_NAME)
+        guard.check()
+        self.console.print(f"chart: {chart}")
+        self.failed = not all(c.ok for c in checks)
+        if self.failed:
+            self.console.print(f"[red]some checks failed[/]; worker logs kept in {self.workdir}")
+        else:
+            self.console.print(f"[green]all checks hold[/] in {time.monotonic() - self.started:.1f} s")
+        return 1 if self.failed else 0
+
+    # -- tear-down ----------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Stop everything started, in reverse order. Each step is attempted whatever happened
+        to the previous one; the embedded Redis goes last, since workers need it to shut down."""
+        timeout = STOP_TIMEOUT_INTERRUPTED if guard.received is not None else STOP_TIMEOUT
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("list pool processes", self._record_pool_pids),
+            ("stop workers", lambda: self._stop_workers(timeout)),
+            ("stop HTTP servers", self._stop_servers),
+            ("delete this run's keys", self._delete_own_keys),
+            ("stop Redis", self._stop_redis),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception as error:
+                self.failed = True
+                self.console.print(f"[red]cleanup: {what} failed: {error!r}[/]")
+        if self.failed:
+            self.console.print(f"logs kept in {self.workdir}")
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _record_pool_pids(self) -> None:
+        if self._stack is not None and self.workers:
+            with contextlib.suppress(redis.RedisError):
+                for pid in self.pool_pids():
+                    self.record_pid(pid)
+
+    def _stop_workers(self, timeout: float) -> None:
+        for worker in self.workers:
+            worker.request_stop()
+        for worker in self.workers:
+            worker.finish_stop(timeout)
+
+    def _stop_servers(self) -> None:
+        for server in (self.api, self.sites):
+            if server is not None:
+                server.stop()
+
+    def _delete_own_keys(self) -> None:
+        """In a shared Redis, delete exactly the keys under this run's prefix (never FLUSH)."""
+        if self.settings is None or not self.settings.isolated or self.data is None:
+            return
+        batch: list[Any] = []
+        for key in self.data.scan_iter(match=f"{self.settings.prefix}:*", count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                self.data.unlink(*batch)
+                batch.clear()
+        if batch:
+            self.data.unlink(*batch)
+
+    def _stop_redis(self) -> None:
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _load_tasks() -> ModuleType:
+    """Import the Celery app only now that its settings are in the environment (or reload it,
+    if something imported it earlier with other settings)."""
+    name = "example_project.tasks"
+    if name in sys.modules:
+        return importlib.reload(sys.modules[name])
+    return importlib.import_module(name)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for printing."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m example_project",
+        description="celery_semaphore demo: a paid API and a polite crawler, on real Celery workers.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a shorter run (fewer, shorter calls)")
+    parser.add_argument("--no-live", dest="live", action="store_false",
+                        help="no live progress display (also off when the output is not a terminal)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(width=100, highlight=False)  # a log or a pipe: not the 80 columns default
+    guard.install()
+    demo: Demo | None = None
+    code = 1
+    try:
+        demo = Demo(QUICK if args.quick else FULL, console, live=args.live and console.is_terminal)
+        code = demo.run()
+    except Interrupted as interrupted:
+        # not a failure: the user asked to stop, so the logs are not worth keeping
+        console.print(f"[yellow]interrupted ({interrupted}): stopping everything[/]")
+        code = 128 + interrupted.signum
+    except Exception:
+        console.print(f"[red]the demo failed:[/]\n{traceback.format_exc()}")
+        if demo is not None:
+            demo.failed = True
+    finally:
+        guard.start_cleanup()
+        try:
+            if demo is not None:
+                demo.cleanup()
+        finally:
+            guard.restore()
+    if guard.received is not None and code == 0:
+        code = 128 + guard.received
+    return code
