@@ -35,6 +35,7 @@ import math
 import re
 import socketserver
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
@@ -269,6 +270,20 @@ class _DemoServer:
         raise NotImplementedError
 
 
+def _served_stats(
+    handler: _Handler, method: str, path: str, stats: Callable[[], Any], reset: Callable[[], None]
+) -> bool:
+    """Answer the two bookkeeping endpoints every demo server has; False for any other request."""
+    if method == "GET" and path == "/stats":
+        handler.send_json(200, stats())
+        return True
+    if method == "POST" and path == "/stats/reset":
+        reset()
+        handler.send_json(200, stats())
+        return True
+    return False
+
+
 def _path_only(raw_path: str) -> str:
     return urlsplit(raw_path).path or "/"
 
@@ -326,12 +341,7 @@ class PaidApiServer(_DemoServer):
 
     def _handle(self, handler: _Handler, method: str) -> None:
         path = _path_only(handler.path)
-        if method == "GET" and path == "/stats":
-            handler.send_json(200, self.stats())
-            return
-        if method == "POST" and path == "/stats/reset":
-            self.reset_stats()
-            handler.send_json(200, self.stats())
+        if _served_stats(handler, method, path, self.stats, self.reset_stats):
             return
 
         admitted = self._gate.enter()
@@ -500,12 +510,7 @@ class CrawlSiteServer(_DemoServer):
 
     def _handle(self, handler: _Handler, method: str) -> None:
         path = _path_only(handler.path)
-        if method == "GET" and path == "/stats":
-            handler.send_json(200, self.stats())
-            return
-        if method == "POST" and path == "/stats/reset":
-            self.reset_stats()
-            handler.send_json(200, self.stats())
+        if _served_stats(handler, method, path, self.stats, self.reset_stats):
             return
 
         site = self._sites.get(_normalise_host(handler.headers.get("Host") or ""))
