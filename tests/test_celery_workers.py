@@ -238,6 +238,7 @@ def test_sigkill_of_a_worker_frees_its_slot_within_the_lease_and_the_task_reruns
         rescuer.start()
         assert result.get(timeout=90) == "woke"
         assert proj.probe(key).entries == 2, "run once before the crash and once after"
+        assert "visibility_timeout (4.0 s)" in victim.log(), "warned: default countdowns reach it"
     finally:
         victim.kill()
         rescuer.stop()
@@ -295,3 +296,16 @@ def test_a_semaphore_redis_restart_mid_run_loses_no_task_and_leaves_no_slot(
     assert sorted(entry.split()[0] for entry in starts) == sorted(r.id.encode() for r in results)
     wait_until(lambda: semaphore(proj, f"crawl:{key}").status().holder_count == 0, timeout=30,
                what="no slot held at the end")
+
+
+def test_the_worker_warns_when_redis_may_evict_lease_keys(celery_stack: CeleryStack) -> None:
+    """A semaphore Redis whose maxmemory-policy is not noeviction draws a warning at start."""
+    client = celery_stack.semaphore.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    worker = Worker({**celery_stack.env, "PROJ_QUEUE": "evict"}, name="evict", concurrency=1, pool="solo")
+    try:
+        worker.start()
+        assert "maxmemory-policy allkeys-lru" in worker.log()
+    finally:
+        worker.stop()
+        client.config_set("maxmemory-policy", "noeviction")
