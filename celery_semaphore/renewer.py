@@ -71,10 +71,6 @@ class _Renewer:
             if ref is not None and ref() is lease:
                 del self.leases[id(lease)]
 
-    def held(self) -> list[Lease]:
-        with self.changed:
-            return self._live()
-
     def _live(self) -> list[Lease]:
         live = [lease for ref in self.leases.values() if (lease := ref()) is not None]
         self.leases = {id(lease): weakref.ref(lease) for lease in live}
@@ -162,11 +158,6 @@ def track(lease: Lease) -> None:
 
 def forget(lease: Lease) -> None:
     _renewer.forget(lease)
-
-
-def held() -> list[Lease]:
-    """Every lease this process holds and renews."""
-    return _renewer.held()
 
 
 @contextlib.contextmanager

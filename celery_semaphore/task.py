@@ -29,7 +29,7 @@ from celery.exceptions import Retry
 
 from . import metrics, policy
 from .backend import client_for
-from .config import SemaphoreConfig, config_for
+from .config import SemaphoreConfig, config_for, parse_countdown
 from .errors import ConfigurationError, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .semaphore import FairSemaphore, Granted, Lease, Waiting, default_label, new_token
 from .validation import check_limit, check_name, check_seconds
@@ -129,8 +129,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         )
 
     def countdown_bounds(self, config: SemaphoreConfig) -> tuple[float, float]:
-        from .config import parse_countdown
-
         if self.semaphore_countdown is None:
             return config.countdown
         return parse_countdown(f"{self.name}.semaphore_countdown", self.semaphore_countdown)
@@ -329,8 +327,6 @@ def check_task_options(cls: type) -> None:
     if options.get("semaphore_max_wait") not in (None, FROM_SETTINGS):
         check_seconds(f"{name}.semaphore_max_wait", options["semaphore_max_wait"])
     if options.get("semaphore_countdown") is not None:
-        from .config import parse_countdown
-
         parse_countdown(f"{name}.semaphore_countdown", options["semaphore_countdown"])
     # the key may be inherited from a base class: check it against every class that has a run
     key = key_option(cls)
