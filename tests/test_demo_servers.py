@@ -17,16 +17,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from example_project.servers import (
-    LOOPBACK_HOST,
-    CrawlSiteServer,
-    PaidApiServer,
-    SiteSpec,
-    extract_links,
-    http_get,
-    parse_crawl_concurrency,
-    resolve_link,
-)
+from example_project.demo.servers import LOOPBACK_HOST, CrawlSiteServer, PaidApiServer, SiteSpec
+from example_project.web import extract_links, http_get, parse_crawl_concurrency, resolve_link
 
 DEADLINE = 5.0
 

@@ -1,10 +1,11 @@
 """The demo's orchestrator: ``python -m example_project [--quick] [--no-live]``.
 
 It starts everything it needs (a Redis unless ``REDIS_URL`` is set, the two local HTTP servers,
-two real ``celery worker`` subprocesses), tells the two stories, shows what happened (a live
-view of each semaphore while the tasks run, a summary table, a PNG chart), and stops everything
-again, also on Ctrl-C and on errors. The exit code is 0 only when every check held: no 429 and
-no robots.txt violation wherever the semaphore was in charge, and all the work done.
+two real ``celery worker`` subprocesses), tells the two stories of ``example_project/tasks.py``,
+shows what happened (a live view of each semaphore while the tasks run, a summary table, a PNG
+chart), and stops everything again, also on Ctrl-C and on errors. The exit code is 0 only when
+every check held: no 429 and no robots.txt violation wherever the semaphore was in charge, and
+all the work done.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import contextlib
 import importlib
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import redis
@@ -31,13 +30,22 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from celery_semaphore import semaphore_for
+
+from .. import tasks
 from .embedded_redis import EmbeddedRedis
 from .processes import Interrupted, WorkerProcess, guard
+from .records import Keys, data
 from .report import KeyResult, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
 from .servers import CrawlSiteServer, PaidApiServer, SiteSpec
-from .settings import DemoSettings, Keys
+from .settings import DemoSettings
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
+# The module the workers load: the tasks' app, wired to this run (see wiring.py).
+WIRING = "example_project.demo.wiring"
+# The series the contrast's calls are recorded under, and its label in the output.
+UNPROTECTED_SERIES = "demo.call_api_unprotected"
+UNPROTECTED_LABEL = "paid-api (no semaphore)"
 CHART_NAME = "demo-concurrency.png"
 # Set by tests: the demo appends the id of every process it starts (or causes to start) here.
 PIDFILE_ENV = "CELERY_SEMAPHORE_DEMO_PIDFILE"
@@ -55,16 +63,16 @@ REFRESH = 0.2
 @dataclass(frozen=True)
 class Scenario:
     """Sizes of one run. Service times are short and counts small so the whole demo stays
-    well under a minute, yet long enough that 8 pool processes overlap on a busy 2-core box."""
+    well under a minute, yet long enough that 8 pool processes overlap on a busy 2-core box.
+    The API allows ``tasks.API_LIMIT`` calls at once: the limit the tasks hold it to."""
 
-    api_limit: int
     api_calls: int
     api_service: float
     sites: dict[str, SiteSpec] = field(default_factory=dict)
 
 
 FULL = Scenario(
-    api_limit=4, api_calls=40, api_service=0.3,
+    api_calls=40, api_service=0.3,
     sites={
         "alpha.test": SiteSpec(max_concurrent=1, pages=8, service_time=0.25),
         "beta.test": SiteSpec(max_concurrent=2, pages=16, service_time=0.25),
@@ -72,7 +80,7 @@ FULL = Scenario(
     },
 )
 QUICK = Scenario(
-    api_limit=4, api_calls=20, api_service=0.2,
+    api_calls=20, api_service=0.2,
     sites={
         "alpha.test": SiteSpec(max_concurrent=1, pages=4, service_time=0.15),
         "beta.test": SiteSpec(max_concurrent=2, pages=8, service_time=0.15),
@@ -96,12 +104,11 @@ class Row:
 
 @dataclass(frozen=True)
 class Stack:
-    """What the stories need once everything runs: the wiring, the Celery app's module, the
-    client for the tasks' records and the two servers."""
+    """What the stories need once everything runs: the wiring, the client for the tasks'
+    records and the two servers."""
 
     settings: DemoSettings
     keys: Keys
-    tasks: ModuleType
     data: redis.Redis
     api: PaidApiServer
     sites: CrawlSiteServer
@@ -169,26 +176,25 @@ class Demo:
     def start(self) -> None:
         broker, semaphore, results, prefix, isolated = self.start_redis()
         scenario = self.scenario
-        self.api = PaidApiServer(scenario.api_limit, scenario.api_service)
+        self.api = PaidApiServer(tasks.API_LIMIT, scenario.api_service)
         self.api.start()
         self.sites = CrawlSiteServer(scenario.sites)
         self.sites.start()
-        self.say(f"paid API on {self.api.base_url} (max {scenario.api_limit} concurrent, else 429); "
+        self.say(f"paid API on {self.api.base_url} (max {tasks.API_LIMIT} concurrent, else 429); "
                  f"sites {', '.join(self.sites.hosts)} on port {self.sites.port}")
         settings = self.settings = DemoSettings(
             broker_url=broker, semaphore_url=semaphore, result_url=results, prefix=prefix, isolated=isolated,
-            queue=f"{prefix}:tasks", api_port=self.api.port, api_limit=scenario.api_limit,
-            crawl_port=self.sites.port,
+            queue=f"{prefix}:tasks", api_port=self.api.port, crawl_port=self.sites.port,
         )
         os.environ.update(settings.to_env())
-        tasks = _load_tasks()
-        self.data = tasks.data()
-        self._stack = Stack(settings, Keys(prefix), tasks, self.data, self.api, self.sites)
+        _wire()
+        self.data = data()
+        self._stack = Stack(settings, Keys(prefix), self.data, self.api, self.sites)
         pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **settings.to_env(), "PYTHONPATH": pythonpath}
         for i in range(1, WORKERS + 1):
             worker = WorkerProcess(
-                f"demo{i}-{uuid.uuid4().hex[:6]}", app="example_project.tasks", queue=settings.queue,
+                f"demo{i}-{uuid.uuid4().hex[:6]}", app=WIRING, queue=settings.queue,
                 concurrency=WORKER_CONCURRENCY, env=env, log_dir=self.workdir,
             )
             self.workers.append(worker)
@@ -257,15 +263,10 @@ class Demo:
         refresh()
         return True
 
-    def semaphore_row(self, key: str, task_limit: int, total: int, rejected: int) -> Row:
-        """Holders and waiters straight from the semaphore (FairSemaphore.status())."""
-        from celery_semaphore import FairSemaphore
-        from celery_semaphore.backend import client_for
-        from celery_semaphore.config import config_for
-
+    def semaphore_row(self, key: str, total: int, rejected: int) -> Row:
+        """Holders and waiters straight from the semaphore the workers use (its status())."""
         stack = self.stack
-        config = config_for(stack.tasks.app)
-        status = FairSemaphore(client_for(config.backend_url), key, task_limit, prefix=config.prefix).status()
+        status = semaphore_for(tasks.app, key).status()
         source = "robots.txt" if status.limit_source == "override" else "default"
         done = int(stack.data.get(stack.keys.done(key)) or 0)
         return Row(key, f"{status.limit} ({source})", status.holder_count, str(status.waiter_count), done, total,
@@ -275,8 +276,10 @@ class Demo:
 
     def paid_api(self, *, protected: bool) -> KeyResult:
         stack, scenario = self.stack, self.scenario
-        tasks, api, data, keys = stack.tasks, stack.api, stack.data, stack.keys
-        key = "demo.call_api" if protected else tasks.UNPROTECTED_KEY
+        api, data, keys = stack.api, stack.data, stack.keys
+        # the semaphore's key is the task's name; the contrast has none, and a label instead
+        series = tasks.call_api.name if protected else UNPROTECTED_SERIES
+        key = tasks.call_api.name if protected else UNPROTECTED_LABEL
         task = tasks.call_api if protected else tasks.call_api_unprotected
         api.reset_stats()
         label = "with the semaphore" if protected else "WITHOUT the semaphore"
@@ -291,17 +294,17 @@ class Demo:
         def rows() -> list[Row]:
             rejected = int(api.stats()["rejected"])
             if protected:
-                return [self.semaphore_row(key, scenario.api_limit, scenario.api_calls, rejected)]
-            running = int(data.get(keys.in_flight(key)) or 0)
-            done = int(data.get(keys.done(key)) or 0)
-            return [Row(key, f"none (API: {scenario.api_limit})", running, "-", done, scenario.api_calls, rejected)]
+                return [self.semaphore_row(key, scenario.api_calls, rejected)]
+            running = int(data.get(keys.in_flight(series)) or 0)
+            done = int(data.get(keys.done(series)) or 0)
+            return [Row(key, f"none (API: {tasks.API_LIMIT})", running, "-", done, scenario.api_calls, rejected)]
 
         with self.display(f"Story 1: paid API {label}", rows) as refresh:
             finished = self.wait(f"story 1 {label}", lambda: all(r.ready() for r in results), refresh)
         stats = api.stats()
-        spans = self.spans(key)
+        spans = self.spans(series)
         result = KeyResult(
-            story="paid API", key=key, limit=scenario.api_limit, protected=protected, calls=scenario.api_calls,
+            story="paid API", key=key, limit=tasks.API_LIMIT, protected=protected, calls=scenario.api_calls,
             served=int(stats["ok"]), rejected=int(stats["rejected"]),
             server_peak=int(stats["max_observed_concurrency"]), client_peak=peak_in_flight(spans),
             makespan=makespan(spans), service_time=scenario.api_service, origin=origin, spans=tuple(spans),
@@ -316,7 +319,7 @@ class Demo:
 
     def crawler(self) -> list[KeyResult]:
         stack, scenario = self.stack, self.scenario
-        tasks, sites, data, keys = stack.tasks, stack.sites, stack.data, stack.keys
+        sites, data, keys = stack.sites, stack.data, stack.keys
         hosts = sites.hosts
         self.say(f"[bold]Story 2: polite crawler[/] from http://{hosts[0]}/page/0, limits from robots.txt "
                  f"(until read: crawl:* = {tasks.SAFE_CRAWL_LIMIT})")
@@ -327,8 +330,7 @@ class Demo:
         def rows() -> list[Row]:
             stats = sites.stats()
             return [
-                self.semaphore_row(tasks.crawl_key(host), tasks.SAFE_CRAWL_LIMIT, scenario.sites[host].pages,
-                                   int(stats[host]["violations"]))
+                self.semaphore_row(f"crawl:{host}", scenario.sites[host].pages, int(stats[host]["violations"]))
                 for host in hosts
             ]
 
@@ -338,10 +340,9 @@ class Demo:
         with self.display("Story 2: polite crawler, one semaphore per host", rows) as refresh:
             done = self.wait("story 2", finished, refresh)
         stats = sites.stats()
-        allowances = {_text(h): int(n) for h, n in data.hgetall(keys.robots).items()}
         results = []
         for host in hosts:
-            key = tasks.crawl_key(host)
+            key = f"crawl:{host}"
             spans = self.spans(key)
             spec = scenario.sites[host]
             results.append(KeyResult(
@@ -351,16 +352,21 @@ class Demo:
                 makespan=makespan(spans), service_time=spec.service_time, origin=origin, spans=tuple(spans),
                 finished=done,
             ))
-            self.say(f"  {host}: robots.txt says {allowances.get(host, '?')}; {stats[host]['ok']}/{spec.pages} pages, "
+            self.say(f"  {host}: robots.txt says {self.allowance(key)}; {stats[host]['ok']}/{spec.pages} pages, "
                      f"[{'green' if not stats[host]['violations'] else 'red'}]{stats[host]['violations']} "
                      f"violations[/], at most {stats[host]['max_observed_concurrency']} at once")
         return results
 
+    def allowance(self, key: str) -> str:
+        """What the crawler read in the host's robots.txt: the runtime limit it stored."""
+        status = semaphore_for(tasks.app, key).status()
+        return str(status.limit) if status.limit_source == "override" else "0"
+
     # -- results ------------------------------------------------------------------------------
 
-    def spans(self, key: str) -> list[Span]:
+    def spans(self, series: str) -> list[Span]:
         raw = self.stack.data.lrange(self.stack.keys.spans, 0, -1)
-        return [span for span in map(Span.from_json, raw) if span.key == key]
+        return [span for span in map(Span.from_json, raw) if span.key == series]
 
     def errors(self) -> list[str]:
         return [_text(e) for e in self.stack.data.lrange(self.stack.keys.errors, 0, -1)]
@@ -444,13 +450,10 @@ class Demo:
             self.redis.stop()
 
 
-def _load_tasks() -> ModuleType:
-    """Import the Celery app only now that its settings are in the environment (or reload it,
-    if something imported it earlier with other settings)."""
-    name = "example_project.tasks"
-    if name in sys.modules:
-        return importlib.reload(sys.modules[name])
-    return importlib.import_module(name)
+def _wire() -> None:
+    """Wire the tasks' app to this run, now that its settings are in the environment, exactly as
+    the workers will when they load the same module (wiring.py)."""
+    importlib.import_module(WIRING).configure(DemoSettings.from_env())
 
 
 def _text(value: Any) -> str:

@@ -29,7 +29,6 @@ can never be blamed for a race it did not cause:
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import re
@@ -41,21 +40,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = [
-    "LOOPBACK_HOST",
-    "CrawlSiteServer",
-    "PaidApiServer",
-    "SiteSpec",
-    "extract_links",
-    "http_get",
-    "parse_crawl_concurrency",
-    "resolve_link",
-]
+# LOOPBACK_HOST is the only address these servers ever bind to.  Deliberately
+# not a parameter: exposing a demo server that accepts anything on a real
+# interface would be a needless risk.
+from ..web import LOOPBACK_HOST, normalise_host
 
-#: The only address these servers ever bind to.  Deliberately not a
-#: parameter: exposing a demo server that accepts anything on a real
-#: interface would be a needless risk.
-LOOPBACK_HOST = "127.0.0.1"
+__all__ = ["LOOPBACK_HOST", "CrawlSiteServer", "PaidApiServer", "SiteSpec"]
 
 JsonDict = dict[str, Any]
 
@@ -481,10 +471,10 @@ class CrawlSiteServer(_DemoServer):
         if not sites:
             raise ValueError("at least one site is required")
         super().__init__()
-        hosts = sorted(_normalise_host(h) for h in sites)
+        hosts = sorted(normalise_host(h) for h in sites)
         if len(set(hosts)) != len(hosts):
             raise ValueError("site host names must be unique (case-insensitive)")
-        specs = {_normalise_host(h): spec for h, spec in sites.items()}
+        specs = {normalise_host(h): spec for h, spec in sites.items()}
         self._sites: dict[str, _Site] = {}
         for i, host in enumerate(hosts):
             neighbour = hosts[(i + 1) % len(hosts)] if len(hosts) > 1 else None
@@ -513,7 +503,7 @@ class CrawlSiteServer(_DemoServer):
         if _served_stats(handler, method, path, self.stats, self.reset_stats):
             return
 
-        site = self._sites.get(_normalise_host(handler.headers.get("Host") or ""))
+        site = self._sites.get(normalise_host(handler.headers.get("Host") or ""))
         if site is None:
             handler.send_text(404, "unknown host\n")
             return
@@ -543,80 +533,3 @@ class CrawlSiteServer(_DemoServer):
         finally:
             site.gate.leave(admitted=True)
         handler.send_text(200, site.page_html(int(match.group(1))), "text/html")
-
-
-def _normalise_host(host: str) -> str:
-    """Lower-case and drop any ``:port`` suffix, as HTTP clients often add one."""
-    host = host.strip().lower()
-    if host.startswith("["):  # bracketed IPv6 literal, e.g. [::1]:8080
-        return host.split("]", 1)[0] + "]"
-    return host.rsplit(":", 1)[0] if ":" in host else host
-
-
-# --------------------------------------------------------------------------
-# Client-side helpers
-# --------------------------------------------------------------------------
-
-_CRAWL_CONCURRENCY = re.compile(r"^\s*crawl-concurrency\s*:\s*(\S+)", re.IGNORECASE)
-
-
-def parse_crawl_concurrency(robots_text: str) -> int | None:
-    """Return the first valid ``Crawl-concurrency`` value in a robots.txt.
-
-    ``None`` means "the site states no limit" (or states nonsense), leaving
-    the caller to pick a default instead of trusting a bogus number.  Values
-    below 1 are treated as invalid: a limit of zero would deadlock a crawler.
-    """
-    for line in robots_text.splitlines():
-        match = _CRAWL_CONCURRENCY.match(line.split("#", 1)[0])
-        if match is None:
-            continue
-        try:
-            value = int(match.group(1))
-        except ValueError:
-            continue
-        if value >= 1:
-            return value
-    return None
-
-
-_HREF = re.compile(r"""<a\s[^>]*?href\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
-
-
-def extract_links(html: str) -> list[str]:
-    """Every ``<a href>`` in a page, in document order.
-
-    A regex suffices because the pages come from :class:`CrawlSiteServer`,
-    whose markup is known; this is not a general HTML parser.
-    """
-    return _HREF.findall(html)
-
-
-def resolve_link(current_host: str, href: str) -> tuple[str, str]:
-    """Turn an href found on ``current_host`` into ``(host, path)``.
-
-    The crawler never connects to the host in a URL (they are fictitious);
-    it always connects to loopback and sends the host as a header, so it
-    needs the pair rather than a URL.
-    """
-    parts = urlsplit(href)
-    host = _normalise_host(parts.netloc or current_host)
-    path = parts.path or "/"
-    if parts.query:
-        path = f"{path}?{parts.query}"
-    return host, path
-
-
-def http_get(port: int, host: str, path: str, timeout: float = 10) -> tuple[int, str]:
-    """GET ``path`` from the local server on ``port`` posing as ``host``.
-
-    Always connects to 127.0.0.1, whatever ``host`` says, so that demo
-    traffic for fictitious domains can never leak onto the network.
-    """
-    conn = http.client.HTTPConnection(LOOPBACK_HOST, port, timeout=timeout)
-    try:
-        conn.request("GET", path, headers={"Host": host})
-        response = conn.getresponse()
-        return response.status, response.read().decode("utf-8", errors="replace")
-    finally:
-        conn.close()
