@@ -1,9 +1,15 @@
-"""The Lua scripts of the semaphore, loaded from ``lua/`` and registered once per client.
+"""The Lua scripts of the semaphore: loaded from ``lua/``, registered once per client, and
+called through typed wrappers.
 
 Each operation is one script, so each costs one round trip and runs atomically: there is no
 window between reading the holders and adding to them, and no lock around the semaphore.
 ``register_script`` computes the SHA once and reloads the script by itself after ``NOSCRIPT``
 (a ``SCRIPT FLUSH`` or a restarted Redis).
+
+The contract of each script (its KEYS, its ARGV, its reply) is written once in the header of its
+``.lua`` file and once here, as a function with keyword-only arguments and a named result: a call
+site cannot pass two arguments in the wrong order, and nobody unpacks a reply by position outside
+this module. Milliseconds appear here and in Lua only; callers speak seconds (see validation.to_ms).
 """
 
 from __future__ import annotations
@@ -17,29 +23,203 @@ from typing import Any
 
 from redis.commands.core import Script
 
-# Scripts that change a semaphore share the helpers in _lib.lua; status writes nothing.
-_WRITERS = ("acquire", "release", "renew", "leave")
+_NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset")
+
+# acquire outcomes
+GRANTED, CLAIMED, WAIT = 1, 2, 0
+# renew codes, one per token
+RENEW_LOST, RENEW_RENEWED, RENEW_REGISTERED_AGAIN = 0, 1, 2
+# waiter states in a status listing
+AWAY, PRESENT, OFFERED = 0, 1, 2
 
 
 @functools.cache
 def script_source(name: str) -> str:
-    """The full text of one script as Redis runs it (helpers included)."""
+    """The full text of one script as Redis runs it: the shared helpers, then its body."""
     lua = importlib.resources.files("celery_semaphore") / "lua"
-    body = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    if name in _WRITERS:
-        return (lua / "_lib.lua").read_text(encoding="utf-8") + "\n" + body
-    return body
+    return (lua / "_lib.lua").read_text(encoding="utf-8") + "\n" + (lua / f"{name}.lua").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
-class Scripts:
-    """The registered scripts of one Redis client."""
+class SemaphoreKeys:
+    """The Redis keys of one semaphore, in the KEYS order every script expects (lua/_lib.lua).
 
-    acquire: Script
-    release: Script
-    renew: Script
-    leave: Script
-    status: Script
+    All share the hash tag ``{<name>}``, so a script touching them all runs on one cluster slot;
+    the wake-up channels live under the same tag (see ``wake_channel``).
+    """
+
+    holders: str
+    holder_info: str
+    queue: str
+    present: str
+    deadlines: str
+    waiter_info: str
+    ticket: str
+    limit: str
+    base: str  # "{prefix}:{<name>}", the common start of every key and channel (not a key)
+
+    @classmethod
+    def of(cls, prefix: str, name: str) -> SemaphoreKeys:
+        base = f"{prefix}:{{{name}}}"
+        return cls(
+            holders=f"{base}:holders",
+            holder_info=f"{base}:holder_info",
+            queue=f"{base}:queue",
+            present=f"{base}:present",
+            deadlines=f"{base}:deadlines",
+            waiter_info=f"{base}:waiter_info",
+            ticket=f"{base}:ticket",
+            limit=f"{base}:limit",
+            base=base,
+        )
+
+    @property
+    def ordered(self) -> list[str]:
+        return [self.holders, self.holder_info, self.queue, self.present, self.deadlines, self.waiter_info,
+                self.ticket, self.limit]
+
+    def wake_channel(self, process_id: str) -> str:
+        """The channel a process's waiters on this semaphore are told on: inside the hash tag,
+        so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster."""
+        return f"{self.base}:wake:{process_id}"
+
+
+@dataclass(frozen=True)
+class AcquireReply:
+    outcome: int  # GRANTED, CLAIMED or WAIT
+    position: int
+    free: int
+    limit: int
+    hold_ms: int  # -1: unknown
+    ticket: int | None
+    turn: int
+
+
+@dataclass(frozen=True)
+class ListedHolder:
+    token: str
+    deadline_ms: int
+    granted_ms: int | None
+    label: str
+
+
+@dataclass(frozen=True)
+class ListedWaiter:
+    waiter: str
+    ticket: int
+    must_ask_by_ms: int
+    first_ask_ms: int | None
+    state: int  # AWAY, PRESENT or OFFERED
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    now_ms: int
+    override: int | None
+    override_ttl_ms: int  # -1 kept until cleared, -2 no override
+    holder_count: int
+    offered_count: int
+    waiter_count: int
+    holders: list[ListedHolder]
+    waiters: list[ListedWaiter]
+
+
+class Scripts:
+    """The registered scripts of one Redis client, one typed method per script."""
+
+    def __init__(self, client: Any) -> None:
+        self._scripts: dict[str, Script] = {name: client.register_script(script_source(name)) for name in _NAMES}
+
+    def acquire(
+        self,
+        keys: SemaphoreKeys,
+        *,
+        token: str,
+        waiter: str,
+        default_limit: int,
+        lease_ms: int,
+        patience_ms: int,
+        enqueue: bool,
+        fresh: bool,
+        label: str,
+        ticket: int | None,
+        wake: str,
+    ) -> AcquireReply:
+        outcome, position, free, limit, hold_ms, ticket_text, turn = self._scripts["acquire"](
+            keys=keys.ordered,
+            args=[token, waiter, default_limit, lease_ms, patience_ms, int(enqueue), int(fresh), label,
+                  "" if ticket is None else int(ticket), wake],
+        )
+        text = _text(ticket_text)
+        return AcquireReply(
+            outcome=int(outcome),
+            position=int(position),
+            free=int(free),
+            limit=int(limit),
+            hold_ms=int(hold_ms),
+            ticket=int(float(text)) if text else None,
+            turn=int(turn),
+        )
+
+    def release(self, keys: SemaphoreKeys, *, token: str, default_limit: int) -> bool:
+        return bool(self._scripts["release"](keys=keys.ordered, args=[token, default_limit]))
+
+    def renew(
+        self, keys: SemaphoreKeys, *, lease_ms: int, default_limit: int, reclaim: bool, holders: list[tuple[str, str]]
+    ) -> list[int]:
+        args: list[Any] = [lease_ms, default_limit, int(reclaim)]
+        for token, label in holders:
+            args += [token, label]
+        return [int(code) for code in self._scripts["renew"](keys=keys.ordered, args=args)]
+
+    def leave(self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int) -> bool:
+        args = [waiter, "" if away_ms is None else away_ms, default_limit]
+        return bool(self._scripts["leave"](keys=keys.ordered, args=args))
+
+    def status(self, keys: SemaphoreKeys, *, listed: int) -> StatusReply:
+        now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters = self._scripts["status"](
+            keys=keys.ordered, args=[listed]
+        )
+        listed_holders = []
+        for i in range(0, len(holders), 3):
+            granted, _, label = _text(holders[i + 2]).partition("|")
+            listed_holders.append(
+                ListedHolder(
+                    token=_text(holders[i]),
+                    deadline_ms=int(float(holders[i + 1])),
+                    granted_ms=int(granted) if granted else None,
+                    label=label,
+                )
+            )
+        listed_waiters = []
+        for i in range(0, len(waiters), 5):
+            first = _text(waiters[i + 3])
+            listed_waiters.append(
+                ListedWaiter(
+                    waiter=_text(waiters[i]),
+                    ticket=int(float(waiters[i + 1])),
+                    must_ask_by_ms=int(float(waiters[i + 2])),
+                    first_ask_ms=int(first) if first else None,
+                    state=int(waiters[i + 4]),
+                )
+            )
+        return StatusReply(
+            now_ms=int(now),
+            override=int(override) if override else None,
+            override_ttl_ms=int(ttl),
+            holder_count=int(holder_count),
+            offered_count=int(offered_count),
+            waiter_count=int(waiter_count),
+            holders=listed_holders,
+            waiters=listed_waiters,
+        )
+
+    def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, default_limit: int) -> int:
+        args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, default_limit]
+        return int(self._scripts["set_limit"](keys=keys.ordered, args=args))
+
+    def reset(self, keys: SemaphoreKeys) -> int:
+        return int(self._scripts["reset"](keys=keys.ordered, args=[]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -54,7 +234,9 @@ def scripts_for(client: Any) -> Scripts:
         pass
     with _registering:
         if client not in _registered:
-            _registered[client] = Scripts(
-                **{name: client.register_script(script_source(name)) for name in (*_WRITERS, "status")}
-            )
+            _registered[client] = Scripts(client)
         return _registered[client]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

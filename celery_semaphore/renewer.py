@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from ._scripts import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
 from .errors import SemaphoreError
 
 if TYPE_CHECKING:
@@ -33,8 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_semaphore")
 
-# Codes of renew.lua, one per token.
-RENEW_LOST, RENEW_RENEWED, RENEW_REGISTERED_AGAIN = 0, 1, 2
+__all__ = ["RENEW_LOST", "RENEW_REGISTERED_AGAIN", "RENEW_RENEWED", "add_listener", "cycle_lock", "forget", "track"]
 
 # After a failed renewal (Redis unreachable), try again this soon rather than a third of a lease.
 RETRY_AFTER_ERROR = 0.5
@@ -97,7 +97,7 @@ class _Renewer:
         by_semaphore: dict[tuple[int, str, float], tuple[FairSemaphore, list[Lease]]] = {}
         for lease in leases:
             semaphore = lease.semaphore
-            same = (id(semaphore.client), semaphore.keys[0], semaphore.lease)
+            same = (id(semaphore.client), semaphore.keys.holders, semaphore.lease)
             by_semaphore.setdefault(same, (semaphore, []))[1].append(lease)
         for semaphore, group in by_semaphore.values():
             with self.cycle:

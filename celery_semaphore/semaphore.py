@@ -11,6 +11,9 @@ The design follows "Redis in Action" (sections 6.3 and 11.2) and drops the book'
 * Tickets order the waiters, not only the holders: a waiter takes a ticket from a counter once
   and keeps it across tries, and a slot goes to the oldest ticket first. A newcomer cannot jump
   the line, however often it asks.
+* Hand-off: a freed slot is *offered* to the oldest present waiter (it counts against the limit
+  while offered) and that waiter alone is told, on its process's wake-up channel. A release costs
+  the same whether one or two hundred callers are blocked, and nobody races for the slot.
 
 This module imports neither Celery nor kombu: the semaphore works in any Python process.
 """
@@ -23,7 +26,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -33,10 +36,10 @@ import redis
 import redis.cluster
 
 from . import renewer
+from ._scripts import CLAIMED, GRANTED, OFFERED, PRESENT, RENEW_LOST, WAIT, Scripts, SemaphoreKeys, scripts_for
+from ._wakeups import wake_ups_for
 from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from .renewer import RENEW_LOST
-from .scripts import scripts_for
-from .validation import check_limit, check_name, check_prefix, check_seconds, to_ms
+from .validation import check_limit, check_name, check_prefix, check_seconds, check_token, to_ms
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -103,6 +106,7 @@ class WaiterInfo:
     waited: float  # seconds since the waiter first asked
     must_ask_within: float  # seconds before it loses its place unless it asks again
     present: bool  # asking now (True) or away on a countdown (False)
+    offered: bool = False  # a slot is offered to it and waits for its claim (counts as taken)
 
 
 @dataclass(frozen=True)
@@ -110,11 +114,12 @@ class SemaphoreStatus:
     name: str
     limit: int  # the limit in force
     limit_source: str  # "override" (stored in Redis) or "default" (the limit given in code)
-    holder_count: int
-    waiter_count: int
-    holders: list[HolderInfo]  # at most STATUS_LISTING_LIMIT entries, oldest deadline first
-    waiters: list[WaiterInfo]  # at most STATUS_LISTING_LIMIT entries, in line order
+    holder_count: int  # leases held now (exact)
+    waiter_count: int  # waiters in line, present, away or offered (exact)
+    holders: list[HolderInfo]  # at most `listed` entries, oldest deadline first
+    waiters: list[WaiterInfo]  # at most `listed` entries, in line order
     override_expires_in: float | None = None  # seconds a ttl'd override has left; None: no ttl
+    offered_count: int = 0  # slots offered to waiters, not claimed yet; they count as taken (exact)
 
 
 class Lease:
@@ -126,9 +131,6 @@ class Lease:
         self.semaphore = semaphore
         self.token = token
         self.label = label
-        # what metrics group this lease under: the semaphore name, or (set by the Celery layer)
-        # the key template it came from, so per-host keys do not explode label cardinality
-        self.family = semaphore.name
         self.acquired_at = time.monotonic()
         self.lost = False
         self.released = False
@@ -204,14 +206,9 @@ class FairSemaphore:
         self.lease = check_seconds("lease", lease)
         self.prefix = check_prefix("prefix", prefix)
         self.patience = check_seconds("patience", patience)
-        base = f"{self.prefix}:{{{self.name}}}"
-        # Order matters: the Lua scripts read KEYS by position (see lua/_lib.lua).
-        self.keys = [
-            f"{base}:{part}"
-           for part in ("holders", "queue", "seen", "ticket", "limit", "since", "present")
-        ]
-        self.channel = f"{base}:wake"
-        self._scripts = scripts_for(client)
+        self.keys = SemaphoreKeys.of(self.prefix, self.name)
+        self._lease_ms = to_ms(self.lease)
+        self._scripts: Scripts = scripts_for(client)
 
     def __repr__(self) -> str:
         return f"<FairSemaphore {self.name!r} limit={self.limit} lease={self.lease}>"
@@ -222,21 +219,21 @@ class FairSemaphore:
         """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try
         that never queues). Raises SemaphoreUnavailable when the time runs out.
 
-        The returned Lease is a context manager: ``with sem.acquire(timeout=10): ...``. While
-        blocked, the waiter sleeps on the semaphore's wake-up channel, so a release wakes it at
-        once; it also asks again every ``patience / 3`` seconds to keep its place in line.
+        The returned Lease is a context manager: ``with sem.acquire(timeout=10): ...``. An
+        uncontended acquire is one round trip. A refused one sleeps until a release hands it the
+        slot and tells it so (see ``wait_for_slot``).
         """
         if timeout is not None:
             timeout = check_seconds("timeout", timeout, allow_zero=True)
         started = time.monotonic()
         token, waiter = new_token(), new_token()
         if timeout == 0:
-            attempt = self.try_acquire(token=token, waiter=waiter, enqueue=False, label=label)
+            attempt = self.try_acquire(token=token, waiter=waiter, enqueue=False, label=label, fresh=True)
             if isinstance(attempt, Granted):
                 return attempt.lease
             raise SemaphoreUnavailable(self.name, attempt.limit, time.monotonic() - started)
         try:
-            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label)
+            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
         except BaseException:
             self._leave_quietly(waiter)
             raise
@@ -254,24 +251,46 @@ class FairSemaphore:
         patience: float | None = None,
         label: str | None = None,
         ticket: int | None = None,
+        fresh: bool = False,
     ) -> Attempt:
-        """Try, then sleep on the wake-up channel and try again on every release, until granted
-        or ``timeout`` seconds pass (None: no bound). Returns the last try; a waiter that runs
-        out of time keeps its place in line (call ``leave`` to give it up)."""
+        """Try, and while refused sleep until told a slot is offered, then claim it; until
+        granted or ``timeout`` seconds pass (None: no bound). Returns the last try; a waiter that
+        runs out of time keeps its place in line (call ``leave`` to give it up).
+
+        The first try is made before anything else, so an uncontended call costs one round trip
+        and subscribes to nothing. A refused waiter registers with the process's one wake-up
+        listener (no connection of its own: it holds none while asleep) and asks again when
+        woken, and every ``patience / 3`` seconds anyway: that keeps its place in line and claims
+        an offer whose wake-up was lost. ``fresh``: this waiter never asked before (the first
+        try may then skip the line bookkeeping when nobody waits).
+        """
         started = time.monotonic()
-        patience_s = self.patience if patience is None else patience
-        with self._wake_ups() as wait_for_wake_up:
+        patience_s = self.patience if patience is None else check_seconds("patience", patience)
+        pause = patience_s / 3
+        wake_ups = wake_ups_for(self.client)
+        channel = self.keys.wake_channel(wake_ups.process_id)
+        with wake_ups.signal(channel, waiter) as signal:
+            subscribed = signal.ready()
             while True:
-                attempt = self.try_acquire(token=token, waiter=waiter, patience=patience_s, label=label, ticket=ticket)
-                if isinstance(attempt, Waiting):
+                signal.event.clear()  # a wake-up from here on is kept for the wait below
+                with wake_ups.gate:  # blocked threads never take the whole connection pool
+                    attempt = self.try_acquire(
+                        token=token, waiter=waiter, patience=patience_s, label=label, ticket=ticket, fresh=fresh,
+                        wake=channel,
+                    )
+                fresh = False
+                if isinstance(attempt, Waiting) and attempt.ticket is not None:
                     ticket = attempt.ticket  # if the place ever lapses, come back to it
                 waited = time.monotonic() - started
                 if isinstance(attempt, Granted) or (timeout is not None and waited >= timeout):
                     return attempt
-                pause = patience_s / 3
-                if timeout is not None:
-                    pause = min(pause, timeout - waited)
-                wait_for_wake_up(pause)
+                wait = pause if timeout is None else min(pause, timeout - waited)
+                if not subscribed:
+                    # A wake-up published before the subscription was confirmed is lost: ask
+                    # again as soon as it is, to claim an offer made meanwhile.
+                    subscribed = signal.subscribe(wait)
+                    continue
+                signal.event.wait(wait)
 
     def try_acquire(
         self,
@@ -282,54 +301,78 @@ class FairSemaphore:
         enqueue: bool = True,
         label: str | None = None,
         ticket: int | None = None,
+        fresh: bool = False,
+        wake: str = "",
     ) -> Attempt:
         """One try, one round trip: Granted with a Lease, or Waiting with the place in line.
 
         Pass the same ``waiter`` on every try to keep the place in line; ``token`` names the
-        slot if granted (a repeat with the same token is granted again, not twice). With
-        ``enqueue=False`` a new waiter does not take a ticket: it gets a slot only if every
-        waiter in line would get one too. A waiter that left the line (to sleep elsewhere, not
-        blocking those behind it) comes back to its old place by passing its old ``ticket``.
+        slot if granted (a repeat with the same token is granted again, not twice). A slot freed
+        while the waiter is present (asking, not away) is offered to it: its next try claims it.
+        With ``enqueue=False`` a new waiter does not take a ticket: it gets a slot only if it
+        passes no present waiter. A waiter that left the line (to sleep elsewhere, not blocking
+        those behind it) comes back to its old place by passing its old ``ticket``.
+
+        ``fresh``: the caller knows this waiter never asked before; when nobody is present and a
+        slot is free it is granted on the fast path (no line bookkeeping). ``wake``: the channel
+        on which to PUBLISH this waiter's id when a slot is offered to it ("" for nowhere).
         """
-        token = token or new_token()
+        if token is None:
+            token = new_token()
+        else:
+            check_token("token", token)
         if waiter is None:
             # nobody will ask again under a fresh waiter id: a ticket would only block the line
-            waiter, enqueue = token, False
+            waiter, enqueue, fresh = token, False, True
         label = default_label() if label is None else label
         patience_s = self.patience if patience is None else check_seconds("patience", patience)
-        granted, position, free, limit, hold_ms, ticket_text, turn = self._run(
-            "acquire",
-            self._scripts.acquire,
-            [token, waiter, self.limit, to_ms(self.lease), to_ms(patience_s), int(enqueue), label,
-             "" if ticket is None else int(ticket)],
-        )
-        if granted == 1:
+        with self._redis_errors("acquire"):
+            reply = self._scripts.acquire(
+                self.keys,
+                token=token,
+                waiter=waiter,
+                default_limit=self.limit,
+                lease_ms=self._lease_ms,
+                patience_ms=to_ms(patience_s),
+                enqueue=enqueue,
+                fresh=fresh,
+                label=label,
+                ticket=ticket,
+                wake=wake,
+            )
+        if reply.outcome in (GRANTED, CLAIMED):
             lease = Lease(self, token, label=label)
             renewer.track(lease)
             return Granted(lease)
-        if granted == 0:
-            hold_time = int(hold_ms) / 1000 if int(hold_ms) >= 0 else None
-            ticket_value = int(float(ticket_text)) if _text(ticket_text) else None
+        if reply.outcome == WAIT:
             return Waiting(
-                int(position), int(free), int(limit), hold_time=hold_time, ticket=ticket_value, turn=int(turn)
+                reply.position,
+                reply.free,
+                reply.limit,
+                hold_time=reply.hold_ms / 1000 if reply.hold_ms >= 0 else None,
+                ticket=reply.ticket,
+                turn=reply.turn,
             )
-        raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {granted!r}", key=self.name)
+        raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
     def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
         """Step out of line at once, so those behind move up. True if it was in line.
 
         With ``away_for`` (seconds) the waiter keeps its place and shows in status while away,
         but slots pass it by until it asks again; if it does not ask within ``away_for`` its
-        place lapses. A Celery task sleeping through a countdown steps away like this."""
-        away = "" if away_for is None else to_ms(check_seconds("away_for", away_for))
-        return bool(self._run("leave", self._scripts.leave, [waiter, away]))
+        place lapses. A Celery task sleeping through a countdown steps away like this. A slot
+        offered to the waiter and not yet claimed goes on to the next present waiter."""
+        away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
+        with self._redis_errors("leave"):
+            return self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit)
 
     # -- holding ---------------------------------------------------------------------------
 
     def release(self, token: str) -> bool:
         """Give a slot back by its token. True if the token held it; False if its lease had
         already gone. Safe to repeat. Prefer ``Lease.release``, which also stops renewal."""
-        return bool(self._run("release", self._scripts.release, [token]))
+        with self._redis_errors("release"):
+            return self._scripts.release(self.keys, token=token, default_limit=self.limit)
 
     def release_holders_with_prefix(self, prefix: str) -> int:
         """Release every holder whose token starts with ``prefix``; how many were released.
@@ -338,8 +381,9 @@ class FairSemaphore:
         random part of its token. Several round trips: for that rare path only."""
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
         with self._redis_errors("release"):
-            tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys[0], match=pattern)]
-        return sum(self.release(token) for token in tokens)
+            tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
+        # offers ("!<waiter>") are not holders: they go to their waiter or lapse
+        return sum(self.release(token) for token in tokens if not token.startswith("!"))
 
     def renew(self, token: str) -> bool:
         """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""
@@ -348,98 +392,85 @@ class FairSemaphore:
     def renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         """Renew several (token, label) holders in one round trip; one RENEW_* code each.
 
-        With ``reclaim``, a token that Redis no longer has (restarted empty, or the lease ran
-        out during a stall) is registered again if a slot is free: it is still running, so it
+        With ``reclaim``, a token that Redis no longer has (restarted empty, or the lease ran out
+        during a stall) is registered again if a slot is free: it is still running, so it
         should count against the limit.
         """
-        argv: list[Any] = [to_ms(self.lease), self.limit, int(reclaim)]
-        for token, label in holders:
-            argv += [token, label]
-        codes = self._run("renew", self._scripts.renew, argv)
-        return [int(code) for code in codes]
+        with self._redis_errors("renew"):
+            return self._scripts.renew(
+                self.keys, lease_ms=self._lease_ms, default_limit=self.limit, reclaim=reclaim, holders=holders
+            )
 
     # -- inspecting and steering -----------------------------------------------------------
 
-    def status(self) -> SemaphoreStatus:
-        """The limit in force, the holders and the line, from one read-only script."""
-        now, override, holder_count, waiter_count, holders, waiters, override_ttl = self._run(
-            "status", self._scripts.status, [STATUS_LISTING_LIMIT], channel=False
-        )
-        now = int(now)
-        holder_list = []
-        for i in range(0, len(holders), 3):
-            granted_ms, _, label = _text(holders[i + 2]).partition("|")
-            holder_list.append(
-                HolderInfo(
-                    token=_text(holders[i]),
-                    label=label,
-                    held_for=(now - int(granted_ms or now)) / 1000,
-                    expires_in=(float(holders[i + 1]) - now) / 1000,
-                )
+    def status(self, *, listed: int = STATUS_LISTING_LIMIT) -> SemaphoreStatus:
+        """The limit in force, the holders and the line, from one read-only script.
+
+        Counts are exact and cost O(log n) whatever the length of the line; at most ``listed``
+        holders and waiters are listed (0: counts only, for a metrics scrape)."""
+        with self._redis_errors("status"):
+            reply = self._scripts.status(self.keys, listed=max(0, int(listed)))
+        now = reply.now_ms
+        holders = [
+            HolderInfo(
+                token=holder.token,
+                label=holder.label,
+                held_for=(now - (holder.granted_ms if holder.granted_ms is not None else now)) / 1000,
+                expires_in=(holder.deadline_ms - now) / 1000,
             )
-        waiter_list = []
-        for i in range(0, len(waiters), 5):
-            first_ask = _text(waiters[i + 3]) or str(now)
-            waiter_list.append(
-                WaiterInfo(
-                    waiter=_text(waiters[i]),
-                    position=i // 5,
-                    ticket=int(float(waiters[i + 1])),
-                    waited=(now - int(first_ask)) / 1000,
-                    must_ask_within=(float(waiters[i + 2]) - now) / 1000,
-                    present=bool(int(waiters[i + 4])),
-                )
+            for holder in reply.holders
+        ]
+        waiters = [
+            WaiterInfo(
+                waiter=waiter.waiter,
+                position=position,
+                ticket=waiter.ticket,
+                waited=(now - (waiter.first_ask_ms if waiter.first_ask_ms is not None else now)) / 1000,
+                must_ask_within=(waiter.must_ask_by_ms - now) / 1000,
+                present=waiter.state in (PRESENT, OFFERED),
+                offered=waiter.state == OFFERED,
             )
+            for position, waiter in enumerate(reply.waiters)
+        ]
         return SemaphoreStatus(
             name=self.name,
-            limit=int(override) if override else self.limit,
-            limit_source="override" if override else "default",
-            holder_count=int(holder_count),
-            waiter_count=int(waiter_count),
-            holders=holder_list,
-            waiters=waiter_list,
-            override_expires_in=int(override_ttl) / 1000 if int(override_ttl) >= 0 else None,
+            limit=reply.override if reply.override is not None else self.limit,
+            limit_source="override" if reply.override is not None else "default",
+            holder_count=reply.holder_count,
+            waiter_count=reply.waiter_count,
+            holders=holders,
+            waiters=waiters,
+            override_expires_in=reply.override_ttl_ms / 1000 if reply.override_ttl_ms >= 0 else None,
+            offered_count=reply.offered_count,
         )
 
     def set_limit(self, limit: int, *, ttl: float | None = None) -> None:
         """Store a runtime limit that wins over the one given in code, for every process.
 
         The override is an operator's decision, so it is kept until cleared, unless ``ttl``
-        (seconds) says otherwise. Waiters are woken: a higher limit may admit some at once.
-        """
+        (seconds) says otherwise. Slots a higher limit frees are offered to present waiters at
+        once, in the same script."""
         check_limit("limit", limit)
-        px = None if ttl is None else to_ms(check_seconds("ttl", ttl))
+        ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
         with self._redis_errors("set_limit"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(self.keys[4], limit, px=px)
-            pipe.publish(self.channel, "1")
-            pipe.execute()
+            self._scripts.set_limit(self.keys, override=limit, ttl_ms=ttl_ms, default_limit=self.limit)
 
     def clear_limit(self) -> None:
-        """Drop the runtime override; the limit given in code applies again."""
+        """Drop the runtime override; the limit given in code applies again (and if that is
+        higher, the slots it frees are offered at once)."""
         with self._redis_errors("clear_limit"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self.keys[4])
-            pipe.publish(self.channel, "1")
-            pipe.execute()
+            self._scripts.set_limit(self.keys, override=None, ttl_ms=None, default_limit=self.limit)
 
     def reset(self) -> None:
         """Forget every holder and waiter (the limit override stays). For operators recovering
         from a mistake, such as holders left by a test run against the wrong Redis. Holders that
         are still running register again at their next renewal while slots are free; those that
-        find no free slot run uncounted (and are logged as lost) until they end."""
+        find no free slot run uncounted (and are logged as lost) until they end. Blocked waiters
+        notice at their next keep-alive ask (``patience / 3``) and come back by their ticket."""
         with self._redis_errors("reset"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(*(key for key in self.keys if key != self.keys[4]))
-            pipe.publish(self.channel, "1")
-            pipe.execute()
+            self._scripts.reset(self.keys)
 
     # -- plumbing --------------------------------------------------------------------------
-
-    def _run(self, operation: str, script: Any, argv: list[Any], *, channel: bool = True) -> Any:
-        args = [self.channel, *argv] if channel else argv
-        with self._redis_errors(operation):
-            return script(keys=self.keys, args=args)
 
     @contextmanager
     def _redis_errors(self, operation: str) -> Iterator[None]:
@@ -455,32 +486,6 @@ class FairSemaphore:
             raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
         except redis.RedisError as error:
             raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
-
-    @contextmanager
-    def _wake_ups(self) -> Iterator[Callable[[float], None]]:
-        """Subscribe to the wake-up channel for the duration of a blocking acquire.
-
-        Subscribing before the first try means a release between a refused try and the wait
-        is not missed: its message is already queued on the subscription.
-        """
-        with self._redis_errors("acquire"):
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-            pubsub.subscribe(self.channel)
-
-        def wait_for_wake_up(seconds: float) -> None:
-            deadline = time.monotonic() + seconds
-            with self._redis_errors("acquire"):
-                while (left := deadline - time.monotonic()) > 0:
-                    if pubsub.get_message(timeout=left) is not None:
-                        # drain what else arrived: one try answers every queued wake-up
-                        while pubsub.get_message(timeout=0) is not None:
-                            pass
-                        return
-
-        try:
-            yield wait_for_wake_up
-        finally:
-            pubsub.close()
 
     def _leave_quietly(self, waiter: str) -> None:
         try:

@@ -54,3 +54,12 @@ def to_ms(seconds: float) -> int:
     """Seconds (the public unit) to whole milliseconds (the unit of the Lua scripts): the one
     place where the two meet. Rounds up so a lease is never shorter than asked."""
     return max(1, math.ceil(seconds * 1000))
+
+
+def check_token(setting: str, value: Any) -> str:
+    """A holder token: a non-empty string not starting with "!", which marks a slot offered to a
+    waiter in the holders set (a token like that could claim somebody else's offer)."""
+    check_name(setting, value)
+    if value.startswith("!"):
+        raise ConfigurationError(setting, value, "a holder token must not start with '!'")
+    return str(value)

@@ -1,62 +1,50 @@
--- Shared helpers. scripts.py puts this text in front of every script that changes a semaphore,
--- so each script still runs as one EVALSHA: one round trip, atomic, no lock around it.
+-- Shared helpers. _scripts.py puts this text in front of every script, so each script still
+-- runs as one EVALSHA: one round trip, atomic, no lock around it. Nothing here runs by itself:
+-- it only defines locals.
 --
 -- Key schema (the same KEYS positions in every script; all keys of one semaphore share one
 -- Redis Cluster hash tag, "{prefix}:{<key>}:..."):
---   KEYS[1] holders  ZSET  holder token -> lease deadline (server time, ms)
---   KEYS[2] queue    ZSET  waiter id -> ticket (first-ask server ms * 1024 + counter); rank = place in line
---   KEYS[3] seen     ZSET  waiter id -> deadline by which the waiter must ask again (ms)
---   KEYS[4] ticket   STRING the counter that orders tickets taken in the same millisecond (INCR)
---   KEYS[5] limit    STRING runtime limit override, if any
---   KEYS[6] since    HASH  "h:<token>" -> "<granted ms>|<label>", "w:<waiter>" -> "<first ask ms>",
---                         "hold" -> moving average of hold times (ms)
---   KEYS[7] present  ZSET  waiter id -> ticket, for waiters asking now (not away on a countdown):
---                         slots go to present waiters in ticket order; an away waiter keeps its
---                         place in KEYS[2] but holds up nobody until it is back
--- ARGV[1] is always the wake-up channel; PUBLISH on it tells blocked waiters to ask again.
+--   KEYS[1] holders      ZSET   holder token -> lease deadline (server ms), and offers:
+--                               "!<waiter>" -> minus its claim deadline (server ms). An offer
+--                               is a slot handed to a waiter that has not claimed it yet; it
+--                               counts against the limit. The sign keeps both kinds countable
+--                               by ZCOUNT: live holders score above now, live offers below -now,
+--                               and everything lapsed lies in [-now, now].
+--   KEYS[2] holder_info  HASH   "h:<token>" -> "<granted ms>|<label>"
+--   KEYS[3] queue        ZSET   waiter id -> ticket; rank = place in line, everyone waiting
+--   KEYS[4] present      ZSET   waiter id -> ticket, for waiters asking now; slots are offered
+--                               to these only (a waiter away on a Celery countdown keeps its
+--                               place in KEYS[3] but is offered nothing until it is back)
+--   KEYS[5] deadlines    ZSET   waiter id -> must-ask-by (server ms); a waiter that does not
+--                               ask again by then loses its place
+--   KEYS[6] waiter_info  HASH   "w:<waiter>" -> "<first ask ms>|<wake address>",
+--                               "hold" -> moving average of hold times (ms)
+--   KEYS[7] ticket       STRING counter for tickets taken in the same millisecond (INCR)
+--   KEYS[8] limit        STRING runtime limit override, if any (no expiry unless set with one)
+-- No ARGV is shared: each script documents its own.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.
+-- Every key a script writes gets an expiry in the same script ("extend"), never shorter than
+-- the last live deadline it holds, so an idle semaphore leaves nothing behind.
 
-local K_HOLDERS, K_QUEUE, K_SEEN, K_TICKET, K_LIMIT, K_SINCE, K_PRESENT =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local CHANNEL = ARGV[1]
--- keys outlive the last deadline by this much, so a reader right at the deadline sees a
--- consistent set instead of half-expired keys
+local K_HOLDERS, K_HOLDER_INFO, K_QUEUE, K_PRESENT, K_DEADLINES, K_WAITER_INFO, K_TICKET, K_LIMIT =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+
+-- keys outlive the last deadline they hold by this much, so a reader right at a deadline sees
+-- a consistent set instead of half-expired keys
 local GRACE_MS = 1000
--- how many members one HDEL/ZREM takes at once (Lua's unpack has a stack limit)
-local CHUNK = 1000
+-- how long an offered waiter has to claim its slot before the slot goes on to the next one
+local CLAIM_MS = 2000
+-- most entries one purge step removes: a purge never grows with the length of the line
+local PURGE_STEP = 100
+-- the ticket counter only breaks ties within one millisecond: it may vanish quickly
+local TICKET_TTL_MS = 1000
+-- PEXPIRE ... GT exists from Redis 7.0, which is also where REDIS_VERSION_NUM appears
+local HAS_GT = redis.REDIS_VERSION_NUM ~= nil
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
-local function remove_members(command, key, members, field_prefix)
-  for first = 1, #members, CHUNK do
-    local part = {}
-    for i = first, math.min(first + CHUNK - 1, #members) do
-      part[#part + 1] = field_prefix .. members[i]
-    end
-    redis.call(command, key, unpack(part))
-  end
-end
-
--- Drop holders whose lease deadline has passed and waiters that stopped asking in time.
--- Returns how many entries left, so the caller can wake waiters when slots or places opened.
-local function purge(now)
-  local dead = redis.call('ZRANGEBYSCORE', K_HOLDERS, '-inf', now)
-  if #dead > 0 then
-    redis.call('ZREMRANGEBYSCORE', K_HOLDERS, '-inf', now)
-    remove_members('HDEL', K_SINCE, dead, 'h:')
-  end
-  local gone = redis.call('ZRANGEBYSCORE', K_SEEN, '-inf', now)
-  if #gone > 0 then
-    redis.call('ZREMRANGEBYSCORE', K_SEEN, '-inf', now)
-    remove_members('ZREM', K_QUEUE, gone, '')
-    remove_members('ZREM', K_PRESENT, gone, '')
-    remove_members('HDEL', K_SINCE, gone, 'w:')
-  end
-  return #dead + #gone
 end
 
 local function current_limit(default)
@@ -67,41 +55,154 @@ local function current_limit(default)
   return default
 end
 
-local function wake()
-  redis.call('PUBLISH', CHANNEL, '1')
+-- Make sure "key" lives at least ttl_ms more, never shortening a longer expiry (holders with
+-- different lease lengths share the key). is_new: the script created the key, so it has no
+-- expiry yet (GT treats "no expiry" as infinite and would refuse to set one).
+local function extend(key, ttl_ms, is_new)
+  if is_new then
+    redis.call('PEXPIRE', key, ttl_ms)
+  elseif HAS_GT then
+    if redis.call('PEXPIRE', key, ttl_ms, 'GT') == 0 and redis.call('PTTL', key) == -1 then
+      redis.call('PEXPIRE', key, ttl_ms)
+    end
+  else
+    local left = redis.call('PTTL', key)
+    if left == -1 or (left >= 0 and left < ttl_ms) then
+      redis.call('PEXPIRE', key, ttl_ms)
+    end
+  end
 end
 
--- Give every key an expiry just past the last deadline it holds, so an idle semaphore leaves
--- nothing behind; when nobody holds or waits, the counter and bookkeeping go at once.
--- (The limit override is an operator's decision and is left alone.)
-local function touch()
-  local last = 0
-  local top = redis.call('ZRANGE', K_HOLDERS, -1, -1, 'WITHSCORES')
-  if top[2] then
-    last = tonumber(top[2])
+-- The one place a waiter is told something: PUBLISH its id on its wake address (a channel
+-- inside the semaphore's hash tag, so that sharded pub/sub can take this over on a cluster).
+local function notify(address, waiter)
+  if address and address ~= '' then
+    redis.call('PUBLISH', address, waiter)
   end
-  top = redis.call('ZRANGE', K_SEEN, -1, -1, 'WITHSCORES')
-  if top[2] and tonumber(top[2]) > last then
-    last = tonumber(top[2])
-  end
-  if last == 0 then
-    redis.call('DEL', K_TICKET, K_SINCE)
-    return
-  end
-  local at = last + GRACE_MS
-  redis.call('PEXPIREAT', K_HOLDERS, at)
-  redis.call('PEXPIREAT', K_QUEUE, at)
-  redis.call('PEXPIREAT', K_SEEN, at)
-  redis.call('PEXPIREAT', K_TICKET, at)
-  redis.call('PEXPIREAT', K_SINCE, at)
-  redis.call('PEXPIREAT', K_PRESENT, at)
 end
 
--- Take a waiter out of the line entirely.
+local function wake_address(waiter)
+  local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter)
+  if info then
+    return string.match(info, '^%d*|(.*)$')
+  end
+  return nil
+end
+
+local function prefixed(items, prefix)
+  local out = {}
+  for i = 1, #items do
+    out[i] = prefix .. items[i]
+  end
+  return out
+end
+
+-- When the line has emptied, its counter goes at once; the rest of its bookkeeping (the hold
+-- average) goes too once nobody holds either, so an idle semaphore leaves no key behind. While
+-- holders remain, the average is kept for the next line: releases keep updating it.
+local function forget_line_if_empty()
+  if redis.call('ZCARD', K_QUEUE) == 0 then
+    redis.call('DEL', K_TICKET)
+    if redis.call('ZCARD', K_HOLDERS) == 0 then
+      redis.call('DEL', K_WAITER_INFO)
+    end
+  end
+end
+
+-- Take a waiter out of the line entirely (granted, or gave up). Returns 1 if it was in line.
 local function drop_waiter(waiter)
   local left = redis.call('ZREM', K_QUEUE, waiter)
-  redis.call('ZREM', K_SEEN, waiter)
   redis.call('ZREM', K_PRESENT, waiter)
-  redis.call('HDEL', K_SINCE, 'w:' .. waiter)
+  redis.call('ZREM', K_DEADLINES, waiter)
+  redis.call('HDEL', K_WAITER_INFO, 'w:' .. waiter)
+  forget_line_if_empty()
   return left
+end
+
+-- One bounded step of removing lapsed holders, lapsed offers and waiters that stopped asking.
+-- Returns how many holder entries (leases or offers) went, i.e. how many slots it freed.
+local function purge(now)
+  local dead = redis.call('ZRANGEBYSCORE', K_HOLDERS, -now, now, 'LIMIT', 0, PURGE_STEP)
+  if #dead > 0 then
+    redis.call('ZREM', K_HOLDERS, unpack(dead))
+    redis.call('HDEL', K_HOLDER_INFO, unpack(prefixed(dead, 'h:')))
+  end
+  local gone = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, PURGE_STEP)
+  if #gone > 0 then
+    redis.call('ZREM', K_DEADLINES, unpack(gone))
+    redis.call('ZREM', K_QUEUE, unpack(gone))
+    redis.call('ZREM', K_PRESENT, unpack(gone))
+    redis.call('HDEL', K_WAITER_INFO, unpack(prefixed(gone, 'w:')))
+    -- an offer never outlives its waiter's place (its claim deadline is capped by it), but a
+    -- waiter that lapsed must not keep a slot either way
+    redis.call('ZREM', K_HOLDERS, unpack(prefixed(gone, '!')))
+    forget_line_if_empty()
+  end
+  return #dead
+end
+
+-- Offer a free slot to one present waiter: it leaves the present set (it is not offered twice)
+-- but keeps its place in the queue, so that if it claims too late it still comes back first.
+-- Returns the claim deadline.
+local function offer(waiter, now)
+  local claim_by = now + CLAIM_MS
+  local must_ask_by = tonumber(redis.call('ZSCORE', K_DEADLINES, waiter))
+  if must_ask_by and must_ask_by < claim_by then
+    claim_by = must_ask_by
+  end
+  redis.call('ZREM', K_PRESENT, waiter)
+  redis.call('ZADD', K_HOLDERS, -claim_by, '!' .. waiter)
+  notify(wake_address(waiter), waiter)
+  return claim_by
+end
+
+-- Hand free slots to the oldest present waiters, one offer each, each told alone. "except" (a
+-- waiter asking in this very script) is not offered: the caller grants it directly. Returns
+-- (slots still free, whether "except" was among the first in line for them, offers made).
+local function hand_off(now, limit, except)
+  local size = redis.call('ZCARD', K_HOLDERS)
+  local free = limit - size
+  if free <= 0 then
+    return free, false, 0
+  end
+  local first = redis.call('ZRANGE', K_PRESENT, 0, free - 1)
+  local latest, chosen, offered = 0, false, 0
+  for i = 1, #first do
+    if first[i] == except then
+      chosen = true
+    else
+      latest = math.max(latest, offer(first[i], now))
+      offered = offered + 1
+    end
+    free = free - 1
+  end
+  if offered > 0 then
+    extend(K_HOLDERS, latest - now + GRACE_MS, size == 0)
+  end
+  return free, chosen, offered
+end
+
+-- Purge one step, then hand freed slots on. The common ending of every script that may have
+-- freed a slot.
+local function settle(now, limit)
+  purge(now)
+  if redis.call('ZCARD', K_PRESENT) > 0 then
+    hand_off(now, limit, nil)
+  end
+end
+
+-- Put a holder in: the one way a slot is taken (grant, claim, reclaim).
+local function hold(token, now, lease_ms, label, holders_were_empty)
+  redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
+  redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+  extend(K_HOLDERS, lease_ms + GRACE_MS, holders_were_empty)
+  extend(K_HOLDER_INFO, lease_ms + GRACE_MS, holders_were_empty)
+end
+
+-- Keep the waiter-side keys alive at least ttl_ms more.
+local function extend_line(ttl_ms)
+  extend(K_QUEUE, ttl_ms, false)
+  extend(K_PRESENT, ttl_ms, false)
+  extend(K_DEADLINES, ttl_ms, false)
+  extend(K_WAITER_INFO, ttl_ms, false)
 end

@@ -1,86 +1,107 @@
--- acquire: one try for a slot, fair by ticket order.
+-- acquire: one try for a slot, fair by ticket order, with hand-off of free slots.
 --   KEYS    the semaphore keys (see _lib.lua)
---   ARGV[1] wake-up channel
---   ARGV[2] token     the holder token this try would hold the slot under
---   ARGV[3] waiter    the waiter id that keeps its place in line across tries (a task id)
---   ARGV[4] limit     the limit to apply when no runtime override is stored
---   ARGV[5] lease_ms  lease length for a granted slot
---   ARGV[6] patience_ms  how long a refused waiter keeps its place without asking again
---   ARGV[7] enqueue   "1": a new waiter takes a ticket; "0": a one-shot try that never queues
---                     and is granted only if it would not pass any present waiter
---   ARGV[8] label     free text shown by status for this holder (host, pid, task id)
---   ARGV[9] ticket    "" for a new waiter; or the ticket it was given before, so a waiter that
---                     left the line while away (a Celery countdown) comes back to its old place
+--   ARGV[1] token        the holder token this try would hold the slot under
+--   ARGV[2] waiter       the waiter id that keeps its place in line across tries (a task id)
+--   ARGV[3] limit        the limit to apply when no runtime override is stored
+--   ARGV[4] lease_ms     lease length for a granted slot
+--   ARGV[5] patience_ms  how long a refused waiter keeps its place without asking again
+--   ARGV[6] enqueue      "1": a new waiter takes a ticket; "0": a one-shot try that never
+--                        queues and is granted only if it passes no present waiter
+--   ARGV[7] fresh        "1": the caller knows this waiter never asked before, so when nobody
+--                        is present and a slot is free the grant skips the line entirely (the
+--                        uncontended fast path: no purge, no queue keys touched)
+--   ARGV[8] label        free text shown by status for this holder (host, pid, task id)
+--   ARGV[9] ticket       "" for a new waiter; or the ticket it was given before, so a waiter
+--                        that left the line (a Celery countdown, a lapsed offer) comes back to
+--                        its old place
+--   ARGV[10] wake        the waiter's wake address (a channel) or "": where an offer is told
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
--- and still ordered after the counter key expired with an idle semaphore. A float holds them
--- exactly (below 2^53).
--- Returns {granted, position, free, limit, hold, ticket, turn}:
---   granted  1 = the slot is held under token (also when token already held it: idempotent,
---            so a resend by redis-py after a connection error is harmless); 0 = wait
---   position the waiter's 0-based place in line, away waiters included (0 when granted);
---            slots go by place among present waiters, so an away waiter ahead delays nobody
---   free     free slots after this call
---   limit    the limit in force (override or ARGV[4])
---   hold     moving average of recent hold times in ms, or -1 while none is known
---   ticket   the waiter's ticket (as a string; "" when granted without queueing)
---   turn     the waiter's 0-based place among present waiters: slots go by this
+-- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
+-- Returns {outcome, position, free, limit, hold, ticket, turn}:
+--   outcome  1 = granted: the slot is held under token (also when token already held it, so
+--            a resend by redis-py after a connection error is harmless); 2 = granted by
+--            claiming the offer a release made to this waiter; 0 = wait
+--   position the waiter's 0-based place in line, away waiters included (0 when granted)
+--   free     free slots after this call (offers count as taken)
+--   limit    the limit in force (override or ARGV[3])
+--   hold     moving average of recent hold times in ms, or -1 while none is known (or granted)
+--   ticket   the waiter's ticket as a decimal string ("" when granted or not queued)
+--   turn     the waiter's 0-based place among present waiters: slots are offered by this
 
-local token, waiter = ARGV[2], ARGV[3]
-local lease_ms, patience_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local GRANTED, CLAIMED, WAIT = 1, 2, 0
+local token, waiter = ARGV[1], ARGV[2]
+local lease_ms, patience_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local enqueue, fresh, label, wake = ARGV[6] == '1', ARGV[7] == '1', ARGV[8], ARGV[10]
 
 local now = now_ms()
-local dropped = purge(now)
-local limit = current_limit(tonumber(ARGV[4]))
-local hold = tonumber(redis.call('HGET', K_SINCE, 'hold')) or -1
+local limit = current_limit(tonumber(ARGV[3]))
 
-if redis.call('ZSCORE', K_HOLDERS, token) then
-  redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
-  touch()
-  return {1, 0, limit - redis.call('ZCARD', K_HOLDERS), limit, hold, '', 0}
+if fresh then
+  -- the fast path: a newcomer, nobody present to pass, a slot free
+  local size = redis.call('ZCARD', K_HOLDERS)
+  if size < limit and redis.call('ZCARD', K_PRESENT) == 0 then
+    hold(token, now, lease_ms, label, size == 0)
+    return {GRANTED, 0, limit - size - 1, limit, -1, '', 0}
+  end
 end
 
-local free = limit - redis.call('ZCARD', K_HOLDERS)
-local rank = redis.call('ZRANK', K_QUEUE, waiter)
-local queued = rank ~= false
-if not queued and ARGV[7] == '1' then
-  local ticket = tonumber(ARGV[9])
+purge(now)
+if redis.call('ZSCORE', K_HOLDERS, token) then
+  -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
+  redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
+  extend(K_HOLDERS, lease_ms + GRACE_MS, false)
+  return {GRANTED, 0, limit - redis.call('ZCARD', K_HOLDERS), limit, -1, '', 0}
+end
+if redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
+  -- a release offered this waiter a slot: take it (the entry counted already)
+  hold(token, now, lease_ms, label, false)
+  drop_waiter(waiter)
+  return {CLAIMED, 0, limit - redis.call('ZCARD', K_HOLDERS), limit, -1, '', 0}
+end
+
+local size = redis.call('ZCARD', K_HOLDERS)
+local average = tonumber(redis.call('HGET', K_WAITER_INFO, 'hold')) or -1
+
+if not enqueue then
+  local left, _, offered = hand_off(now, limit, nil)
+  if left > 0 then
+    hold(token, now, lease_ms, label, size == 0 and offered == 0)
+    return {GRANTED, 0, left - 1, limit, -1, '', 0}
+  end
+  return {WAIT, redis.call('ZCARD', K_QUEUE), left, limit, average, '', redis.call('ZCARD', K_PRESENT)}
+end
+
+local ticket = redis.call('ZSCORE', K_QUEUE, waiter)
+if ticket then
+  ticket = tonumber(ticket)
+  if wake ~= '' then
+    local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+    local first, address = string.match(info, '^(%d*)|(.*)$')
+    if address ~= wake then
+      redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (first or now) .. '|' .. wake)
+    end
+  end
+else
+  ticket = tonumber(ARGV[9])
   if not ticket then
-    ticket = now * 1024 + redis.call('INCR', K_TICKET) % 1024
+    local counter = redis.call('INCR', K_TICKET)
+    if counter == 1 then
+      redis.call('PEXPIRE', K_TICKET, TICKET_TTL_MS)
+    end
+    ticket = now * 1024 + counter % 1024
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
-  redis.call('HSET', K_SINCE, 'w:' .. waiter, now)
-  queued = true
+  redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, now .. '|' .. wake)
 end
-local turn
-if queued then
-  redis.call('ZADD', K_PRESENT, redis.call('ZSCORE', K_QUEUE, waiter), waiter)
-  rank = redis.call('ZRANK', K_QUEUE, waiter)
-  turn = redis.call('ZRANK', K_PRESENT, waiter)
-else
-  rank = redis.call('ZCARD', K_QUEUE)
-  turn = redis.call('ZCARD', K_PRESENT)
-end
+redis.call('ZADD', K_PRESENT, ticket, waiter)
+redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
 
-if turn < free then
-  redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
-  redis.call('HSET', K_SINCE, 'h:' .. token, now .. '|' .. ARGV[8])
-  if queued then
-    drop_waiter(waiter)
-  end
-  if dropped > 0 then
-    wake()
-  end
-  touch()
-  return {1, 0, free - 1, limit, hold, '', 0}
+local left, chosen, offered = hand_off(now, limit, waiter)
+if chosen then
+  drop_waiter(waiter)
+  hold(token, now, lease_ms, label, size == 0 and offered == 0)
+  return {GRANTED, 0, left, limit, -1, '', 0}
 end
-
-local ticket = ''
-if queued then
-  redis.call('ZADD', K_SEEN, now + patience_ms, waiter)
-  ticket = redis.call('ZSCORE', K_QUEUE, waiter)
-end
-if dropped > 0 then
-  wake()
-end
-touch()
-return {0, rank, free, limit, hold, ticket, turn}
+extend_line(patience_ms + GRACE_MS)
+return {WAIT, redis.call('ZRANK', K_QUEUE, waiter), left, limit, average, string.format('%.0f', ticket),
+        redis.call('ZRANK', K_PRESENT, waiter)}

@@ -1,24 +1,30 @@
 -- leave: a waiter steps out of line, so it never blocks the waiters behind it.
 --   KEYS    the semaphore keys (see _lib.lua)
---   ARGV[1] wake-up channel
---   ARGV[2] waiter id
---   ARGV[3] away_ms  "" to give up the place (timeout, max wait, revoke); or how long the
+--   ARGV[1] waiter id
+--   ARGV[2] away_ms  "" to give up the place (timeout, max wait, revoke); or how long the
 --                    waiter will be away (a Celery countdown): it keeps its place and shows in
 --                    status, but slots pass it by until it asks again, within away_ms
--- Returns 1 if the waiter was in line, 0 if not. Safe to repeat.
+--   ARGV[3] limit    the limit to apply when no runtime override is stored (for the hand-off)
+-- Returns 1 if the waiter was in line (or held an offer), 0 if not. Safe to repeat.
+-- A slot offered to this waiter and not claimed goes on to the next present waiter at once.
 
-local now = now_ms()
-local dropped = purge(now)
-local left
-local away_ms = tonumber(ARGV[3])
-if away_ms and redis.call('ZSCORE', K_QUEUE, ARGV[2]) then
-  left = redis.call('ZREM', K_PRESENT, ARGV[2])
-  redis.call('ZADD', K_SEEN, now + away_ms, ARGV[2])
+local waiter = ARGV[1]
+local away_ms = tonumber(ARGV[2])
+local in_line = redis.call('ZSCORE', K_QUEUE, waiter)
+local had_offer = redis.call('ZREM', K_HOLDERS, '!' .. waiter)
+local now
+if away_ms and in_line then
+  now = now_ms()
+  redis.call('ZREM', K_PRESENT, waiter)
+  redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
+  extend_line(away_ms + GRACE_MS)
 else
-  left = drop_waiter(ARGV[2])
+  drop_waiter(waiter)
 end
-if left + dropped > 0 then
-  wake()
+if had_offer == 1 then
+  settle(now or now_ms(), current_limit(tonumber(ARGV[3])))
 end
-touch()
-return left
+if in_line or had_offer == 1 then
+  return 1
+end
+return 0

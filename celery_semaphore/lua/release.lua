@@ -1,30 +1,39 @@
--- release: give a slot back.
+-- release: give a slot back, and hand it to the oldest present waiter if there is one.
 --   KEYS    the semaphore keys (see _lib.lua)
---   ARGV[1] wake-up channel
---   ARGV[2] token
+--   ARGV[1] token
+--   ARGV[2] limit  the limit to apply when no runtime override is stored (for the hand-off)
 -- Returns 1 if token held a slot and now does not; 0 if its lease was already gone (expired,
 -- released before, or never granted). Safe to repeat.
--- A release also folds the holder's hold time into a moving average (KEYS[6] field "hold",
--- ms), which acquire reports so that waiters can judge how soon a slot is likely to free.
+-- When no line exists (KEYS[6] does not) this is three calls (ZREM, EXISTS, HDEL): no TIME, no
+-- PUBLISH. Otherwise the release also folds the holder's hold time (server time) into the moving
+-- average that refused tries report (KEYS[6] field "hold"), and with present waiters it hands
+-- the slot on. (KEYS[6] outlives its line while holders remain, so that the average is still
+-- known to the next line; it goes with the last holder.)
 
+local token = ARGV[1]
+if redis.call('ZREM', K_HOLDERS, token) == 0 then
+  return 0
+end
+if redis.call('EXISTS', K_WAITER_INFO) == 0 then
+  redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
+  return 1
+end
 local now = now_ms()
-local dropped = purge(now)
-local released = redis.call('ZREM', K_HOLDERS, ARGV[2])
-if released == 1 then
-  local since = redis.call('HGET', K_SINCE, 'h:' .. ARGV[2])
-  local granted = since and tonumber(string.match(since, '^(%d+)'))
-  if granted then
-    local held = now - granted
-    local average = tonumber(redis.call('HGET', K_SINCE, 'hold'))
-    if average then
-      held = math.floor(average * 0.8 + held * 0.2)
-    end
-    redis.call('HSET', K_SINCE, 'hold', held)
+local info = redis.call('HGET', K_HOLDER_INFO, 'h:' .. token)
+redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
+local granted = info and tonumber(string.match(info, '^(%d+)'))
+if granted then
+  local held = now - granted
+  local average = tonumber(redis.call('HGET', K_WAITER_INFO, 'hold'))
+  if average then
+    held = math.floor(average * 0.8 + held * 0.2)
   end
-  redis.call('HDEL', K_SINCE, 'h:' .. ARGV[2])
+  -- KEYS[6] exists and has its expiry: HSET keeps it
+  redis.call('HSET', K_WAITER_INFO, 'hold', held)
 end
-if released + dropped > 0 then
-  wake()
+if redis.call('ZCARD', K_QUEUE) == 0 then
+  forget_line_if_empty()
+  return 1
 end
-touch()
-return released
+settle(now, current_limit(tonumber(ARGV[2])))
+return 1

@@ -1,35 +1,44 @@
 -- renew: extend the leases of several holders of one semaphore in one round trip.
 --   KEYS    the semaphore keys (see _lib.lua)
---   ARGV[1] wake-up channel
---   ARGV[2] lease_ms  new lease length, counted from now
---   ARGV[3] limit     the limit to apply when no runtime override is stored
---   ARGV[4] reclaim   "1": a token found missing (Redis restarted empty, or the lease ran out
+--   ARGV[1] lease_ms  new lease length, counted from now
+--   ARGV[2] limit     the limit to apply when no runtime override is stored
+--   ARGV[3] reclaim   "1": a token found missing (Redis restarted empty, or the lease ran out
 --                     during a stall while the holder kept running) is registered again if a
 --                     slot is free; "0": never
---   ARGV[5], ARGV[6], ... pairs of (token, label)
+--   ARGV[4], ARGV[5], ... pairs of (token, label)
 -- Returns one code per token, in order: 1 renewed, 2 registered again, 0 lost (no free slot).
+-- A token still in KEYS[1] counts as held even if its deadline passed and no purge removed it
+-- yet: nobody else was given its slot meanwhile.
 
-local lease_ms = tonumber(ARGV[2])
-local reclaim = ARGV[4] == '1'
+local lease_ms = tonumber(ARGV[1])
+local reclaim = ARGV[3] == '1'
 local now = now_ms()
-local dropped = purge(now)
-local limit = current_limit(tonumber(ARGV[3]))
+purge(now)
+local limit = current_limit(tonumber(ARGV[2]))
+local was_empty = redis.call('ZCARD', K_HOLDERS) == 0
 local codes = {}
-for i = 5, #ARGV, 2 do
+local changed = false
+for i = 4, #ARGV, 2 do
   local token = ARGV[i]
   if redis.call('ZSCORE', K_HOLDERS, token) then
     redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
     codes[#codes + 1] = 1
+    changed = true
   elseif reclaim and redis.call('ZCARD', K_HOLDERS) < limit then
     redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
-    redis.call('HSET', K_SINCE, 'h:' .. token, now .. '|' .. ARGV[i + 1])
+    redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. ARGV[i + 1])
     codes[#codes + 1] = 2
+    changed = true
   else
     codes[#codes + 1] = 0
   end
 end
-if dropped > 0 then
-  wake()
+if changed then
+  extend(K_HOLDERS, lease_ms + GRACE_MS, was_empty)
+  extend(K_HOLDER_INFO, lease_ms + GRACE_MS, false)
 end
-touch()
+-- the purge above may have freed slots (a crashed holder's lease ran out): hand them on
+if redis.call('ZCARD', K_PRESENT) > 0 then
+  hand_off(now, limit, nil)
+end
 return codes

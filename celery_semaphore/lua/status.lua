@@ -1,44 +1,56 @@
 -- status: a read-only snapshot of one semaphore, for the CLI and metrics. Writes nothing, so
--- expired entries are filtered here rather than purged.
---   KEYS    the semaphore keys (see _lib.lua; not prepended: this script writes nothing)
---   ARGV[1] at most this many holders and waiters are listed (counts are always exact)
--- Returns {now_ms, override or false, holder_count, waiter_count, holders, waiters, override_ttl_ms}:
---   holders  flat list: token, lease deadline ms, since value ("<granted ms>|<label>")
---   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms, present (1) or away (0);
---            in line order
+-- lapsed entries are filtered here rather than purged. Counts are exact and O(log n) (ZCOUNT
+-- by deadline); listings stop at ARGV[1] entries.
+--   KEYS    the semaphore keys (see _lib.lua)
+--   ARGV[1] at most this many holders and waiters are listed (0: counts only)
+-- Returns {now_ms, override or false, override_ttl_ms, holder_count, offered_count,
+--          waiter_count, holders, waiters}:
 --   override_ttl_ms  ms the override has left; -1 kept until cleared; -2 no override
+--   holder_count     live leases (offers not included)
+--   offered_count    slots offered to waiters and not claimed yet (they count as taken)
+--   waiter_count     waiters whose place has not lapsed, present, away or offered
+--   holders  flat list: token, lease deadline ms, "<granted ms>|<label>" (or "")
+--   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms (or ""),
+--            state (1 present, 0 away, 2 offered a slot); in line order
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local most = tonumber(ARGV[1])
-local override = redis.call('GET', KEYS[5])
+local now = now_ms()
+local above, below = string.format('(%.0f', now), string.format('(%.0f', -now)
 
 local holders = {}
-local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, most)
-for i = 1, #live, 2 do
-  holders[#holders + 1] = live[i]
-  holders[#holders + 1] = live[i + 1]
-  holders[#holders + 1] = redis.call('HGET', KEYS[6], 'h:' .. live[i]) or ''
+if most > 0 then
+  local live = redis.call('ZRANGEBYSCORE', K_HOLDERS, above, '+inf', 'WITHSCORES', 'LIMIT', 0, most)
+  for i = 1, #live, 2 do
+    holders[#holders + 1] = live[i]
+    holders[#holders + 1] = live[i + 1]
+    holders[#holders + 1] = redis.call('HGET', K_HOLDER_INFO, 'h:' .. live[i]) or ''
+  end
 end
 
 local waiters = {}
-local line = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-local listed = 0
-local waiting = 0
-for i = 1, #line, 2 do
-  local seen = redis.call('ZSCORE', KEYS[3], line[i])
-  if seen and tonumber(seen) > now then
-    waiting = waiting + 1
-    if listed < most then
-      listed = listed + 1
-      waiters[#waiters + 1] = line[i]
+if most > 0 then
+  local line = redis.call('ZRANGE', K_QUEUE, 0, most - 1, 'WITHSCORES')
+  for i = 1, #line, 2 do
+    local waiter = line[i]
+    local must_ask_by = redis.call('ZSCORE', K_DEADLINES, waiter)
+    if must_ask_by and tonumber(must_ask_by) > now then
+      local state = 0
+      local offer = redis.call('ZSCORE', K_HOLDERS, '!' .. waiter)
+      if offer and -tonumber(offer) > now then
+        state = 2
+      elseif redis.call('ZSCORE', K_PRESENT, waiter) then
+        state = 1
+      end
+      local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+      waiters[#waiters + 1] = waiter
       waiters[#waiters + 1] = line[i + 1]
-      waiters[#waiters + 1] = seen
-      waiters[#waiters + 1] = redis.call('HGET', KEYS[6], 'w:' .. line[i]) or ''
-      waiters[#waiters + 1] = redis.call('ZSCORE', KEYS[7], line[i]) and 1 or 0
+      waiters[#waiters + 1] = must_ask_by
+      waiters[#waiters + 1] = string.match(info, '^(%d*)') or ''
+      waiters[#waiters + 1] = state
     end
   end
 end
 
-return {now, override or false, redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf'), waiting, holders, waiters,
-        redis.call('PTTL', KEYS[5])}
+return {now, redis.call('GET', K_LIMIT) or false, redis.call('PTTL', K_LIMIT),
+        redis.call('ZCOUNT', K_HOLDERS, above, '+inf'), redis.call('ZCOUNT', K_HOLDERS, '-inf', below),
+        redis.call('ZCOUNT', K_DEADLINES, above, '+inf'), holders, waiters}
