@@ -59,17 +59,17 @@ app.conf.update(
 @app.task(base=SemaphoreTask, semaphore_limit=API_LIMIT, name="demo.call_api")  # type: ignore[untyped-decorator]
 def call_api(i: int) -> int:
     """Call the paid API while holding one of its ``API_LIMIT`` slots; returns the HTTP status."""
-    return post_report(i, "demo.call_api")
+    return post_report(i)
 
 
 @app.task(name="demo.call_api_unprotected")  # type: ignore[untyped-decorator]
 def call_api_unprotected(i: int) -> int:
     """The same call with no semaphore: as many at once as there are pool processes."""
-    return post_report(i, "demo.call_api_unprotected")
+    return post_report(i)
 
 
-def post_report(i: int, series: str) -> int:
-    with record_call(series) as call:
+def post_report(i: int) -> int:
+    with record_call() as call:
         call.status, _ = web.http_post(app.conf.paid_api_port, f"/v1/reports/{i}", timeout=HTTP_TIMEOUT)
     return call.status
 

@@ -10,6 +10,7 @@ that this test sets and then looks for in ``/proc/*/environ``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+import celery_semaphore
 
 from .redis_server import RedisServer
 from .waiting import wait_until
@@ -234,3 +237,49 @@ def test_a_signal_stops_the_demo_promptly_and_leaves_nothing_behind(
     assert "interrupted" in demo.output, demo.output
     assert took < 15, f"took {took:.1f} s to stop:\n{demo.output}"
     _assert_nothing_left(demo)
+
+
+# -- the example a user copies ----------------------------------------------------------------
+
+
+def _imports_of_the_library(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every ``celery_semaphore`` import of a file (name "" for ``import x``)."""
+    def ours(module: str | None) -> bool:
+        return module is not None and module.split(".")[0] == "celery_semaphore"
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if ours(alias.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and ours(node.module):
+            found += [(str(node.module), alias.name) for alias in node.names]
+    return found
+
+
+def test_the_example_uses_public_names_only() -> None:
+    """Every file of example_project imports the library through its facade (names in
+    ``celery_semaphore.__all__``) or its public test aid, never a module of its own."""
+    files = sorted((ROOT / "example_project").rglob("*.py"))
+    imports = {path.relative_to(ROOT): _imports_of_the_library(path) for path in files}
+    assert imports[Path("example_project/tasks.py")], "tasks.py should use the library"
+    for path, names in imports.items():
+        for module, name in names:
+            assert module in ("celery_semaphore", "celery_semaphore.testing"), f"{path}: imports {module}"
+            if module == "celery_semaphore":
+                assert name in celery_semaphore.__all__, f"{path}: imports {name}, not a public name"
+
+
+def test_the_tasks_module_loads_none_of_the_demo_harness() -> None:
+    """``example_project.tasks`` stands apart from the demo: importing it loads neither the
+    orchestrator nor what only the demo needs (rich, matplotlib, the HTTP servers)."""
+    probe = (
+        "import sys, example_project.tasks\n"
+        "heavy = ['rich', 'matplotlib', 'example_project.demo.orchestrator', 'example_project.demo.servers',"
+        " 'example_project.demo.wiring']\n"
+        "print(sorted(name for name in heavy if name in sys.modules))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "CELERY_SEMAPHORE_DEMO"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import shutil
 import tempfile
@@ -34,17 +33,15 @@ from celery_semaphore import semaphore_for
 from celery_semaphore.testing import RedisServer, any_binary
 
 from .. import tasks
+from . import records, wiring
 from .processes import Interrupted, WorkerProcess, guard
-from .records import Keys, data
+from .records import Keys
 from .report import KeyResult, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
 from .servers import CrawlSiteServer, PaidApiServer, SiteSpec
 from .settings import DemoSettings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
-# The module the workers load: the tasks' app, wired to this run (see wiring.py).
-WIRING = "example_project.demo.wiring"
-# The series the contrast's calls are recorded under, and its label in the output.
-UNPROTECTED_SERIES = "demo.call_api_unprotected"
+# The contrast's name in the output: it has no semaphore key to go by.
 UNPROTECTED_LABEL = "paid-api (no semaphore)"
 CHART_NAME = "demo-concurrency.png"
 # Set by tests: the demo appends the id of every process it starts (or causes to start) here.
@@ -186,15 +183,16 @@ class Demo:
             broker_url=broker, semaphore_url=semaphore, result_url=results, prefix=prefix, isolated=isolated,
             queue=f"{prefix}:tasks", api_port=self.api.port, crawl_port=self.sites.port,
         )
+        # the same wiring as in the workers, which find the settings in their environment
         os.environ.update(settings.to_env())
-        _wire()
-        self.data = data()
+        wiring.configure(settings)
+        self.data = records.data()
         self._stack = Stack(settings, Keys(prefix), self.data, self.api, self.sites)
         pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **settings.to_env(), "PYTHONPATH": pythonpath}
         for i in range(1, WORKERS + 1):
             worker = WorkerProcess(
-                f"demo{i}-{uuid.uuid4().hex[:6]}", app=WIRING, queue=settings.queue,
+                f"demo{i}-{uuid.uuid4().hex[:6]}", app=wiring.__name__, queue=settings.queue,
                 concurrency=WORKER_CONCURRENCY, env=env, log_dir=self.workdir,
             )
             self.workers.append(worker)
@@ -277,10 +275,9 @@ class Demo:
     def paid_api(self, *, protected: bool) -> KeyResult:
         stack, scenario = self.stack, self.scenario
         api, data, keys = stack.api, stack.data, stack.keys
-        # the semaphore's key is the task's name; the contrast has none, and a label instead
-        series = tasks.call_api.name if protected else UNPROTECTED_SERIES
-        key = tasks.call_api.name if protected else UNPROTECTED_LABEL
         task = tasks.call_api if protected else tasks.call_api_unprotected
+        # the calls are recorded under the task's name, the semaphore's key when there is one
+        series, key = task.name, task.name if protected else UNPROTECTED_LABEL
         api.reset_stats()
         label = "with the semaphore" if protected else "WITHOUT the semaphore"
         self.say(f"[bold]Story 1: paid API, {scenario.api_calls} calls {label}[/] "
@@ -466,12 +463,6 @@ def _start_embedded_redis(attempts: int = 3) -> RedisServer:
         except (RuntimeError, TimeoutError):
             server.close()
     return RedisServer(binary, extra=["--maxmemory-policy", "noeviction"]).start()
-
-
-def _wire() -> None:
-    """Wire the tasks' app to this run, now that its settings are in the environment, exactly as
-    the workers will when they load the same module (wiring.py)."""
-    importlib.import_module(WIRING).configure(DemoSettings.from_env())
 
 
 def _text(value: Any) -> str:

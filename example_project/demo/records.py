@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import signals
+from celery import current_task, signals
 
 from .settings import ENV_VAR, DemoSettings
 
@@ -106,13 +106,15 @@ def in_demo() -> bool:
 
 
 @contextmanager
-def record_call(series: str) -> Iterator[Call]:
+def record_call(series: str | None = None) -> Iterator[Call]:
     """Record the HTTP call made in the block for the demo's chart and makespans: in flight
-    while it runs, then a span with its status. Outside a demo run, nothing is recorded."""
+    while it runs, then a span with its status, under ``series`` (the running task's name by
+    default). Outside a demo run, nothing is recorded."""
     call = Call()
     if not in_demo():
         yield call
         return
+    series = series or str(current_task.name)
     client, names = data(), keys()
     client.incr(names.in_flight(series))
     start = time.time()
