@@ -69,6 +69,8 @@ def call_api_unprotected(i: int) -> int:
 
 
 def post_report(i: int) -> int:
+    """POST report ``i`` to the paid API; the HTTP status. One body for both tasks, so the
+    semaphore is the only difference between them."""
     with record_call() as call:
         call.status, _ = web.http_post(app.conf.paid_api_port, f"/v1/reports/{i}", timeout=HTTP_TIMEOUT)
     return call.status
