@@ -56,6 +56,7 @@ import redis
 import redis.cluster
 import redis.connection
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
 from .errors import ConfigurationError
@@ -631,6 +632,9 @@ def client_for(url_or_spec: str | BackendSpec) -> Client:
     in a child, so a client made in a Celery worker's parent serves its prefork children.
 
     A string is parsed (and checked) under the setting name ``semaphore_backend_url``.
+    Building a cluster client connects to the cluster at once (to learn its slots); when that
+    fails, the error is a ``redis.ConnectionError`` and nothing is cached, so a later call tries
+    again. The other clients connect at their first command.
     """
     if isinstance(url_or_spec, BackendSpec):
         spec = url_or_spec
@@ -656,12 +660,18 @@ def _build(spec: BackendSpec) -> Client:
         options: dict[str, Any] = {**spec.options, **spec.cluster_options}
         if spec.tls:
             options["ssl"] = True
-        return RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],  # type: ignore[no-untyped-call]
-            username=spec.username,
-            password=spec.password,
-            **options,
-        )
+        try:
+            return RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],  # type: ignore[no-untyped-call]
+                username=spec.username,
+                password=spec.password,
+                **options,
+            )
+        except RedisClusterException as error:
+            # The cluster client connects as it is made, and its failure is not a RedisError:
+            # re-raised as one, so callers that fail closed on RedisError catch it too.
+            detail = str(error).replace(spec.password, MASK) if spec.password else str(error)
+            raise redis.ConnectionError(f"Redis Cluster {spec.masked_url}: {detail}") from error
     assert spec.service_name is not None
     sentinel_kwargs = dict(spec.sentinel_options)
     data_options: dict[str, Any] = {"health_check_interval": HEALTH_CHECK_INTERVAL, **spec.options}

@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 
 import redis
 import redis.cluster
+from redis.exceptions import RedisClusterException
 
 __all__ = [
     "RedisClusterSet",
@@ -149,8 +150,8 @@ def _cmd(client: Any, *args: Any) -> Any:
 def wait_until(condition: Callable[[], _T | None], timeout: float, what: str, *, interval: float = 0.02) -> _T:
     """Poll ``condition`` until it returns something truthy, and return that.
 
-    Raises ``TimeoutError`` naming ``what`` after ``timeout`` seconds. A Redis connection error
-    inside ``condition`` counts as "not yet" (a server that is starting or failing over).
+    Raises ``TimeoutError`` naming ``what`` after ``timeout`` seconds. A Redis error inside
+    ``condition`` counts as "not yet" (a server that is starting, a cluster failing over).
     """
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -159,7 +160,7 @@ def wait_until(condition: Callable[[], _T | None], timeout: float, what: str, *,
             result = condition()
             if result:
                 return result
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError) as error:
+        except (redis.RedisError, RedisClusterException, OSError) as error:
             last_error = error
         if time.monotonic() > deadline:
             detail = f" (last error: {last_error})" if last_error else ""
@@ -701,11 +702,21 @@ class RedisSentinelSet:
 
     def failover(self, timeout: float = 30.0) -> RedisServer:
         """A forced failover (SENTINEL FAILOVER): a replica becomes master, the old master its
-        replica. Returns the new master once every Sentinel agrees."""
+        replica. Returns the new master once every Sentinel names it and the old master has been
+        turned into its replica.
+
+        Until that last step the old master still accepts writes, and a client connected to it
+        keeps writing there (redis-py asks the Sentinels only when it opens a connection); those
+        writes are lost when it becomes a replica. :meth:`wait_for_new_master` returns before
+        that step, for a test that wants to observe the window.
+        """
         old = self.master()
         with self.sentinels[0].client() as client:
             _cmd(client, "SENTINEL", "FAILOVER", self.service_name)
-        return self.wait_for_new_master(old, timeout)
+        new = self.wait_for_new_master(old, timeout)
+        wait_until(lambda: self.role(old) == "slave", timeout, f"old master {old.port} turned into a replica")
+        self.wait_settled(timeout)
+        return new
 
     def kill_master(self) -> RedisServer:
         """SIGKILL the current master (the Sentinels notice after ``down_after`` ms); returns it."""
