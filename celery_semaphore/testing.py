@@ -35,8 +35,9 @@ Without pytest the classes work on their own, as context managers::
     with RedisServer() as server:
         client = server.client()
 
-A crashed test run leaves no server behind: servers still running when the interpreter exits are
-stopped then (by PID, like everything here).
+A run that ends without stopping a server (an exception, an interrupted session) leaves none
+behind: servers still running when the interpreter exits are stopped then, by PID like everything
+here. A SIGKILLed test process cannot do that; its servers keep running until killed.
 """
 
 from __future__ import annotations
