@@ -1,5 +1,5 @@
 """Model-based test: random sequences of tries, releases and departures against a real Redis,
-checked step by step against a small Python model of the fair semaphore."""
+checked step by step against a small Python model of the fair semaphore with hand-off."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def model_server() -> Iterator[None]:
 
 
 class FairSemaphoreModel(RuleBasedStateMachine):
-    """The model: holders, and waiters in first-ask order, each present or away."""
+    """The model: holders, waiters in first-ask order (each present or away), and offers: a slot
+    freed while present waiters wait is offered to the oldest present one, which alone may
+    claim it; giving up or stepping away passes the offer on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,30 +44,42 @@ class FairSemaphoreModel(RuleBasedStateMachine):
         self.held: dict[str, Lease] = {}  # waiter -> lease
         self.line: list[str] = []  # waiters in ticket order
         self.away: set[str] = set()
+        self.offered: set[str] = set()
 
-    def _expected_grant(self, waiter: str) -> bool:
-        free = LIMIT - len(self.held)
-        present = [w for w in self.line if w not in self.away or w == waiter]
-        if waiter not in present:
-            present.append(waiter)  # a newcomer joins at the back
-        return present.index(waiter) < free
+    def _present(self) -> list[str]:
+        return [w for w in self.line if w not in self.away and w not in self.offered]
+
+    def _hand_off(self, asking: str | None = None) -> bool:
+        """Offer free slots to the oldest present waiters; True if ``asking`` is among them
+        (it is then granted directly, not offered)."""
+        free = LIMIT - len(self.held) - len(self.offered)
+        chosen = False
+        for waiter in self._present()[: max(free, 0)]:
+            if waiter == asking:
+                chosen = True
+            else:
+                self.offered.add(waiter)
+        return chosen
 
     @rule(waiter=st.sampled_from(WAITERS))
     def ask(self, waiter: str) -> None:
         if waiter in self.held:
             return
-        expected = self._expected_grant(waiter)
         attempt = self.semaphore.try_acquire(waiter=waiter)
-        assert isinstance(attempt, Granted) == expected, (waiter, self.line, self.away, list(self.held))
-        self.away.discard(waiter)
-        if isinstance(attempt, Granted):
-            self.held[waiter] = attempt.lease
-            if waiter in self.line:
-                self.line.remove(waiter)
+        if waiter in self.offered:
+            expected = True
+            self.offered.discard(waiter)
         else:
-            assert isinstance(attempt, Waiting)
+            self.away.discard(waiter)
             if waiter not in self.line:
                 self.line.append(waiter)
+            expected = self._hand_off(asking=waiter)
+        assert isinstance(attempt, Granted) == expected, (waiter, self.line, self.away, self.offered, list(self.held))
+        if isinstance(attempt, Granted):
+            self.held[waiter] = attempt.lease
+            self.line.remove(waiter)
+        else:
+            assert isinstance(attempt, Waiting)
             assert attempt.position == self.line.index(waiter)
 
     @precondition(lambda self: bool(self.held))
@@ -73,6 +87,7 @@ class FairSemaphoreModel(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         waiter = data.draw(st.sampled_from(sorted(self.held)))
         assert self.held.pop(waiter).release() is True
+        self._hand_off()
 
     @precondition(lambda self: bool(self.line))
     @rule(data=st.data())
@@ -81,6 +96,9 @@ class FairSemaphoreModel(RuleBasedStateMachine):
         assert self.semaphore.leave(waiter) is True
         self.line.remove(waiter)
         self.away.discard(waiter)
+        if waiter in self.offered:
+            self.offered.discard(waiter)
+            self._hand_off()
 
     @precondition(lambda self: bool(self.line))
     @rule(data=st.data())
@@ -88,13 +106,19 @@ class FairSemaphoreModel(RuleBasedStateMachine):
         waiter = data.draw(st.sampled_from(self.line))
         self.semaphore.leave(waiter, away_for=60)
         self.away.add(waiter)
+        if waiter in self.offered:
+            self.offered.discard(waiter)
+            self._hand_off()
 
     @invariant()
     def redis_agrees(self) -> None:
         status = self.semaphore.status()
-        assert status.holder_count == len(self.held) <= LIMIT
+        assert status.holder_count == len(self.held)
+        assert status.offered_count == len(self.offered)
+        assert status.holder_count + status.offered_count <= LIMIT
         assert [w.waiter for w in status.waiters] == self.line
         assert {w.waiter for w in status.waiters if not w.present} == self.away
+        assert {w.waiter for w in status.waiters if w.offered} == self.offered
 
     def teardown(self) -> None:
         for lease in self.held.values():
@@ -102,5 +126,5 @@ class FairSemaphoreModel(RuleBasedStateMachine):
         self.client.close()
 
 
-FairSemaphoreModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+FairSemaphoreModel.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 test_fair_semaphore_matches_its_model = FairSemaphoreModel.TestCase

@@ -1,0 +1,187 @@
+"""What the scripts cost in Redis: calls per operation (INFO commandstats) and server time at a
+line of 100,000 waiters, pinned so they cannot creep back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from celery_semaphore import FairSemaphore, Granted, Waiting
+from celery_semaphore._scripts import SemaphoreKeys
+
+from .waiting import wait_until
+
+# Redis calls of one uncontended acquire + release, made inside the two scripts (EVALSHA itself
+# not counted). Acquire: TIME, GET limit, ZCARD holders, ZCARD present, ZADD, HSET, 2 x PEXPIRE;
+# release: ZREM, EXISTS, HDEL. Issue 8's budget is 12; the first version made 34.
+CYCLE_CALLS = 11
+
+_NOT_SCRIPTED = {"evalsha", "eval", "info", "config", "config|resetstat", "script", "script|load", "ping",
+                 "hello", "client", "publish"}
+
+
+def calls(client: redis.Redis) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT (commands run by scripts included)."""
+    return {
+        name.removeprefix("cmdstat_"): int(stat["calls"])
+        for name, stat in client.info("commandstats").items()
+    }
+
+
+def scripted(counts: dict[str, int]) -> int:
+    return sum(n for name, n in counts.items() if name not in _NOT_SCRIPTED)
+
+
+def evalsha_usec(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return int(stats["cmdstat_evalsha"]["usec"]) if "cmdstat_evalsha" in stats else 0
+
+
+def test_an_uncontended_cycle_makes_eleven_redis_calls(redis_client: redis.Redis) -> None:
+    """acquire(timeout=0) + release: 2 EVALSHA running 11 Redis calls, no PUBLISH, no PEXPIRE beyond
+    the two keys it writes; the same again on a second cycle (nothing piles up)."""
+    semaphore = FairSemaphore(redis_client, "cost", 3)
+    semaphore.acquire(timeout=0).release()  # loads the scripts
+    for _ in range(2):
+        redis_client.config_resetstat()
+        semaphore.acquire(timeout=0).release()
+        counts = calls(redis_client)
+        assert counts["evalsha"] == 2
+        assert scripted(counts) == CYCLE_CALLS, counts
+        assert "publish" not in counts
+        assert counts["pexpire"] == 2
+
+
+def test_a_blocking_acquire_uncontended_is_the_same_single_round_trip(redis_client: redis.Redis) -> None:
+    """acquire(timeout=10) with a slot free tries first: one EVALSHA, no SUBSCRIBE, no PUBLISH,
+    no connection opened for it."""
+    semaphore = FairSemaphore(redis_client, "cost-blocking", 3)
+    semaphore.acquire(timeout=10).release()
+    redis_client.config_resetstat()
+    connections = redis_client.info("stats")["total_connections_received"]
+    semaphore.acquire(timeout=10).release()
+    counts = calls(redis_client)
+    assert counts["evalsha"] == 2
+    assert scripted(counts) == CYCLE_CALLS, counts
+    assert not {"subscribe", "publish"} & set(counts)
+    assert redis_client.info("stats")["total_connections_received"] == connections
+
+
+def test_a_contended_cycle_stays_bounded(redis_client: redis.Redis) -> None:
+    """A refused try, the release that offers the slot, and the claim: a bounded number of calls
+    (pinned loosely, so that a change that adds a scan or a loop shows up)."""
+    semaphore = FairSemaphore(redis_client, "cost-line", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    redis_client.config_resetstat()
+    assert isinstance(semaphore.try_acquire(waiter="w"), Waiting)
+    refused = scripted(calls(redis_client))
+    redis_client.config_resetstat()
+    holder.release()
+    release = scripted(calls(redis_client))
+    redis_client.config_resetstat()
+    claimed = semaphore.try_acquire(waiter="w")
+    claim = scripted(calls(redis_client))
+    assert isinstance(claimed, Granted)
+    claimed.lease.release()
+    assert refused <= 32, refused  # the first refusal also gives four new keys their expiry
+    assert release <= 22, release
+    assert claim <= 24, claim
+
+
+def test_status_and_purge_stay_cheap_at_100000_waiters(redis_client: redis.Redis) -> None:
+    """With 100,000 waiters in line, status counts them in O(log n) (exact count, well under a
+    millisecond of Redis time without listing) and a purge of 100,000 lapsed waiters runs in
+    bounded steps of 100 per script (each step well under a few ms)."""
+    semaphore = FairSemaphore(redis_client, "crowd", 1, patience=300)
+    keys = SemaphoreKeys.of(semaphore.prefix, semaphore.name)
+    holder = semaphore.acquire(timeout=0)
+    n = 100_000
+    now_ms = int(redis_client.time()[0]) * 1000
+    for first in range(0, n, 10_000):
+        members = {f"w{i:06d}": now_ms * 1024 + i for i in range(first, first + 10_000)}
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.zadd(keys.queue, members)
+        pipe.zadd(keys.present, members)
+        pipe.zadd(keys.deadlines, {w: now_ms + 300_000 for w in members})
+        pipe.hset(keys.waiter_info, mapping={f"w:{w}": f"{now_ms}|" for w in members})
+        pipe.execute()
+    for key in (keys.queue, keys.present, keys.deadlines, keys.waiter_info):
+        redis_client.pexpire(key, 600_000)
+
+    redis_client.config_resetstat()
+    status = semaphore.status(listed=0)
+    counting_usec = evalsha_usec(redis_client)
+    assert (status.holder_count, status.waiter_count) == (1, n)
+    redis_client.config_resetstat()
+    listed = semaphore.status()
+    listing_usec = evalsha_usec(redis_client)
+    assert listed.waiter_count == n and len(listed.waiters) == 1000
+    assert [w.waiter for w in listed.waiters[:2]] == ["w000000", "w000001"]
+    assert counting_usec < 1_000, f"status counted in {counting_usec} us"
+    assert listing_usec < 50_000, f"status listed 1000 in {listing_usec} us"
+
+    # every waiter lapses at once; each script then purges one bounded step
+    redis_client.zadd(keys.deadlines, {f"w{i:06d}": now_ms - 1 for i in range(n)})
+    redis_client.config_resetstat()
+    assert isinstance(semaphore.try_acquire(waiter="late"), Waiting)
+    step_usec = evalsha_usec(redis_client)
+    assert redis_client.zcard(keys.queue) == n - 100 + 1
+    assert step_usec < 5_000, f"one purge step took {step_usec} us"
+    holder.release()
+    semaphore.reset()
+
+
+def _quiet(client: redis.Redis, seconds: float) -> bool:
+    """No script ran for ``seconds`` (a window of observation, not a hope)."""
+    client.config_resetstat()
+    time.sleep(seconds)
+    return calls(client).get("evalsha", 0) == 0
+
+
+def _blocked(semaphore: FairSemaphore, leases: list[object], stop: threading.Event, errors: list[BaseException]) -> None:
+    try:
+        lease = semaphore.acquire(timeout=120)
+        leases.append(lease)
+        stop.wait(120)
+        lease.release()
+    except BaseException as error:  # reported by the test
+        errors.append(error)
+
+
+@pytest.mark.parametrize("waiters", [1, 10, 50])
+def test_a_release_costs_the_same_whatever_the_number_of_blocked_waiters(
+    redis_client: redis.Redis, waiters: int
+) -> None:
+    """With N threads blocked, a release is one script that offers the slot to one waiter and
+    publishes once; the woken waiter claims with one more script. Nobody else asks: 2 EVALSHA
+    and 1 PUBLISH per hand-off at N = 1, 10 and 50 alike."""
+    semaphore = FairSemaphore(redis_client, f"wake-one-{waiters}", 1, patience=90)
+    holder = semaphore.acquire(timeout=0)
+    leases: list[object] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_blocked, args=(semaphore, leases, stop, errors), daemon=True) for _ in range(waiters)
+    ]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: semaphore.status(listed=0).waiter_count == waiters, timeout=30, what="every waiter in line")
+    # every waiter has subscribed and made its second (post-subscription) ask
+    wait_until(lambda: _quiet(redis_client, 0.3), timeout=30, what="the waiters to settle")
+    redis_client.config_resetstat()
+    holder.release()
+    wait_until(lambda: len(leases) == 1, timeout=10, what="the oldest waiter to claim the slot")
+    counts = calls(redis_client)
+    try:
+        assert counts["evalsha"] == 2, counts  # the release, the claim
+        assert counts["publish"] == 1, counts
+        assert not errors
+    finally:
+        stop.set()
+        semaphore.set_limit(waiters + 1)
+        for thread in threads:
+            thread.join(timeout=30)
+        semaphore.clear_limit()

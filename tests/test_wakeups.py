@@ -1,0 +1,250 @@
+"""Hand-off and wake-ups: a freed slot is offered to the oldest present waiter, that waiter
+alone is told, on one shared subscription per process; offers lapse to the next waiter."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
+
+from .concurrency_probe import ConcurrencyProbe
+from .redis_server import RedisServer
+from .waiting import wait_until
+
+
+def _subscribers(client: redis.Redis) -> list[dict[str, Any]]:
+    return [entry for entry in client.client_list() if int(entry.get("sub", 0)) + int(entry.get("psub", 0)) > 0]
+
+
+def test_200_blocked_threads_share_one_client_without_running_out_of_connections(
+    redis_server: RedisServer,
+) -> None:
+    """200 threads blocked on one client (redis-py's default pool of 100 connections): nobody
+    sees "Too many connections", every release succeeds, the limit holds, and the whole
+    process subscribes once."""
+    client = redis_server.client()
+    probe = ConcurrencyProbe(redis_server.client(db=1))
+    semaphore = FairSemaphore(client, "crowd", 5, lease=30, patience=30)
+    errors: list[BaseException] = []
+    released: list[bool] = []
+    lock = threading.Lock()
+    start = threading.Barrier(200)
+    max_subscribers = 0
+
+    def work() -> None:
+        try:
+            start.wait(timeout=30)
+            lease = semaphore.acquire(timeout=120)
+            probe.enter()
+            time.sleep(0.005)
+            probe.leave()
+            ok = lease.release()
+            with lock:
+                released.append(ok)
+        except BaseException as error:
+            with lock:
+                errors.append(error)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(200)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline:
+        max_subscribers = max(max_subscribers, len(_subscribers(redis_server.client())))
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(timeout=1)
+    assert not errors, errors[:3]
+    assert len(released) == 200 and all(released)
+    assert probe.maximum <= 5
+    assert probe.entries == 200
+    assert max_subscribers <= 1
+    assert client.connection_pool._created_connections <= 100  # type: ignore[attr-defined]
+    client.close()
+
+
+def test_an_unclaimed_offer_lapses_to_the_next_waiter_and_the_late_one_keeps_its_place(
+    redis_client: redis.Redis,
+) -> None:
+    """A release offers the slot to the oldest present waiter; if it does not claim within the
+    claim deadline (about 2 s) the slot goes on to the next present waiter, and the late one is
+    still first in line when it asks again."""
+    semaphore = FairSemaphore(redis_client, "lapse", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    assert isinstance(semaphore.try_acquire(waiter="sleepy"), Waiting)
+    assert isinstance(semaphore.try_acquire(waiter="next"), Waiting)
+    holder.release()
+    status = semaphore.status()
+    assert status.offered_count == 1
+    assert [(w.waiter, w.offered) for w in status.waiters] == [("sleepy", True), ("next", False)]
+    assert isinstance(semaphore.try_acquire(waiter="next"), Waiting), "the offer holds the slot for sleepy"
+    started = time.monotonic()
+    granted = wait_until(lambda: _granted(semaphore.try_acquire(waiter="next")), timeout=10,
+                         what="the offer to lapse to the next waiter")
+    assert time.monotonic() - started >= 1.0, "not before the claim deadline"
+    back = semaphore.try_acquire(waiter="sleepy")
+    assert isinstance(back, Waiting) and back.position == 0
+    granted.release()
+    assert isinstance(semaphore.try_acquire(waiter="sleepy"), Granted)
+    semaphore.release_holders_with_prefix("")
+
+
+def _granted(attempt: Granted | Waiting) -> Any:
+    return attempt.lease if isinstance(attempt, Granted) else None
+
+
+def test_hand_off_goes_in_ticket_order_whatever_the_order_of_asking(redis_client: redis.Redis) -> None:
+    """Five present waiters asked in order w0..w4 and then ask again in scrambled order: each
+    release offers the slot to the oldest of them, so they get it in ticket order."""
+    semaphore = FairSemaphore(redis_client, "order", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    for i in range(5):
+        assert isinstance(semaphore.try_acquire(waiter=f"w{i}"), Waiting)
+    for i in (3, 1, 4, 0, 2):
+        assert isinstance(semaphore.try_acquire(waiter=f"w{i}"), Waiting)
+    lease = holder
+    order = []
+    for _ in range(5):
+        lease.release()
+        offered = [w.waiter for w in semaphore.status().waiters if w.offered]
+        assert len(offered) == 1
+        order.append(offered[0])
+        attempt = semaphore.try_acquire(waiter=offered[0])
+        assert isinstance(attempt, Granted)
+        lease = attempt.lease
+    lease.release()
+    assert order == ["w0", "w1", "w2", "w3", "w4"]
+
+
+def test_a_one_shot_try_does_not_pass_a_present_waiter(redis_client: redis.Redis) -> None:
+    """acquire(timeout=0) while a present waiter holds an offer is refused, and the offer stands."""
+    semaphore = FairSemaphore(redis_client, "one-shot", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    semaphore.try_acquire(waiter="first")
+    holder.release()
+    assert isinstance(semaphore.try_acquire(enqueue=False), Waiting)
+    assert isinstance(semaphore.try_acquire(waiter="first"), Granted)
+    semaphore.release_holders_with_prefix("")
+
+
+def test_raising_the_limit_admits_blocked_waiters_at_once(redis_client: redis.Redis) -> None:
+    """set_limit(4) offers the three new slots to the three blocked callers in the same script:
+    they run within moments, not at their next keep-alive ask (10 s away here)."""
+    semaphore = FairSemaphore(redis_client, "raise", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    granted = threading.Semaphore(0)
+    stop = threading.Event()
+
+    def wait() -> None:
+        with semaphore.acquire(timeout=60):
+            granted.release()
+            stop.wait(60)
+
+    threads = [threading.Thread(target=wait, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: semaphore.status(listed=0).waiter_count == 3, what="three waiters in line")
+    time.sleep(0.3)  # let each finish subscribing (its second ask), so only the wake-up can grant now
+    started = time.monotonic()
+    semaphore.set_limit(4)
+    for _ in range(3):
+        assert granted.acquire(timeout=5)
+    assert time.monotonic() - started < 3
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=10)
+    holder.release()
+    semaphore.clear_limit()
+
+
+def test_leaving_with_an_offer_passes_it_on(redis_client: redis.Redis) -> None:
+    """A waiter that gives up (or steps away) while a slot is offered to it passes the slot to the
+    next present waiter at once."""
+    semaphore = FairSemaphore(redis_client, "pass-on", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    semaphore.try_acquire(waiter="a")
+    semaphore.try_acquire(waiter="b")
+    holder.release()
+    assert semaphore.leave("a", away_for=30) is True
+    assert [w.waiter for w in semaphore.status().waiters if w.offered] == ["b"]
+    assert isinstance(semaphore.try_acquire(waiter="b"), Granted)
+    back = semaphore.try_acquire(waiter="a")
+    assert isinstance(back, Waiting) and back.position == 0
+    semaphore.release_holders_with_prefix("")
+    semaphore.reset()
+
+
+def test_every_script_runs_again_after_script_flush(redis_client: redis.Redis) -> None:
+    """Each script is reloaded by itself after SCRIPT FLUSH (redis-py's register_script)."""
+    semaphore = FairSemaphore(redis_client, "flush-all", 1)
+    operations = [
+        lambda: semaphore.acquire(timeout=0),
+        lambda: semaphore.try_acquire(waiter="w"),
+        lambda: semaphore.leave("w"),
+        lambda: semaphore.status(),
+        lambda: semaphore.set_limit(2),
+        lambda: semaphore.clear_limit(),
+        lambda: semaphore.release_holders_with_prefix(""),
+        lambda: semaphore.reset(),
+    ]
+    for operation in operations:
+        redis_client.script_flush()
+        operation()
+    lease = semaphore.acquire(timeout=0)
+    redis_client.script_flush()
+    lease.renew()
+    redis_client.script_flush()
+    assert lease.release() is True
+
+
+def test_a_token_starting_with_an_offer_mark_is_refused(redis_client: redis.Redis) -> None:
+    """Offers are stored as "!<waiter>" among the holders: a token like that is a ConfigurationError."""
+    with pytest.raises(ConfigurationError, match="token"):
+        FairSemaphore(redis_client, "bang", 1).try_acquire(token="!w")
+
+
+def _child_acquires(port: int, done: Any) -> None:  # pragma: no cover - runs in a forked child
+    client = redis.Redis(host="127.0.0.1", port=port)
+    semaphore = FairSemaphore(client, "fork", 1, patience=60)
+    started = time.monotonic()
+    with semaphore.acquire(timeout=30):
+        done.put(time.monotonic() - started)
+
+
+def test_a_forked_child_gets_its_own_wake_up_listener(redis_server: RedisServer) -> None:
+    """The parent's listener thread does not survive fork: a child's blocked acquire starts its
+    own, and a release in the parent wakes the child at once (not at its 20 s keep-alive)."""
+    client = redis_server.client()
+    semaphore = FairSemaphore(client, "fork", 1, patience=60)
+    # make the parent's own listener exist before the fork
+    holder = semaphore.acquire(timeout=0)
+    parent_wait = threading.Thread(target=lambda: semaphore.acquire(timeout=30).release(), daemon=True)
+    parent_wait.start()
+    wait_until(lambda: semaphore.status(listed=0).waiter_count == 1, what="the parent's waiter")
+    holder.release()
+    parent_wait.join(timeout=10)
+    holder = semaphore.acquire(timeout=5)
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    child = context.Process(target=_child_acquires, args=(redis_server.port, done))
+    child.start()
+    try:
+        wait_until(lambda: semaphore.status(listed=0).waiter_count == 1, what="the child in line")
+        # the parent's channel (still subscribed while idle) and the child's own
+        wait_until(lambda: len(client.pubsub_channels("semaphore:{fork}:wake:*")) == 2,
+                   what="the child's subscription")
+        time.sleep(0.3)  # its post-subscription ask
+        holder.release()
+        waited = done.get(timeout=15)
+        assert waited < 10
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    client.close()
