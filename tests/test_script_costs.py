@@ -141,7 +141,9 @@ def _quiet(client: redis.Redis, seconds: float) -> bool:
     return calls(client).get("evalsha", 0) == 0
 
 
-def _blocked(semaphore: FairSemaphore, leases: list[object], stop: threading.Event, errors: list[BaseException]) -> None:
+def _blocked(
+    semaphore: FairSemaphore, leases: list[object], stop: threading.Event, errors: list[BaseException]
+) -> None:
     try:
         lease = semaphore.acquire(timeout=120)
         leases.append(lease)
