@@ -2,14 +2,40 @@
 
 A fair, distributed counting semaphore in Redis, and a Celery task class that takes a slot
 before the task body runs and gives it back however the task ends.
+
+The public names are the ones in ``__all__``; every other module is private. Names are loaded on
+first use, so ``from celery_semaphore import FairSemaphore`` in a process that never touches
+Celery loads neither celery, kombu nor click.
 """
 
 from __future__ import annotations
 
-from .decorators import limit_concurrency
-from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from .semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
-from .task import SemaphoreTask
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .catalogue import semaphore_for
+    from .decorators import limit_concurrency
+    from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
+    from .semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
+    from .task import SemaphoreTask
+
+# public name -> the module that defines it
+_HOMES = {
+    "ConfigurationError": ".errors",
+    "FairSemaphore": ".semaphore",
+    "Granted": ".semaphore",
+    "Lease": ".semaphore",
+    "LeaseLost": ".errors",
+    "RedisUnavailable": ".errors",
+    "SemaphoreError": ".errors",
+    "SemaphoreStatus": ".semaphore",
+    "SemaphoreTask": ".task",
+    "SemaphoreUnavailable": ".errors",
+    "Waiting": ".semaphore",
+    "limit_concurrency": ".decorators",
+    "semaphore_for": ".catalogue",
+}
 
 __all__ = [
     "ConfigurationError",
@@ -24,4 +50,18 @@ __all__ = [
     "SemaphoreUnavailable",
     "Waiting",
     "limit_concurrency",
+    "semaphore_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

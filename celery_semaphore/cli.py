@@ -10,159 +10,29 @@ the app the usual way (``-A``) and reads the same ``semaphore_*`` settings the w
 * ``set-limit KEY N [--ttl SECONDS]`` and ``unset-limit KEY``: the runtime override.
 * ``reset KEY``: forget every holder and waiter (asks first, unless ``--yes``).
 
-The first half of this module (``Catalogue``) answers "which task does this key belong to, and
-which limit applies to it" without Click, so the Prometheus collector can use it too.
+Which task a key belongs to and which limit applies to it is the catalogue's answer
+(``catalogue.py``), the same one the workers and the metrics collector use.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
-import re
-import string
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import click
-import redis
-from kombu.utils.url import maybe_sanitize_url
 
-from .backend import client_for
-from .config import LimitRule, SemaphoreConfig, config_for
+from ._options import template_of
+from .catalogue import OTHER_FAMILY, Catalogue, glob_escape
 from .errors import ConfigurationError, SemaphoreError
-from .semaphore import FairSemaphore, HolderInfo, SemaphoreStatus, WaiterInfo
-from .task import key_option
+from .semaphore import HolderInfo, SemaphoreStatus, WaiterInfo
 from .validation import check_seconds
-from .worker import semaphore_tasks
-
-# The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,
-# or an operator stored a limit. (``seen``, ``ticket`` and ``since`` never outlive these.)
-_PRESENCE_PARTS = ("holders", "queue", "limit")
-
-# Family of keys that no task's key (fixed or template) accounts for: FairSemaphore used outside
-# Celery, or tasks whose key is a function. One bucket, so metrics stay bounded.
-OTHER_FAMILY = "(other)"
 
 NO_LIMIT = "no limit configured"
 OVERRIDE = "runtime override"
-
-
-def fixed_key(task: Any) -> str | None:
-    """The one key every call of ``task`` uses, or None when the key depends on the call."""
-    key = key_option(type(task))
-    if key is None:
-        return str(task.name)
-    if callable(key):
-        return None
-    fields = [field for _, field, _, _ in string.Formatter().parse(key) if field is not None]
-    return None if fields else key.format()
-
-
-def template_pattern(template: str) -> re.Pattern[str]:
-    """A regex matching every key the template can produce: literals as they are, any text
-    where a field goes (a field's value is whatever the call's argument formats to)."""
-    parts = []
-    for literal, field, _, _ in string.Formatter().parse(template):
-        parts.append(re.escape(literal))
-        if field is not None:
-            parts.append(".*")
-    return re.compile("".join(parts), re.DOTALL)
-
-
-def _glob_escape(text: str) -> str:
-    """Escape Redis glob specials, so a prefix is matched literally by SCAN MATCH."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-@dataclass(frozen=True)
-class _Template:
-    pattern: re.Pattern[str]
-    literal_length: int  # the more literal text a template has, the more specific its match
-    task: Any
-
-
-class Catalogue:
-    """The semaphore tasks of one app, indexed to answer: whose key is this, and what limit
-    applies to it? Built from ``app.tasks`` at the time of the call, so build a new one when
-    tasks may have been registered since (the metrics collector does so on every scrape)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.config: SemaphoreConfig = config_for(app)
-        self.client = client_for(self.config.backend_url)
-        self.fixed: dict[str, Any] = {}
-        templates: list[_Template] = []
-        for task in sorted(semaphore_tasks(app), key=lambda task: str(task.name)):
-            key = fixed_key(task)
-            if key is not None:
-                self.fixed.setdefault(key, task)
-                continue
-            template = key_option(type(task))
-            if isinstance(template, str):
-                literal = sum(len(part) for part, _, _, _ in string.Formatter().parse(template))
-                templates.append(_Template(template_pattern(template), literal, task))
-        # most specific first: "crawl:{host}" must win over "{anything}" for "crawl:example.com"
-        self.templates = sorted(templates, key=lambda template: -template.literal_length)
-
-    def task_for(self, key: str) -> Any | None:
-        """The task whose calls use ``key``: a fixed key first, then the most specific template.
-        None when no task accounts for it (a key function, or a semaphore used outside Celery)."""
-        task = self.fixed.get(key)
-        if task is not None:
-            return task
-        for template in self.templates:
-            if template.pattern.fullmatch(key):
-                return template.task
-        return None
-
-    def family_for(self, key: str) -> str:
-        """The bounded name metrics use for ``key``: the task's key template or name."""
-        task = self.task_for(key)
-        return str(task.semaphore_family()) if task is not None else OTHER_FAMILY
-
-    def configured_limit(self, key: str, task: Any | None = None) -> LimitRule | None:
-        """The limit the settings and code give ``key`` (the runtime override aside)."""
-        task = self.task_for(key) if task is None else task
-        if task is None:
-            return self.config.limit_for(key, key, None)
-        return self.config.limit_for(key, str(task.name), task.semaphore_limit)
-
-    def semaphore(self, key: str, rule: LimitRule | None = None) -> FairSemaphore:
-        """A FairSemaphore on ``key`` for reading and steering it. Without a configured limit
-        it gets a placeholder limit of 1: status(), set_limit(), clear_limit() and reset() never
-        use it, and nothing here acquires."""
-        return FairSemaphore(
-            self.client, key, rule.limit if rule else 1, lease=self.config.lease, prefix=self.config.prefix
-        )
-
-    def scan(self, match: str | None = None) -> set[str]:
-        """Every semaphore key that has holders, waiters or a runtime limit in Redis (one SCAN
-        over the keyspace; keys matching the glob ``match`` only, if given)."""
-        head = f"{self.config.prefix}:{{"
-        pattern = f"{_glob_escape(head)}{match if match is not None else '*'}}}:*"
-        keys = set()
-        try:
-            for raw in self.client.scan_iter(match=pattern, count=1000):
-                name = raw.decode() if isinstance(raw, bytes) else str(raw)
-                body, _, part = name.rpartition("}:")
-                if part in _PRESENCE_PARTS and body.startswith(head):
-                    keys.add(body[len(head):])
-        except redis.RedisError as error:
-            raise SemaphoreError(f"listing semaphores in {self.backend}: {error}") from error
-        return keys
-
-    def known_keys(self, match: str | None = None) -> list[str]:
-        """The keys found in Redis plus the fixed keys of the app's tasks, sorted."""
-        fixed = {key for key in self.fixed if match is None or fnmatch.fnmatchcase(key, match)}
-        return sorted(self.scan(match) | fixed)
-
-    @property
-    def backend(self) -> str:
-        """The backend URL with any password masked, for messages."""
-        return str(maybe_sanitize_url(self.config.backend_url))
 
 
 # -- reports --------------------------------------------------------------------------------
@@ -195,8 +65,7 @@ def report(catalogue: Catalogue, key: str) -> Report:
     """Read one semaphore: status() (one round trip) plus where its limit comes from."""
     task = catalogue.task_for(key)
     rule = catalogue.configured_limit(key, task)
-    semaphore = catalogue.semaphore(key, rule)
-    status: SemaphoreStatus = semaphore.status()
+    status: SemaphoreStatus = catalogue.semaphore(key, placeholder_limit=True).status()
     override = None
     if status.limit_source == "override":
         override = {"limit": status.limit, "expires_in": status.override_expires_in}
@@ -208,7 +77,7 @@ def report(catalogue: Catalogue, key: str) -> Report:
     return Report(
         key=key,
         task=str(task.name) if task is not None else None,
-        family=str(task.semaphore_family()) if task is not None else OTHER_FAMILY,
+        family=template_of(task) if task is not None else OTHER_FAMILY,
         limit=limit,
         source=source,
         configured={"limit": rule.limit, "source": rule.source} if rule else None,
@@ -413,10 +282,10 @@ def set_limit(ctx: click.Context, key: str, limit: int, ttl: float | None) -> No
         catalogue = _catalogue(ctx)
         task = catalogue.task_for(key)
         rule = catalogue.configured_limit(key, task)
-        if task is None and rule is None and key not in catalogue.scan(_glob_escape(key)):
+        if task is None and rule is None and key not in catalogue.scan(glob_escape(key)):
             ctx.obj.error(f"note: no task of this app, no semaphore_limits entry and no live semaphore "
                           f"matches {key!r}; storing the override anyway (check the key for typos)")
-        catalogue.semaphore(key, rule).set_limit(limit, ttl=ttl)
+        catalogue.semaphore(key, placeholder_limit=True).set_limit(limit, ttl=ttl)
         r = report(catalogue, key)
     ctx.obj.echo(f"{key}: limit {_limit_text(r)}")
 
@@ -431,7 +300,7 @@ def unset_limit(ctx: click.Context, key: str) -> None:
     """
     with _as_click_errors():
         catalogue = _catalogue(ctx)
-        sem = catalogue.semaphore(key, catalogue.configured_limit(key))
+        sem = catalogue.semaphore(key, placeholder_limit=True)
         had_override = sem.status().limit_source == "override"
         sem.clear_limit()
         r = report(catalogue, key)
@@ -464,5 +333,5 @@ def reset(ctx: click.Context, key: str, yes: bool) -> None:
             abort=True,
         )
     with _as_click_errors():
-        catalogue.semaphore(key).reset()
+        catalogue.semaphore(key, placeholder_limit=True).reset()
     ctx.obj.echo(f"{key}: forgot {before.holder_count} holder(s) and {before.waiter_count} waiter(s)")

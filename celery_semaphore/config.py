@@ -13,12 +13,10 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
+from . import _backend
 from .errors import ConfigurationError
 from .validation import check_limit, check_prefix, check_seconds
-
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 DEFAULT_PREFIX = "semaphore"
 DEFAULT_LEASE = 60.0
@@ -36,7 +34,7 @@ class LimitRule:
 
 @dataclass(frozen=True)
 class SemaphoreConfig:
-    backend_url: str
+    backend: _backend.BackendSpec  # checked once, at start: the hot path never parses a URL
     prefix: str = DEFAULT_PREFIX
     lease: float = DEFAULT_LEASE
     countdown: tuple[float, float] = DEFAULT_COUNTDOWN
@@ -62,6 +60,11 @@ class SemaphoreConfig:
         if task_limit is not None:
             return LimitRule(task_limit, f"{task_name}.semaphore_limit")
         return None
+
+    @property
+    def backend_display(self) -> str:
+        """The backend, password masked: for logs and messages."""
+        return self.backend.masked_url
 
     def could_limit(self, sample_key: str, task_name: str) -> bool:
         """Whether some configured limit would apply to keys shaped like ``sample_key``."""
@@ -104,43 +107,29 @@ def parse_limits(value: Any) -> tuple[dict[str, int], tuple[tuple[str, int], ...
     return exact, tuple(globs)
 
 
-def parse_url(setting: str, value: Any) -> str:
-    if not isinstance(value, str) or urlsplit(value).scheme not in REDIS_SCHEMES:
-        raise ConfigurationError(setting, value, f"expected a URL with scheme {', '.join(REDIS_SCHEMES)}")
-    return value
-
-
-def _broker_url(app: Any) -> str | None:
-    url = app.conf.broker_url
-    if isinstance(url, (list, tuple)):
-        url = url[0] if url else None
-    if isinstance(url, str) and ";" in url:
-        url = url.split(";")[0]
-    return url if isinstance(url, str) else None
-
-
 def parse_config(app: Any) -> SemaphoreConfig:
     """Read and check every ``semaphore_*`` setting of ``app``; raises ConfigurationError."""
     conf = app.conf
+    transport_options = conf.get("broker_transport_options") or {}
     url = conf.get("semaphore_backend_url")
+    broker = _backend.backend_from_broker(conf.broker_url, transport_options, use_ssl=conf.get("broker_use_ssl"))
     if url is None:
-        broker = _broker_url(app)
-        if broker is None or urlsplit(broker).scheme not in REDIS_SCHEMES:
+        if broker is None:
             raise ConfigurationError(
-                "semaphore_backend_url", url, f"not set, and the broker URL {broker!r} is not a Redis URL to default to"
+                "semaphore_backend_url", None,
+                f"not set, and the broker URL {_backend.mask_url(str(conf.broker_url))!r} is not a Redis to default to",
             )
-        url = broker
+        backend = broker
+    else:
+        backend = _backend.parse_backend_url("semaphore_backend_url", url)
     fail_open = conf.get("semaphore_fail_open", False)
     if not isinstance(fail_open, bool):
         raise ConfigurationError("semaphore_fail_open", fail_open, "expected True or False")
     exact, globs = parse_limits(conf.get("semaphore_limits"))
-    visibility_timeout = None
-    broker = _broker_url(app)
-    if broker is not None and urlsplit(broker).scheme in REDIS_SCHEMES:
-        options = conf.get("broker_transport_options") or {}
-        visibility_timeout = float(options.get("visibility_timeout", 3600))
+    # a Redis broker (plain or Sentinel) redelivers an unacked message after this long
+    visibility_timeout = float(transport_options.get("visibility_timeout", 3600)) if broker is not None else None
     return SemaphoreConfig(
-        backend_url=parse_url("semaphore_backend_url", url),
+        backend=backend,
         prefix=check_prefix("semaphore_prefix", conf.get("semaphore_prefix", DEFAULT_PREFIX)),
         lease=check_seconds("semaphore_lease", conf.get("semaphore_lease", DEFAULT_LEASE)),
         countdown=parse_countdown("semaphore_countdown", conf.get("semaphore_countdown", DEFAULT_COUNTDOWN)),

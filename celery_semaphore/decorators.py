@@ -8,7 +8,8 @@ from typing import Any
 
 from celery import shared_task
 
-from .task import KeyFunction, SemaphoreTask, check_template
+from ._keys import KeyFunction, check_template
+from .task import SemaphoreTask
 from .validation import check_limit
 
 

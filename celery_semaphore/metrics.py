@@ -28,11 +28,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import renewer
+from ._options import template_of
+from .catalogue import Catalogue
 from .errors import SemaphoreError
 
 if TYPE_CHECKING:
@@ -120,8 +123,16 @@ def _get() -> _Instruments | None:
     return _instruments
 
 
-def acquired(family: str, waited: float) -> None:
-    """A task of ``family`` got its slot after waiting ``waited`` seconds since it first asked."""
+# The family each lease held through the Celery layer counts under, for the lease-lost
+# listener: the core knows nothing of families. Weak, so a released lease is forgotten.
+_lease_families: weakref.WeakKeyDictionary[Lease, str] = weakref.WeakKeyDictionary()
+
+
+def acquired(family: str, waited: float, lease: Lease | None = None) -> None:
+    """A task of ``family`` got its slot (``lease``) after waiting ``waited`` seconds since it
+    first asked."""
+    if lease is not None:
+        _lease_families[lease] = family
     instruments = _get()
     if instruments is not None:
         instruments.acquired.labels(family=family).inc()
@@ -152,7 +163,7 @@ def reclaimed(family: str, count: int) -> None:
 def _on_lease_event(lease: Lease, event: str) -> None:
     """Renewer listener: a lost lease is counted here, since the renewer knows nothing of metrics."""
     if event == "lost":
-        lease_lost(lease.family)
+        lease_lost(_lease_families.get(lease, lease.semaphore.name))
 
 
 # Registered at import: task.py and worker.py import this module, so every process that holds
@@ -169,14 +180,12 @@ def family_counts(app: Any) -> dict[str, tuple[int, int]]:
     grouped by the task key template it matches (unmatched keys go to ``(other)``).
 
     One status() round trip per key: a cost that grows with the number of live keys."""
-    from .cli import Catalogue
-
     catalogue = Catalogue(app)
     counts: dict[str, list[int]] = {}
     for task in catalogue.fixed.values():
-        counts.setdefault(str(task.semaphore_family()), [0, 0])
+        counts.setdefault(template_of(task), [0, 0])
     for key in catalogue.known_keys():
-        status = catalogue.semaphore(key).status()
+        status = catalogue.semaphore(key, placeholder_limit=True).status()
         entry = counts.setdefault(catalogue.family_for(key), [0, 0])
         entry[0] += status.holder_count
         entry[1] += status.waiter_count

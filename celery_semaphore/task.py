@@ -9,30 +9,29 @@ process then releases by task id (see ``worker.py``), and the lease is the last 
 A task that finds no free slot is not run. It either waits a moment in-process for a release
 (when its turn is near) or is re-sent with a countdown under the same task id, keeping its
 ticket and so its place in line. Waiting is not retrying: ``request.retries`` and the task's
-``max_retries`` are left alone; the wait count and the time of the first refusal travel in
-message headers.
+``max_retries`` are left alone; the wait's history travels in message headers, tagged with the
+retry it belongs to, so that the task's own retry (which inherits the headers) starts a fresh
+wait instead of counting the earlier one, its run and its retry delay against the max wait.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import re
-import string
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from celery import Task
 from celery.exceptions import Retry
 
 from . import metrics, policy
-from .backend import client_for
-from .config import SemaphoreConfig, config_for, parse_countdown
-from .errors import ConfigurationError, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
+from ._keys import KeyFunction
+from ._options import FROM_SETTINGS, MARKER, check_task_options, template_of, wait_options
+from .catalogue import semaphore_for_call
+from .config import config_for
+from .errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .semaphore import FairSemaphore, Granted, Lease, Waiting, default_label, new_token
-from .validation import check_limit, check_name, check_seconds
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -40,6 +39,8 @@ logger = logging.getLogger("celery_semaphore")
 WAITS_HEADER = "semaphore_waits"
 FIRST_REFUSED_HEADER = "semaphore_first_refused"
 TICKET_HEADER = "semaphore_ticket"
+# request.retries when the wait began: a run whose retries differ is the task's own retry
+WAIT_OF_RETRY_HEADER = "semaphore_wait_of_retry"
 
 # A waiter away on a countdown keeps its place this much longer than the countdown, to cover
 # the broker's delivery and a busy worker's delay in starting it.
@@ -48,18 +49,6 @@ AWAY_SLACK = 15.0
 # Releasing when Redis is unreachable: tries in the background, the lease is the backstop.
 RELEASE_TRIES = 5
 RELEASE_PAUSE = 0.5
-
-KeyFunction = Callable[[tuple[Any, ...], dict[str, Any]], str]
-
-
-class _FromSettings:
-    """Marks an option left to the app's ``semaphore_*`` setting (None has its own meaning)."""
-
-    def __repr__(self) -> str:
-        return "FROM_SETTINGS"
-
-
-FROM_SETTINGS: Any = _FromSettings()
 
 
 class SemaphoreTask(Task):  # type: ignore[misc]
@@ -85,70 +74,17 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     @classmethod
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
-        from .worker import install
+        from .worker import install  # the task class installs its worker hooks when bound
 
         install(app)
         return bound
-
-    # -- what this execution is limited by --------------------------------------------------
-
-    def semaphore_key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The semaphore key of one call: the task name, a template filled from the bound
-        arguments, or what the key function returns."""
-        key = key_option(type(self))
-        if key is None:
-            return str(self.name)
-        if callable(key):
-            return check_name(f"{self.name}.semaphore_key", key(args, kwargs))
-        bound = inspect.signature(self.run).bind(*args, **kwargs)
-        bound.apply_defaults()
-        return key.format(*bound.args, **bound.arguments)
-
-    def semaphore_family(self) -> str:
-        """A bounded name for metrics: the key template (``crawl:{host}``), not each key."""
-        key = key_option(type(self))
-        if isinstance(key, str):
-            return key
-        return str(self.name)
-
-    def semaphore_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FairSemaphore:
-        """The semaphore one call of this task must hold; ConfigurationError if no limit applies."""
-        config = config_for(self.app)
-        key = self.semaphore_key_for(args, kwargs)
-        rule = config.limit_for(key, self.name, self.semaphore_limit)
-        if rule is None:
-            raise ConfigurationError(
-                f"{self.name}.semaphore_limit", None, f"no limit for semaphore key {key!r} in code or semaphore_limits"
-            )
-        return FairSemaphore(
-            client_for(config.backend_url),
-            key,
-            rule.limit,
-            lease=self._option("semaphore_lease", config.lease),
-            prefix=config.prefix,
-        )
-
-    def countdown_bounds(self, config: SemaphoreConfig) -> tuple[float, float]:
-        if self.semaphore_countdown is None:
-            return config.countdown
-        return parse_countdown(f"{self.name}.semaphore_countdown", self.semaphore_countdown)
-
-    def max_wait(self, config: SemaphoreConfig) -> float | None:
-        value = self.semaphore_max_wait
-        return config.max_wait if value is FROM_SETTINGS else value
-
-    def _option(self, name: str, default: float) -> float:
-        value = getattr(self, name)
-        return default if value is None else float(value)
-
-    # -- the hook ------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         if request.called_directly:
             # a plain function call, outside Celery: not limited
             return super().__call__(*args, **kwargs)
-        semaphore = self.semaphore_for(args, kwargs)
+        semaphore = semaphore_for_call(self, args, kwargs)
         if request.is_eager:
             lease: Lease | None = self._acquire_eagerly(semaphore)
         else:
@@ -158,7 +94,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         finally:
             if lease is not None:
-                release_in_background_on_failure(lease)
+                give_back(lease)
 
     def _label(self) -> str:
         return f"{default_label()} {self.name}[{self.request.id}]"
@@ -167,63 +103,55 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         """Eager mode runs a retry at once and recursively, ignoring its countdown, so a refused
         eager task waits for its slot here instead (bounded by the max wait)."""
         started = time.monotonic()
-        lease = semaphore.acquire(timeout=self.max_wait(config_for(self.app)), label=self._label())
-        lease.family = self.semaphore_family()
-        metrics.acquired(lease.family, time.monotonic() - started)
+        max_wait = wait_options(self, config_for(self.app)).max_wait
+        lease = semaphore.acquire(timeout=max_wait, label=self._label())
+        metrics.acquired(template_of(self), time.monotonic() - started, lease)
         return lease
 
     def _acquire_in_worker(
         self, semaphore: FairSemaphore, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Lease | None:
         config = config_for(self.app)
+        options = wait_options(self, config)
         request = self.request
-        waits = int(_header(request, WAITS_HEADER) or 0)
-        first_refused = _header(request, FIRST_REFUSED_HEADER)
-        ticket = _header(request, TICKET_HEADER)
+        history = WaitHistory.of(request)
         token, waiter = f"{request.id}:{new_token()}", str(request.id)
-        asked_at = time.time()
+        family = template_of(self)
         try:
-            attempt = semaphore.try_acquire(
-                token=token, waiter=waiter, label=self._label(), ticket=int(ticket) if ticket else None
-            )
-            inline_wait = self._option("semaphore_inline_wait", config.inline_wait)
-            if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, inline_wait):
+            attempt = semaphore.try_acquire(token=token, waiter=waiter, label=self._label(), ticket=history.ticket)
+            if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, options.inline_wait):
                 attempt = semaphore.wait_for_slot(
-                    token=token, waiter=waiter, timeout=inline_wait, label=self._label(), ticket=attempt.ticket
+                    token=token, waiter=waiter, timeout=options.inline_wait, label=self._label(),
+                    ticket=attempt.ticket,
                 )
+            outages.back(semaphore)
         except RedisUnavailable as error:
             if config.fail_open:
                 logger.warning("%s[%s] runs WITHOUT its semaphore %r (fail open): %s", self.name, request.id,
                                semaphore.name, error)
                 return None
-            logger.warning("%s[%s] waits: Redis unavailable for %r: %s", self.name, request.id, semaphore.name, error)
+            outages.down(semaphore, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
-        now = time.time()
-        first_refused = float(first_refused) if first_refused is not None else asked_at
-        waited = max(0.0, now - first_refused)
+        waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
-            attempt.lease.family = self.semaphore_family()
-            metrics.acquired(attempt.lease.family, waited)
+            metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
-        metrics.refused(self.semaphore_family())
-        max_wait = self.max_wait(config)
-        if max_wait is not None and waited >= max_wait:
+        metrics.refused(family)
+        if options.max_wait is not None and waited >= options.max_wait:
             _leave_quietly(semaphore, waiter)
             raise SemaphoreUnavailable(semaphore.name, attempt.limit, waited)
         countdown = policy.countdown(
-            attempt, self.countdown_bounds(config), waits=waits, visibility_timeout=config.visibility_timeout
+            attempt, options.countdown, waits=history.waits, visibility_timeout=config.visibility_timeout
         )
-        if max_wait is not None:
-            countdown = max(1, min(countdown, round(max_wait - waited + 0.5)))
+        if options.max_wait is not None:
+            countdown = max(1, min(countdown, round(options.max_wait - waited + 0.5)))
         # Step away while asleep in the broker: a waiter that is not asking must not hold up
         # those behind it. It keeps its place (and shows in status); should the place lapse, its
         # ticket travels in the headers and puts it back where it was.
         _leave_quietly(semaphore, waiter, away_for=countdown + AWAY_SLACK)
         headers = {
             **(request.headers or {}),
-            WAITS_HEADER: waits + 1,
-            FIRST_REFUSED_HEADER: first_refused,
-            TICKET_HEADER: attempt.ticket if attempt.ticket is not None else ticket,
+            **history.next(attempt.ticket, retries=request.retries or 0),
         }
         signature = self.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
         try:
@@ -238,13 +166,44 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         )
 
 
-def key_option(cls: type) -> str | KeyFunction | None:
-    """The ``semaphore_key`` option as declared: a function stored on a class would otherwise
-    come back bound, as a method of the task."""
-    key = inspect.getattr_static(cls, "semaphore_key", None)
-    if isinstance(key, staticmethod):
-        key = key.__func__
-    return key  # type: ignore[no-any-return]
+# the marker lets modules that must not import this one recognise a semaphore task
+setattr(SemaphoreTask, MARKER, True)
+
+
+@dataclass(frozen=True)
+class WaitHistory:
+    """What earlier tries of this wait left in the message headers."""
+
+    waits: int  # refusals so far
+    first_refused: float  # epoch seconds of the first refusal (now, for a fresh wait)
+    ticket: int | None  # the place in line to come back to
+
+    @classmethod
+    def of(cls, request: Any) -> WaitHistory:
+        """The history of the wait this run continues, or a fresh one.
+
+        Celery copies a request's headers into the task's own retry, so headers of a wait that
+        belonged to an earlier retry (another ``request.retries``) describe a finished wait."""
+        retries = request.retries or 0
+        of_retry = _header(request, WAIT_OF_RETRY_HEADER)
+        first_refused = _header(request, FIRST_REFUSED_HEADER)
+        if first_refused is None or of_retry is None or int(of_retry) != retries:
+            return cls(waits=0, first_refused=time.time(), ticket=None)
+        ticket = _header(request, TICKET_HEADER)
+        return cls(
+            waits=int(_header(request, WAITS_HEADER) or 0),
+            first_refused=float(first_refused),
+            ticket=int(ticket) if ticket else None,
+        )
+
+    def next(self, ticket: int | None, *, retries: int) -> dict[str, Any]:
+        """The headers of the re-sent message that continues this wait."""
+        return {
+            WAITS_HEADER: self.waits + 1,
+            FIRST_REFUSED_HEADER: self.first_refused,
+            TICKET_HEADER: ticket if ticket is not None else self.ticket,
+            WAIT_OF_RETRY_HEADER: retries,
+        }
 
 
 def _header(request: Any, name: str) -> Any:
@@ -254,15 +213,47 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
+class _Outages:
+    """Says once per outage per process that the semaphore Redis is unreachable, and once when
+    it answers again, instead of a warning on every refused try (hundreds a second)."""
+
+    def __init__(self) -> None:
+        self._down: set[int] = set()  # id() of the clients known to be unreachable
+        self._lock = threading.Lock()
+
+    def down(self, semaphore: FairSemaphore, error: Exception) -> None:
+        with self._lock:
+            first = id(semaphore.client) not in self._down
+            self._down.add(id(semaphore.client))
+        if first:
+            logger.warning("semaphore Redis unavailable: tasks wait (fail closed) until it is back: %s", error)
+
+    def back(self, semaphore: FairSemaphore) -> None:
+        if not self._down:  # the common case costs one truth test
+            return
+        with self._lock:
+            was_down = id(semaphore.client) in self._down
+            self._down.discard(id(semaphore.client))
+        if was_down:
+            logger.warning("semaphore Redis is back: waiting tasks take their slots again")
+
+    def is_down(self, semaphore: FairSemaphore) -> bool:
+        return id(semaphore.client) in self._down
+
+
+outages = _Outages()
+
+
 def _leave_quietly(semaphore: FairSemaphore, waiter: str, *, away_for: float | None = None) -> None:
     try:
         semaphore.leave(waiter, away_for=away_for)
     except SemaphoreError as error:
-        logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)
+        if not outages.is_down(semaphore):  # during an outage, the outage line says it all
+            logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)
 
 
-def release_in_background_on_failure(lease: Lease) -> None:
-    """Release now; if Redis is unreachable, keep trying briefly in a daemon thread, so the
+def give_back(lease: Lease) -> None:
+    """Release now; only if Redis is unreachable, keep trying briefly in a daemon thread, so the
     task's result is not held up. The lease expiring is the backstop."""
     try:
         if not lease.release() and lease.lost:
@@ -282,80 +273,3 @@ def release_in_background_on_failure(lease: Lease) -> None:
         logger.error("%r could not be released; its slot comes back when the lease ends", lease)
 
     threading.Thread(target=retry, name="celery-semaphore-release", daemon=True).start()
-
-
-# -- declaration-time checks ------------------------------------------------------------------
-
-_FIELD_NAME = re.compile(r"[^.\[]*")
-
-
-def template_fields(template: str) -> list[str]:
-    """The argument names (or positions) a key template refers to."""
-    names = []
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is not None:
-            match = _FIELD_NAME.match(field)
-            names.append(match.group(0) if match else field)
-    return names
-
-
-def sample_key(template: str) -> str:
-    """The template with every field filled by a placeholder, to test globs against."""
-    parts = string.Formatter().parse(template)
-    return "".join(literal + ("x" if field is not None else "") for literal, field, _, _ in parts)
-
-
-def _run_parameters(cls: type) -> list[inspect.Parameter] | None:
-    run = cls.__dict__.get("run")
-    if run is None:
-        return None
-    if isinstance(run, staticmethod):
-        return list(inspect.signature(run.__func__).parameters.values())
-    parameters = list(inspect.signature(run).parameters.values())
-    return parameters[1:]  # drop self
-
-
-def check_task_options(cls: type) -> None:
-    """Check the semaphore options a task class declares; ConfigurationError on the first bad one."""
-    name = cls.__dict__.get("name") or cls.__name__
-    options = cls.__dict__
-    if options.get("semaphore_limit") is not None:
-        check_limit(f"{name}.semaphore_limit", options["semaphore_limit"])
-    for option in ("semaphore_lease", "semaphore_inline_wait"):
-        if options.get(option) is not None:
-            check_seconds(f"{name}.{option}", options[option], allow_zero=option == "semaphore_inline_wait")
-    if options.get("semaphore_max_wait") not in (None, FROM_SETTINGS):
-        check_seconds(f"{name}.semaphore_max_wait", options["semaphore_max_wait"])
-    if options.get("semaphore_countdown") is not None:
-        parse_countdown(f"{name}.semaphore_countdown", options["semaphore_countdown"])
-    # the key may be inherited from a base class: check it against every class that has a run
-    key = key_option(cls)
-    if key is None or callable(key):
-        return
-    if not isinstance(key, str) or not key:
-        raise ConfigurationError(f"{name}.semaphore_key", key, "expected a format string or a callable (args, kwargs)")
-    parameters = _run_parameters(cls)
-    if parameters is None:
-        return
-    check_template(f"{name}.semaphore_key", key, parameters)
-
-
-def check_template(setting: str, template: str, parameters: list[inspect.Parameter]) -> None:
-    """Every field of the template must name an argument of the task (or a valid position)."""
-    try:
-        fields = template_fields(template)
-    except ValueError as error:
-        raise ConfigurationError(setting, template, f"not a valid format string: {error}") from error
-    names = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    any_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
-    any_positional = any(p.kind is p.VAR_POSITIONAL for p in parameters)
-    for field in fields:
-        if field == "" or field.isdigit():
-            index = int(field) if field else 0
-            if not (any_positional or index < len(positional)):
-                raise ConfigurationError(setting, template, f"positional field {{{field}}} is not an argument")
-        elif field not in names and not any_keyword:
-            raise ConfigurationError(
-                setting, template, f"names argument {field!r}, which the task does not take ({sorted(names)})"
-            )

@@ -19,7 +19,10 @@ from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from . import metrics
-from .backend import client_for
+from ._backend import BackendSpec, client_for
+from ._keys import sample_key
+from ._options import is_semaphore_task, key_option, template_of, wait_options
+from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
 from .policy import VISIBILITY_MARGIN
@@ -47,22 +50,14 @@ def install(app: Any) -> None:
     app.steps["worker"].add(SemaphoreStep)
 
 
-def semaphore_tasks(app: Any) -> list[Any]:
-    from .task import SemaphoreTask
-
-    return [task for task in app.tasks.values() if isinstance(task, SemaphoreTask)]
-
-
 def check_app(app: Any) -> None:
     """Raise ConfigurationError if a setting is bad or some semaphore task has no limit."""
-    from .task import key_option, sample_key
-
     forget_config(app)
     config = config_for(app)
     near_visibility_timeout = []
     for task in semaphore_tasks(app):
         key = key_option(type(task))
-        high = task.countdown_bounds(config)[1]
+        high = wait_options(task, config).countdown[1]
         if config.visibility_timeout is not None and high >= config.visibility_timeout * VISIBILITY_MARGIN:
             near_visibility_timeout.append(task.name)
         if task.semaphore_limit is not None or callable(key):
@@ -80,39 +75,45 @@ def check_app(app: Any) -> None:
             "would deliver a waiting task twice; they are capped there",
             ", ".join(sorted(near_visibility_timeout)), config.visibility_timeout,
         )
-    _warn_about_eviction(config.backend_url)
+    _warn_about_eviction(config.backend)
 
 
-def _warn_about_eviction(url: str) -> None:
+def may_evict(maxmemory: int, policy: str) -> bool:
+    """Whether Redis may evict our keys: only with a memory limit and an evicting policy. Every
+    semaphore key carries an expiry, so the ``volatile-*`` policies may pick them too."""
+    return maxmemory > 0 and policy != "noeviction"
+
+
+def _warn_about_eviction(backend: BackendSpec | str) -> None:
     try:
-        policy = client_for(url).config_get("maxmemory-policy").get("maxmemory-policy")
+        settings = client_for(backend).config_get("maxmemory*")
+        maxmemory = int(settings.get("maxmemory") or 0)
+        policy = str(settings.get("maxmemory-policy", "noeviction"))
     except Exception:  # managed Redis often forbids CONFIG; unreachable Redis fails closed later
         return
-    if policy and policy != "noeviction":
+    if may_evict(maxmemory, policy):
         logger.warning(
-            "the semaphore Redis has maxmemory-policy %s: it may evict lease keys under memory pressure "
-            "and so admit more holders than the limit; use noeviction",
-            policy,
+            "the semaphore Redis has maxmemory %d with maxmemory-policy %s: it may evict lease keys under memory "
+            "pressure and so admit more holders than the limit; use noeviction",
+            maxmemory, policy,
         )
 
 
 def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
     try:
-        semaphore = task.semaphore_for(tuple(args or ()), dict(kwargs or {}))
+        semaphore = semaphore_for_call(task, tuple(args or ()), dict(kwargs or {}))
         released = semaphore.release_holders_with_prefix(f"{task_id}:")
         semaphore.leave(task_id)
-    except (SemaphoreError, TypeError) as error:
+    except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
         return
     if released:
-        metrics.reclaimed(task.semaphore_family(), released)
+        metrics.reclaimed(template_of(task), released)
         logger.info("released %d slot(s) of %s[%s] for a killed child", released, task.name, task_id)
 
 
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-    from .task import SemaphoreTask
-
-    if isinstance(sender, SemaphoreTask) and request is not None:
+    if is_semaphore_task(sender) and request is not None:
         _release_by_task_id(sender, request.id, request.args, request.kwargs)
 
 
@@ -120,9 +121,7 @@ def _on_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
     args: Any = None, kwargs: Any = None, **_: Any,
 ) -> None:
-    from .task import SemaphoreTask
-
-    if isinstance(sender, SemaphoreTask) and task_id and isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+    if is_semaphore_task(sender) and task_id and isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         _release_by_task_id(sender, task_id, args, kwargs)
 
 

@@ -10,6 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_semaphore import ConfigurationError, SemaphoreTask, limit_concurrency
+from celery_semaphore.catalogue import semaphore_for_call
 from celery_semaphore.config import config_for, forget_config, parse_config
 
 from .redis_server import RedisServer
@@ -25,7 +26,7 @@ def make_app(**conf: Any) -> Celery:
 def test_defaults_with_a_redis_broker() -> None:
     """With nothing set, the backend is the Redis broker and every default applies."""
     config = config_for(make_app())
-    assert config.backend_url == "redis://127.0.0.1:1/0"
+    assert config.backend.url == "redis://127.0.0.1:1/0"
     assert (config.prefix, config.lease, config.countdown, config.max_wait, config.fail_open) == (
         "semaphore", 60.0, (1.0, 30.0), None, False,
     )
@@ -55,7 +56,7 @@ def test_django_style_namespaced_settings_work(tmp_path: Path, monkeypatch: pyte
     app.config_from_object("djsettings_for_test", namespace="CELERY")
     config = config_for(app)
     assert config.lease == 45
-    assert config.backend_url == "redis://127.0.0.1:2/3"
+    assert config.backend.url == "redis://127.0.0.1:2/3"
     assert config.limit_for("crawl:example.org", "t", None).limit == 4  # type: ignore[union-attr]
     sys.modules.pop("djsettings_for_test", None)
 
@@ -170,10 +171,13 @@ def test_keys_from_templates_positional_fields_and_functions() -> None:
     @app.task(base=SemaphoreTask, semaphore_limit=1, lazy=False, shared=False, name="cfg.plain")
     def plain() -> None: ...
 
-    assert crawl.semaphore_key_for(("a.org", "/x"), {}) == "crawl:a.org:a.org:1"
-    assert crawl.semaphore_key_for((), {"host": "b.org", "path": "/", "depth": 3}) == "crawl:b.org:b.org:3"
-    assert by_function.semaphore_key_for((7,), {}) == "fn:7"
-    assert plain.semaphore_key_for((), {}) == "cfg.plain"
+    def key(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return semaphore_for_call(task, args, kwargs).name
+
+    assert key(crawl, ("a.org", "/x"), {}) == "crawl:a.org:a.org:1"
+    assert key(crawl, (), {"host": "b.org", "path": "/", "depth": 3}) == "crawl:b.org:b.org:3"
+    assert key(by_function, (7,), {}) == "fn:7"
+    assert key(plain, (), {}) == "cfg.plain"
 
 
 def test_calling_the_function_directly_bypasses_the_semaphore() -> None:
@@ -237,3 +241,36 @@ def test_an_inherited_key_template_is_checked_against_each_task() -> None:
 
         @app.task(base=AccountTask, lazy=False, shared=False)
         def bad(user: str) -> None: ...
+
+
+def test_a_template_field_gathered_by_kwargs_fills_the_key_or_names_what_is_missing() -> None:
+    """A key template naming a keyword that goes into ``**kwargs`` fills from it; a call that
+    lacks it fails with a ConfigurationError naming the template and the argument, not a KeyError."""
+    app = make_app(semaphore_backend_url="redis://127.0.0.1:1/1")
+
+    @limit_concurrency(2, key="t:{tenant}", app=app, lazy=False, shared=False, name="cfg.by_tenant")
+    def by_tenant(**options: Any) -> None: ...
+
+    assert semaphore_for_call(by_tenant, (), {"tenant": "acme", "other": 1}).name == "t:acme"
+    with pytest.raises(ConfigurationError) as caught:
+        semaphore_for_call(by_tenant, (), {"other": 1})
+    assert caught.value.setting == "cfg.by_tenant.semaphore_key"
+    assert caught.value.value == "t:{tenant}"
+    assert "'tenant'" in str(caught.value)
+
+
+def test_eviction_is_warned_of_only_where_redis_can_evict(caplog: pytest.LogCaptureFixture) -> None:
+    """No memory limit means nothing is evicted, whatever the policy; a limit with an evicting
+    policy (volatile-* ones included: our keys carry expiries) draws the warning."""
+    from celery_semaphore.worker import _warn_about_eviction
+
+    with RedisServer() as server, server.client() as client:
+        cases = [("0", "allkeys-lru", False), ("1gb", "noeviction", False),
+                 ("1gb", "volatile-ttl", True), ("1gb", "allkeys-lru", True)]
+        for maxmemory, policy, warned in cases:
+            client.config_set("maxmemory", maxmemory)
+            client.config_set("maxmemory-policy", policy)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="celery_semaphore"):
+                _warn_about_eviction(server.url)
+            assert any("may evict" in r.getMessage() for r in caplog.records) is warned, (maxmemory, policy)

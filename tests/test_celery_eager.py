@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from celery import Celery
 
-from celery_semaphore import SemaphoreUnavailable, limit_concurrency
+from celery_semaphore import SemaphoreUnavailable, limit_concurrency, semaphore_for
 
 from .concurrency_probe import ConcurrencyProbe
 from .redis_server import RedisServer
@@ -50,7 +50,7 @@ def test_an_eager_task_past_its_max_wait_raises_semaphore_unavailable(redis_serv
     def blocked() -> str:
         return "ran"
 
-    semaphore = blocked.semaphore_for((), {})
+    semaphore = semaphore_for(app, "eager.blocked")
     with semaphore.acquire(timeout=0), pytest.raises(SemaphoreUnavailable) as caught:
         blocked.delay()
     assert caught.value.key == "eager.blocked"

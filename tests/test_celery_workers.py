@@ -16,7 +16,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from celery_semaphore import FairSemaphore, SemaphoreUnavailable
-from celery_semaphore.backend import client_for
+from celery_semaphore._backend import client_for
 
 from .conftest import CeleryStack
 from .waiting import wait_until
@@ -245,18 +245,51 @@ def test_sigkill_of_a_worker_frees_its_slot_within_the_lease_and_the_task_reruns
 
 
 def test_fail_closed_when_the_semaphore_redis_is_down(celery_stack: CeleryStack, proj: Any) -> None:
-    """With the semaphore's Redis down the task does not run; once Redis is back, it does."""
+    """With the semaphore's Redis down the task does not run; once Redis is back, it does. The
+    outage is logged once per pool process, and its end once, not on every refused try."""
     key = "redis-down"
+
+    def count(text: str) -> int:
+        return sum(text in line for line in _all_logs(proj))
+
+    down_before, back_before = count("semaphore Redis unavailable"), count("semaphore Redis is back")
     celery_stack.semaphore.stop()
     try:
         result = send(proj.sleepy, 0.1, key)
-        wait_until(lambda: any(f"[{result.id}] waits: Redis unavailable" in line for line in _all_logs(proj)),
-                   timeout=60, what="the task to be refused for want of Redis")
+        # a second refused try while Redis stays down (each try spends a while in redis-py's
+        # own connection retries first)
+        wait_until(lambda: count(f"{result.id}] retry: waiting") >= 2, timeout=120, interval=0.2,
+                   what="two refused tries")
         assert proj.probe(key).entries == 0
     finally:
         celery_stack.semaphore.start()
     assert result.get(timeout=120) == "woke"
     assert proj.probe(key).entries == 1
+    down = count("semaphore Redis unavailable") - down_before
+    assert 1 <= down <= sum(w.concurrency for w in proj._test_workers), down
+    assert count("semaphore Redis is back") - back_before <= down
+    assert count("could not leave the line of 'proj.sleepy'") == 0
+
+
+def test_a_tasks_own_retry_starts_a_fresh_wait(proj: Any) -> None:
+    """A task that waited, ran and retried itself is not failed by its max wait when its retry
+    waits again: the retry's wait starts afresh (Celery copies the old wait's headers into it)."""
+    key = "proj.waits_then_retries"
+    holder = semaphore(proj, key).acquire(timeout=5)
+    result = send(proj.waits_then_retries, 0.1)
+    try:
+        # refused once: its first refusal is now, and the run and the 2 s retry delay follow it
+        wait_until(lambda: semaphore(proj, key).status().waiter_count >= 1, timeout=30, what="the task waiting")
+    finally:
+        holder.release()
+    wait_until(lambda: proj.probe(key).entries >= 1, timeout=30, what="the first run")
+    holder = semaphore(proj, key).acquire(timeout=30)  # the retry (countdown 2 s) finds the slot taken
+    try:
+        wait_until(lambda: semaphore(proj, key).status().waiter_count >= 1, timeout=30, what="the retry waiting")
+    finally:
+        holder.release()
+    assert result.get(timeout=60)["retries"] == 1
+    assert proj.probe(key).entries == 2
 
 
 def test_fail_open_runs_the_task_unprotected_with_a_warning(celery_stack: CeleryStack) -> None:
@@ -299,8 +332,9 @@ def test_a_semaphore_redis_restart_mid_run_loses_no_task_and_leaves_no_slot(
 
 
 def test_the_worker_warns_when_redis_may_evict_lease_keys(celery_stack: CeleryStack) -> None:
-    """A semaphore Redis whose maxmemory-policy is not noeviction draws a warning at start."""
+    """A semaphore Redis with a memory limit and an evicting maxmemory-policy draws a warning at start."""
     client = celery_stack.semaphore.client()
+    client.config_set("maxmemory", "1gb")
     client.config_set("maxmemory-policy", "allkeys-lru")
     worker = Worker({**celery_stack.env, "PROJ_QUEUE": "evict"}, name="evict", concurrency=1, pool="solo")
     try:
@@ -309,3 +343,4 @@ def test_the_worker_warns_when_redis_may_evict_lease_keys(celery_stack: CelerySt
     finally:
         worker.stop()
         client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "0")

@@ -17,7 +17,8 @@ from celery.bin.celery import celery
 from click.testing import CliRunner, Result
 
 from celery_semaphore import FairSemaphore, Lease
-from celery_semaphore.cli import Catalogue, duration
+from celery_semaphore.catalogue import Catalogue
+from celery_semaphore.cli import duration
 from celery_semaphore.config import forget_config
 
 from .redis_server import RedisServer, free_port

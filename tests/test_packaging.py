@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -75,3 +76,67 @@ def test_lua_script_opens_with_interface_header(script: str) -> None:
             assert re.search(rf"KEYS\[{position}\]\s+\w+", header), f"_lib.lua does not document KEYS[{position}]"
     else:
         assert "Return" in header, f"the header of {script} does not say what it returns"
+
+
+def test_the_core_loads_no_celery_kombu_or_click() -> None:
+    """``from celery_semaphore import FairSemaphore`` in a fresh interpreter loads the core only:
+    a process that never touches Celery does not pay for it, and the core cannot grow a
+    dependency on it unnoticed."""
+    code = (
+        "import sys\n"
+        "from celery_semaphore import FairSemaphore, SemaphoreError\n"
+        "print(' '.join(sorted(n for n in ('celery', 'kombu', 'click') if n in sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout.strip() == ""
+
+
+def test_every_public_name_resolves() -> None:
+    """Every name in ``__all__`` loads from the facade, and nothing else is offered there."""
+    import celery_semaphore
+
+    for name in celery_semaphore.__all__:
+        assert getattr(celery_semaphore, name) is not None
+    with pytest.raises(AttributeError):
+        celery_semaphore.not_a_public_name  # noqa: B018
+
+
+@pytest.mark.slow
+def test_a_bare_install_runs_a_worker_on_a_redis_broker(wheel: zipfile.ZipFile, tmp_path: Path) -> None:
+    """A venv with nothing but the wheel and its declared dependencies (what ``pip install
+    celery-semaphore`` gives a new user) runs a worker on a Redis broker and a limited task in it."""
+    from .redis_server import RedisServer
+
+    assert wheel.filename is not None
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "-q", wheel.filename],
+                             capture_output=True, text=True, timeout=600, check=False)
+    assert install.returncode == 0, install.stderr
+    (tmp_path / "bareapp.py").write_text(
+        "import os\n"
+        "from celery import Celery\n"
+        "from celery_semaphore import limit_concurrency\n"
+        "app = Celery('bareapp', broker=os.environ['BROKER'], backend=os.environ['BROKER'])\n"
+        "@limit_concurrency(1, app=app, name='bare.add')\n"
+        "def add(a, b):\n"
+        "    return a + b\n"
+    )
+    with RedisServer() as server:
+        env = {"PATH": os.environ.get("PATH", ""), "BROKER": server.url, "PYTHONPATH": str(tmp_path)}
+        worker = subprocess.Popen(
+            [python, "-m", "celery", "-A", "bareapp", "worker", "-P", "solo", "--without-gossip",
+             "--without-mingle", "--without-heartbeat", "--loglevel", "WARNING"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        try:
+            client = subprocess.run(
+                [python, "-c", "import bareapp; print(bareapp.add.delay(2, 3).get(timeout=60))"],
+                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+            )
+        finally:
+            worker.terminate()
+            output = worker.communicate(timeout=60)[0].decode(errors="replace")
+        assert client.stdout.strip() == "5", f"{client.stderr}\nworker:\n{output}"
+        assert "ModuleNotFoundError" not in output

@@ -18,6 +18,7 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from celery_semaphore import SemaphoreTask, limit_concurrency
+from celery_semaphore.catalogue import semaphore_for_call
 
 from ..concurrency_probe import ConcurrencyProbe
 
@@ -137,11 +138,22 @@ def impatient() -> str:
     return "ran"
 
 
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_wait=2.5, semaphore_inline_wait=0,
+          semaphore_countdown=1, name="proj.waits_then_retries", bind=True, max_retries=1)
+def waits_then_retries(self: Any, seconds: float) -> dict[str, Any]:
+    """Waits for its slot, runs, then retries itself once after a delay: the retry's wait must
+    start afresh, not count the first wait, the run and the retry delay against the max wait."""
+    _held("proj.waits_then_retries", seconds, self.request.id)
+    if self.request.retries == 0:
+        raise self.retry(countdown=2)
+    return {"retries": self.request.retries, "waits": getattr(self.request, "semaphore_waits", None)}
+
+
 @signals.task_prerun.connect
 def _record_first_ask(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     """The order in which tasks first asked for a slot (their first delivery), for fairness."""
     if isinstance(task, SemaphoreTask) and getattr(task.request, "semaphore_waits", None) is None:
-        key = task.semaphore_key_for(tuple(task.request.args or ()), dict(task.request.kwargs or {}))
+        key = semaphore_for_call(task, tuple(task.request.args or ()), dict(task.request.kwargs or {})).name
         probe(key).client.rpush(f"probe:{key}:asks", f"{task_id} {time.time()}")
 
 

@@ -1,0 +1,109 @@
+"""The ``semaphore_*`` options of a task class: checked when the class is declared, resolved
+against the app's settings when a call needs them.
+
+Kept apart from the run-time hook (``task.py``) so that the worker's start check, the catalogue
+and the CLI can read a task's options without importing the hook, and so that every option is
+checked in one place, at declaration: a bad value never waits for the first task to fail.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from ._keys import KeyFunction, check_template
+from .config import SemaphoreConfig, parse_countdown
+from .errors import ConfigurationError
+from .validation import check_limit, check_seconds
+
+# Set on SemaphoreTask: how code that must not import the Celery hook (the catalogue, the
+# worker's parent-side release) recognises a semaphore task.
+MARKER = "__semaphore_task__"
+
+
+class _FromSettings:
+    """Marks an option left to the app's ``semaphore_*`` setting (None has its own meaning)."""
+
+    def __repr__(self) -> str:
+        return "FROM_SETTINGS"
+
+
+FROM_SETTINGS: Any = _FromSettings()
+
+
+def is_semaphore_task(task: Any) -> bool:
+    return bool(getattr(type(task), MARKER, False))
+
+
+def key_option(cls: type) -> str | KeyFunction | None:
+    """The ``semaphore_key`` option as declared: a function stored on a class would otherwise
+    come back bound, as a method of the task."""
+    key = inspect.getattr_static(cls, "semaphore_key", None)
+    if isinstance(key, staticmethod):
+        key = key.__func__
+    return key  # type: ignore[no-any-return]
+
+
+def template_of(task: Any) -> str:
+    """The task's key as a template: its ``semaphore_key`` string, else its name. A key
+    function has no template; the task name stands for it (metrics, status)."""
+    key = key_option(type(task))
+    return key if isinstance(key, str) else str(task.name)
+
+
+def _run_parameters(cls: type) -> list[inspect.Parameter] | None:
+    run = cls.__dict__.get("run")
+    if run is None:
+        return None
+    if isinstance(run, staticmethod):
+        return list(inspect.signature(run.__func__).parameters.values())
+    parameters = list(inspect.signature(run).parameters.values())
+    return parameters[1:]  # drop self
+
+
+def check_task_options(cls: type) -> None:
+    """Check the semaphore options a task class declares; ConfigurationError on the first bad one."""
+    name = cls.__dict__.get("name") or cls.__name__
+    options = cls.__dict__
+    if options.get("semaphore_limit") is not None:
+        check_limit(f"{name}.semaphore_limit", options["semaphore_limit"])
+    for option in ("semaphore_lease", "semaphore_inline_wait"):
+        if options.get(option) is not None:
+            check_seconds(f"{name}.{option}", options[option], allow_zero=option == "semaphore_inline_wait")
+    if options.get("semaphore_max_wait") not in (None, FROM_SETTINGS):
+        check_seconds(f"{name}.semaphore_max_wait", options["semaphore_max_wait"])
+    if options.get("semaphore_countdown") is not None:
+        parse_countdown(f"{name}.semaphore_countdown", options["semaphore_countdown"])
+    # the key may be inherited from a base class: check it against every class that has a run
+    key = key_option(cls)
+    if key is None or callable(key):
+        return
+    if not isinstance(key, str) or not key:
+        raise ConfigurationError(f"{name}.semaphore_key", key, "expected a format string or a callable (args, kwargs)")
+    parameters = _run_parameters(cls)
+    if parameters is not None:
+        check_template(f"{name}.semaphore_key", key, parameters)
+
+
+@dataclass(frozen=True)
+class WaitOptions:
+    """How one task holds and waits, its own options over the app's settings."""
+
+    lease: float
+    countdown: tuple[float, float]
+    max_wait: float | None
+    inline_wait: float
+
+
+def wait_options(task: Any, config: SemaphoreConfig) -> WaitOptions:
+    """The task's options, each one left unset taking the app's ``semaphore_*`` setting."""
+    countdown = task.semaphore_countdown
+    max_wait = task.semaphore_max_wait
+    return WaitOptions(
+        lease=config.lease if task.semaphore_lease is None else float(task.semaphore_lease),
+        countdown=config.countdown if countdown is None else parse_countdown(
+            f"{task.name}.semaphore_countdown", countdown),
+        max_wait=config.max_wait if max_wait is FROM_SETTINGS else max_wait,
+        inline_wait=config.inline_wait if task.semaphore_inline_wait is None else float(task.semaphore_inline_wait),
+    )

@@ -1,0 +1,174 @@
+"""Which semaphore, limit and metrics family apply to a task call or a semaphore key.
+
+The one home of that question. The task hook asks it for every call, the worker's parent for a
+killed child's call, the start check for every task, the CLI and the metrics collector for every
+key they find in Redis, and user code for a key of its own (``semaphore_for(app, "crawl:h")``):
+all get the same answer, in the order the workers apply limits: a runtime override stored in
+Redis (applied by the acquire script), then ``semaphore_limits`` (exact key, task name, globs),
+then the task's own ``semaphore_limit``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from ._backend import client_for
+from ._keys import call_key, is_fixed, literal_length, template_pattern
+from ._options import is_semaphore_task, key_option, template_of, wait_options
+from .config import LimitRule, SemaphoreConfig, config_for
+from .errors import ConfigurationError, SemaphoreError
+from .semaphore import FairSemaphore
+
+# The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,
+# or an operator stored a limit. (The bookkeeping keys never outlive these.)
+_PRESENCE_PARTS = ("holders", "queue", "limit")
+
+# Family of keys that no task's key (fixed or template) accounts for: FairSemaphore used outside
+# Celery, or tasks whose key is a function. One bucket, so metrics stay bounded.
+OTHER_FAMILY = "(other)"
+
+
+def semaphore_tasks(app: Any) -> list[Any]:
+    """The app's registered tasks that hold a semaphore, by name."""
+    return sorted((task for task in app.tasks.values() if is_semaphore_task(task)), key=lambda task: str(task.name))
+
+
+def no_limit_error(task_name: str, key: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{task_name}.semaphore_limit", None, f"no limit for semaphore key {key!r} in code or semaphore_limits"
+    )
+
+
+def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FairSemaphore:
+    """The semaphore one call of ``task`` must hold; ConfigurationError if no limit applies.
+
+    Cheap enough for every call: the settings are parsed once per app and the client is
+    shared per URL; no index of the app's tasks is built."""
+    config = config_for(task.app)
+    key_setting = f"{task.name}.semaphore_key"
+    key_option_value = key_option(type(task))
+    key = str(task.name) if key_option_value is None else call_key(
+        key_setting, key_option_value, task.run, args, kwargs)
+    rule = config.limit_for(key, str(task.name), task.semaphore_limit)
+    if rule is None:
+        raise no_limit_error(str(task.name), key)
+    return _semaphore(config, key, rule.limit, wait_options(task, config).lease)
+
+
+def _semaphore(config: SemaphoreConfig, key: str, limit: int, lease: float) -> FairSemaphore:
+    return FairSemaphore(client_for(config.backend), key, limit, lease=lease, prefix=config.prefix)
+
+
+@dataclass(frozen=True)
+class _Template:
+    pattern: re.Pattern[str]
+    literal_length: int  # the more literal text a template has, the more specific its match
+    task: Any
+
+
+class Catalogue:
+    """The semaphore tasks of one app, indexed to answer: whose key is this, what limit applies
+    to it, and which metrics family counts it? Built from ``app.tasks`` at the time of the call,
+    so build a new one when tasks may have been registered since (the metrics collector does
+    so on every scrape)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.config: SemaphoreConfig = config_for(app)
+        self.fixed: dict[str, Any] = {}
+        templates: list[_Template] = []
+        for task in semaphore_tasks(app):
+            key = key_option(type(task))
+            if key is None:
+                self.fixed.setdefault(str(task.name), task)
+            elif isinstance(key, str) and is_fixed(key):
+                self.fixed.setdefault(key.format(), task)
+            elif isinstance(key, str):
+                templates.append(_Template(template_pattern(key), literal_length(key), task))
+        # most specific first: "crawl:{host}" must win over "{anything}" for "crawl:example.com"
+        self.templates = sorted(templates, key=lambda template: -template.literal_length)
+
+    @property
+    def client(self) -> Any:
+        return client_for(self.config.backend)
+
+    @property
+    def backend(self) -> str:
+        """The backend URL with any password masked, for messages."""
+        return self.config.backend_display
+
+    def task_for(self, key: str) -> Any | None:
+        """The task whose calls use ``key``: a fixed key first, then the most specific template.
+        None when no task accounts for it (a key function, or a semaphore used outside Celery)."""
+        task = self.fixed.get(key)
+        if task is not None:
+            return task
+        for template in self.templates:
+            if template.pattern.fullmatch(key):
+                return template.task
+        return None
+
+    def family_for(self, key: str) -> str:
+        """The bounded name metrics use for ``key``: the task's key template or name."""
+        task = self.task_for(key)
+        return template_of(task) if task is not None else OTHER_FAMILY
+
+    def configured_limit(self, key: str, task: Any | None = None) -> LimitRule | None:
+        """The limit the settings and code give ``key`` (the runtime override aside)."""
+        task = self.task_for(key) if task is None else task
+        if task is None:
+            return self.config.limit_for(key, key, None)
+        return self.config.limit_for(key, str(task.name), task.semaphore_limit)
+
+    def semaphore(self, key: str, *, placeholder_limit: bool = False) -> FairSemaphore:
+        """The semaphore of ``key`` as the app's workers use it: its limit and lease.
+
+        ConfigurationError if no limit applies; with ``placeholder_limit`` such a key gets a
+        limit of 1 instead, for reading and steering it (status, set_limit, clear_limit and
+        reset never use the limit; only acquiring does)."""
+        task = self.task_for(key)
+        rule = self.configured_limit(key, task)
+        if rule is None and not placeholder_limit:
+            raise no_limit_error(str(task.name) if task is not None else key, key)
+        lease = wait_options(task, self.config).lease if task is not None else self.config.lease
+        return _semaphore(self.config, key, rule.limit if rule else 1, lease)
+
+    def scan(self, match: str | None = None) -> set[str]:
+        """Every semaphore key that has holders, waiters or a runtime limit in Redis (keys
+        matching the glob ``match`` only, if given). On a Redis Cluster every master is scanned."""
+        head = f"{self.config.prefix}:{{"
+        pattern = f"{glob_escape(head)}{match if match is not None else '*'}}}:*"
+        keys = set()
+        try:
+            for raw in self.client.scan_iter(match=pattern, count=1000):
+                name = raw.decode() if isinstance(raw, bytes) else str(raw)
+                body, _, part = name.rpartition("}:")
+                if part in _PRESENCE_PARTS and body.startswith(head):
+                    keys.add(body[len(head):])
+        except redis.RedisError as error:
+            raise SemaphoreError(f"listing semaphores in {self.backend}: {error}") from error
+        return keys
+
+    def known_keys(self, match: str | None = None) -> list[str]:
+        """The keys found in Redis plus the fixed keys of the app's tasks, sorted."""
+        fixed = {key for key in self.fixed if match is None or fnmatch.fnmatchcase(key, match)}
+        return sorted(self.scan(match) | fixed)
+
+
+def glob_escape(text: str) -> str:
+    """Escape Redis glob specials, so a prefix is matched literally by SCAN MATCH."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def semaphore_for(app: Any, key: str) -> FairSemaphore:
+    """The semaphore that ``app``'s workers use for ``key``, with its configured limit and lease.
+
+    For user code that steers or inspects a key the way the workers see it (a crawler storing a
+    host's allowance with ``set_limit``, a dashboard reading ``status()``). ConfigurationError if
+    no limit applies to the key anywhere."""
+    return Catalogue(app).semaphore(key)
