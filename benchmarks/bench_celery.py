@@ -1,150 +1,792 @@
-"""Slot utilization and fairness of SemaphoreTask with real workers.
+"""Order, utilization, hand-off latency and per-task cost of SemaphoreTask with real workers.
 
-    .venv/bin/python -m benchmarks.bench_celery [--tasks 40] [--hold 0.2] [--limit 3] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_celery [--rounds 3] [--quick] [--only NAME[,NAME]] [--json PATH]
 
-N tasks of `hold` seconds under a limit of L on 2 workers x 4 prefork children (Redis broker,
-all servers throwaway on loopback). For each policy it reports the makespan (first start to last
-end) against the ideal N * hold / L, and how far the start order strays from the order in which
-tasks first asked for a slot. Baseline in the same run: the same tasks with no semaphore on one
-worker of L children, where the pool size is the limit.
+Every figure is measured with real ``celery worker`` processes (prefork, started by the test
+helpers, stopped by PID), throwaway redis-servers on loopback (a broker Redis that also holds
+results and the probes, and a separate semaphore Redis), and RabbitMQ at AMQP_URL where it
+answers (else the RabbitMQ scenario is reported as skipped). Each figure is set against a baseline
+measured in the same run, and each scenario is repeated ``--rounds`` times (the cases of a round
+interleaved, in a rotating order, so that a noisy moment on a shared host hits every case alike);
+the tables give the median and the min-max spread.
 
-Policies: the default (in-process wait when the turn is near, else a countdown re-send) and
-countdown-only (semaphore_inline_wait = 0).
+Scenarios (``--only`` takes their names, or ``scenario/case``):
+
+* ``order``: 60 tasks x 0.3 s, limit 3, 2 workers x 4 prefork children, Redis broker, all sent at
+  once. Cases: ``semaphore`` (SemaphoreTask, the library's default policy), ``countdown``
+  (SemaphoreTask with ``semaphore_inline_wait = 0``: every refused task leaves the worker, the case
+  the hand-off is for), ``naive`` (the baseline for order: a plain one-shot semaphore try and
+  ``self.retry(countdown=1)`` when refused, what a user writes by hand) and ``plain`` (no
+  semaphore, 1 worker whose pool size is the limit: the baseline for the makespan). Figures:
+  inverted start-order pairs against first-ask order (% of all pairs), max displacement
+  (places), makespan / ideal (tasks x hold / limit) and / plain (same round), deliveries per
+  task (runs in a pool child per task id, and messages received per task id), the highest
+  number of bodies seen running at once, bodies that ran twice.
+* ``backlog-redis`` and ``backlog-amqp``: the same figures for 1,000 tasks x 0.1 s, limit 5, on
+  the Redis broker and on RabbitMQ. With the default policy the queue itself is the line (the
+  tasks near its head wait in-process); ``countdown`` is the case where waiters leave the worker
+  and must come back past a backlog of fresh tasks.
+* ``handoff``: release to the next waiter's body start, for a task waiting *outside* the worker
+  (``semaphore_inline_wait = 0``: a refused task is re-sent with a countdown), across workers.
+  Several chains run side by side, each on its own key with limit 1: a task is sent to one
+  worker's queue, and the moment its body starts the next one is sent to the other worker's
+  queue, where it is refused and leaves the worker; when the holder's ``__call__`` returns (right
+  after its release) a timestamp is taken, and the sample is the time from there to the
+  waiter's body start. A waiter that first asked only after the release is not a hand-off and is
+  not counted. Figures: p50 / p90 / p99 / max ms over all rounds' samples, and per round.
+* ``overhead``: the same do-nothing task with and without the semaphore (a key whose limit is
+  never reached), one worker with one child, sent as a backlog: median ``task_prerun`` to
+  ``task_postrun`` ms per task, and the difference.
+
+First asks, starts, ends, releases and deliveries are recorded by the workers' app
+(benchmarks/bench_celery_app.py) from Celery signals and in the task bodies, independently of
+the semaphore; the maximum concurrency is counted by the tests' concurrency probe.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
+import platform
 import statistics
-from collections.abc import Iterator
-from contextlib import contextmanager
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import redis
+from celery import Celery
+from kombu import Connection  # type: ignore[attr-defined]  # kombu ships no type hints
 
 from tests.conftest import CeleryStack
 from tests.workers import Worker
 
+ROOT = Path(__file__).resolve().parent.parent
+AMQP_URL = os.environ.get("CELERY_SEMAPHORE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+APP = "benchmarks.bench_celery_app"
 WORKERS, CHILDREN = 2, 4
-COUNTDOWN = 1.0  # the shortest countdown: order is promised "within one countdown"
+# a limit that no run reaches: the semaphore is held and released, never refuses
+UNREACHED_LIMIT = 1_000_000
+# the library's workers consume <queue> + this next to each queue (celery_semaphore/_parking.py);
+# spelled out here because the benchmark process does not import the library
+WAKE_QUEUE_SUFFIX = ".semaphore-wake"
+# give up on a round when no task has ended for this long (something is stuck, or lost)
+STALL_S = 90.0
 
 
-@contextmanager
-def stack() -> Iterator[CeleryStack]:
-    celery_stack = CeleryStack()
-    os.environ.update(celery_stack.env)
+# -- what one round recorded --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    task: str
+    at: float
+    worker: str = ""
+    key: str = ""
+
+
+def _events(client: redis.Redis, name: str) -> list[Event]:
+    events = []
+    for raw in client.lrange(name, 0, -1):
+        parts = _text(raw).split()
+        events.append(Event(parts[0], float(parts[1]), *parts[2:4]))
+    return events
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _first_by_task(events: Sequence[Event]) -> dict[str, Event]:
+    first: dict[str, Event] = {}
+    for event in events:
+        if event.task not in first or event.at < first[event.task].at:
+            first[event.task] = event
+    return first
+
+
+def inversions(asked: Sequence[str], started: Sequence[str]) -> tuple[int, int]:
+    """Pairs of tasks that started in the opposite order to their first asks, and the largest
+    displacement in places. Counted with a Fenwick tree (O(n log n)): a 1,000-task backlog has
+    half a million pairs per round."""
+    rank = {task: i for i, task in enumerate(asked)}
+    order = [rank[task] for task in started if task in rank]
+    size = len(rank)
+    tree = [0] * (size + 1)
+    pairs = 0
+    for seen, value in enumerate(order):
+        # earlier starters with a later ask: seen - (earlier starters whose rank <= value)
+        i, below = value + 1, 0
+        while i > 0:
+            below += tree[i]
+            i -= i & -i
+        pairs += seen - below
+        i = value + 1
+        while i <= size:
+            tree[i] += 1
+            i += i & -i
+    displacement = max((abs(place - value) for place, value in enumerate(order)), default=0)
+    return pairs, displacement
+
+
+# -- servers, workers, senders ------------------------------------------------------------------
+
+
+
+
+class RoundFailed(RuntimeError):
+    """A round that could not finish (a task failed, stalled or a worker died): reported, and
+    the benchmark goes on with the next one."""
+
+
+def amqp_problem(url: str) -> str | None:
+    """Why RabbitMQ cannot be used, or None when it answers."""
     try:
-        yield celery_stack
-    finally:
-        celery_stack.close()
+        with Connection(url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
+            connection.ensure_connection(max_retries=1)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
-@contextmanager
-def workers(env: dict[str, str], count: int, children: int, conf: dict[str, Any]) -> Iterator[list[Worker]]:
-    group = [Worker(env, name=f"bench{i}", concurrency=children, conf=conf) for i in range(count)]
+class Lab:
+    """The servers of one benchmark run, and the means to run a round on them: start workers,
+    send tasks, wait for them, read what the probes recorded."""
+
+    def __init__(self, stack: CeleryStack) -> None:
+        self.stack = stack
+        self.env = dict(stack.env)
+        self.redis_broker = stack.env["PROJ_BROKER_URL"]
+        self.probe = redis.Redis.from_url(stack.env["PROJ_PROBE_URL"])
+        self._senders: dict[str, Celery] = {}
+        self._send_lock = threading.Lock()
+        self.nonce = uuid.uuid4().hex[:6]
+
+    def sender(self, broker_url: str) -> Celery:
+        """A bare app to publish with: the benchmark process never imports the library, so it
+        runs (and reports the workers' start-up error) even while the library is broken."""
+        if broker_url not in self._senders:
+            self._senders[broker_url] = Celery(
+                "bench-sender", broker=broker_url, backend=self.stack.env["PROJ_RESULT_URL"], set_as_current=False
+            )
+        return self._senders[broker_url]
+
+    def clean(self, broker_url: str) -> None:
+        """Start every round from empty Redis databases (no workers run at this point): what an
+        earlier round left (waiters, wake-ups, stray copies) cannot reach this one."""
+        self.probe.flushdb()
+        for url in {self.stack.env["PROJ_SEMAPHORE_URL"], *([broker_url] if broker_url.startswith("redis") else [])}:
+            with contextlib.closing(redis.Redis.from_url(url)) as client:
+                client.flushdb()
+
+    @contextlib.contextmanager
+    def workers(
+        self, broker_url: str, queues: Sequence[str], children: int, conf: dict[str, Any]
+    ) -> Iterator[list[Worker]]:
+        """One worker per queue, started together (start-up is seconds of CPU on this host)."""
+        tag = uuid.uuid4().hex[:4]
+        group = [
+            Worker({**self.env, "PROJ_BROKER_URL": broker_url, "PROJ_QUEUE": queue}, name=f"bench{i}-{tag}",
+                   concurrency=children, conf=conf, app=APP)
+            for i, queue in enumerate(queues)
+        ]
+        try:
+            for worker in group:
+                worker.start(wait_ready=False)
+            deadline = time.monotonic() + 120
+            for worker in group:
+                while " ready." not in worker.log():
+                    if worker.process is not None and worker.process.poll() is not None:
+                        raise RoundFailed(f"worker {worker.name} exited at start:\n{worker.log()[-3000:]}")
+                    if time.monotonic() > deadline:
+                        raise RoundFailed(f"worker {worker.name} not ready after 120 s:\n{worker.log()[-3000:]}")
+                    time.sleep(0.05)
+            yield group
+        finally:
+            for worker in group:
+                worker.stop()
+
+    def send(self, broker_url: str, name: str, calls: Sequence[tuple[Any, ...]], queue: str) -> list[str]:
+        """Publish the calls back to back on one producer; the task ids, in sending order."""
+        app = self.sender(broker_url)
+        with self._send_lock, app.producer_or_acquire() as producer:
+            return [str(app.send_task(name, args, queue=queue, producer=producer).id) for args in calls]
+
+    def failures(self) -> list[str]:
+        return [_text(raw) for raw in self.probe.lrange("bench:failures", 0, -1)]
+
+    def wait_for(self, ids: Sequence[str], listing: str, workers: Sequence[Worker], timeout: float) -> None:
+        """Until every task in ``ids`` appears in ``listing`` (``bench:ends`` or
+        ``bench:durations``); RoundFailed on a failure, a dead worker, a stall or the timeout."""
+        wanted = set(ids)
+        started = last_progress = time.monotonic()
+        seen = -1
+        while True:
+            length = int(self.probe.llen(listing))
+            if length != seen:
+                seen, last_progress = length, time.monotonic()
+            if length >= len(wanted) and wanted <= self._listed(listing):
+                return
+            failures = self.failures()
+            if failures:
+                raise RoundFailed(f"{len(failures)} task(s) failed, first: {failures[0]}")
+            for worker in workers:
+                if worker.process is not None and worker.process.poll() is not None:
+                    raise RoundFailed(f"worker {worker.name} died:\n{worker.log()[-3000:]}")
+            now = time.monotonic()
+            if now - last_progress > STALL_S or now - started > timeout:
+                missing = len(wanted - self._listed(listing))
+                raise RoundFailed(f"{missing} of {len(wanted)} tasks not done after {now - started:.0f} s "
+                                  f"(last progress {now - last_progress:.0f} s ago)")
+            time.sleep(0.1)
+
+    def _listed(self, listing: str) -> set[str]:
+        return {_text(raw).split()[0] for raw in self.probe.lrange(listing, 0, -1)}
+
+    def counts(self, name: str, ids: Sequence[str]) -> list[int]:
+        """Per task id, a counter the workers kept (``bench:runs``, ``bench:received``)."""
+        return [int(value or 0) for value in self.probe.hmget(name, list(ids))]
+
+    def delete_amqp_queue(self, broker_url: str, queue: str) -> None:
+        """RabbitMQ is shared: drop the round's queue, and the wake queue the library's workers
+        may have declared next to it (``<queue>.semaphore-wake``), whatever is left in them."""
+        if broker_url.startswith("amqp"):
+            for name in (queue, queue + WAKE_QUEUE_SUFFIX):
+                with contextlib.suppress(Exception), \
+                        Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
+                    connection.channel().queue_delete(name)
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fairness:
+    """A burst of tasks under one limit: order, utilization, deliveries, concurrency."""
+
+    name: str
+    title: str
+    tasks: int
+    hold: float
+    limit: int
+    broker: str  # "redis" or "amqp"
+    cases: tuple[str, ...] = ("semaphore", "countdown", "naive", "plain")
+
+    @property
+    def ideal(self) -> float:
+        return self.tasks * self.hold / self.limit
+
+
+@dataclass(frozen=True)
+class Handoff:
+    name: str
+    title: str
+    chains: int
+    links: int
+    hold: float
+    cases: tuple[str, ...] = ("semaphore",)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    name: str
+    title: str
+    tasks: int
+    warmup: int = 20
+    cases: tuple[str, ...] = ("semaphore", "plain")
+
+
+Scenario = Fairness | Handoff | Overhead
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    """Issue 8's targets; ``--quick`` keeps their shape with fewer tasks, for development."""
+    order_tasks, backlog_tasks = (30, 200) if quick else (60, 1000)
+    return [
+        Fairness("order", "order and utilization, sent at once", order_tasks, 0.3, 3, "redis"),
+        Fairness("backlog-redis", "backlog, Redis broker", backlog_tasks, 0.1, 5, "redis"),
+        Fairness("backlog-amqp", "backlog, RabbitMQ", backlog_tasks, 0.1, 5, "amqp"),
+        Handoff("handoff", "hand-off to a task waiting outside the worker (inline_wait = 0), across workers",
+                chains=2 if quick else 4, links=10 if quick else 30, hold=0.3),
+        Overhead("overhead", "per-task cost, a limit never reached, 1 worker x 1 child", 100 if quick else 300),
+    ]
+
+
+def fairness_round(lab: Lab, spec: Fairness, case: str, round_no: int, broker_url: str) -> dict[str, Any]:
+    key = f"{spec.name}-{case}-r{round_no}-{lab.nonce}"
+    queue = f"bc-{key}"
+    conf: dict[str, Any] = {"semaphore_limits": {"bc:*": spec.limit}}
+    calls: list[tuple[Any, ...]]
+    if case == "plain":
+        count, children, task, calls = 1, spec.limit, "bench.plain", [(spec.hold, key)] * spec.tasks
+        probe_key = f"plain:{key}"
+    elif case == "naive":
+        count, children, task, calls = WORKERS, CHILDREN, "bench.naive", [(spec.hold, key, spec.limit)] * spec.tasks
+        probe_key = f"naive:{key}"
+    else:
+        count, children, task, calls = WORKERS, CHILDREN, "bench.fair", [(spec.hold, key)] * spec.tasks
+        probe_key = f"bc:{key}"
+        if case == "countdown":  # every refused task leaves the worker: a countdown re-send
+            conf["semaphore_inline_wait"] = 0
+    lab.clean(broker_url)
     try:
-        for worker in group:
-            worker.start()
-        yield group
+        with lab.workers(broker_url, [queue] * count, children, conf) as group:
+            began = time.time()
+            ids = lab.send(broker_url, task, calls, queue)
+            sent = time.time() - began
+            lab.wait_for(ids, "bench:ends", group, timeout=max(120.0, 20 * spec.ideal))
+            wall = time.time() - began
+            runs, received = lab.counts("bench:runs", ids), lab.counts("bench:received", ids)
+            all_starts = [e for e in _events(lab.probe, "bench:starts") if e.key == probe_key]
+            ends = [e for e in _events(lab.probe, "bench:ends") if e.key == probe_key]
+            asks = [e for e in _events(lab.probe, "bench:asks") if e.task in set(ids)]
+            maximum = int(lab.probe.get(f"probe:{probe_key}:max") or 0)
     finally:
-        for worker in group:
-            worker.stop()
-
-
-def _entries(client: Any, name: str) -> list[tuple[str, float]]:
-    return [(entry.split()[0], float(entry.split()[1])) for entry in map(bytes.decode, client.lrange(name, 0, -1))]
-
-
-def inversions(asked: list[tuple[str, float]], started: list[str], slack: float) -> tuple[int, int, int]:
-    """Pairs started against their first-ask order; of those, pairs whose first asks were more
-    than ``slack`` seconds apart (the design promises order "within one countdown"); and the
-    largest displacement in places."""
-    rank = {task: i for i, (task, _) in enumerate(asked)}
-    when = dict(asked)
-    order = [task for task in started if task in rank]
-    pairs = late = 0
-    for i, first in enumerate(order):
-        for second in order[i + 1:]:
-            if rank[first] > rank[second]:
-                pairs += 1
-                late += when[first] - when[second] > slack
-    displacement = max((abs(i - rank[task]) for i, task in enumerate(order)), default=0)
-    return pairs, late, displacement
-
-
-def run_once(proj: Any, task: Any, name: str, tasks: int, hold: float, queue: str) -> dict[str, float]:
-    key = f"bench:{name}"
-    client = proj.probe(key).client
-    for suffix in ("starts", "ends", "asks", "live", "max", "entries"):
-        client.delete(f"probe:{key}:{suffix}")
-    args = (hold, key) if task.name == "proj.unlimited" else (hold, name)
-    results = [task.apply_async(args, queue=queue) for _ in range(tasks)]
-    for result in results:
-        result.get(timeout=300)
-    starts, ends = _entries(client, f"probe:{key}:starts"), _entries(client, f"probe:{key}:ends")
-    asks = _entries(client, f"probe:{key}:asks")
-    makespan = max(t for _, t in ends) - min(t for _, t in starts)
-    pairs, late, displacement = inversions(
-        sorted(asks, key=lambda e: e[1]), [t for t, _ in sorted(starts, key=lambda e: e[1])], slack=COUNTDOWN
-    )
+        lab.delete_amqp_queue(broker_url, queue)
+    starts = _first_by_task(all_starts)
+    asked = [e.task for e in sorted(_first_by_task(asks).values(), key=lambda e: e.at)]
+    started = [e.task for e in sorted(starts.values(), key=lambda e: e.at)]
+    pairs, displacement = inversions(asked, started)
+    all_pairs = spec.tasks * (spec.tasks - 1) // 2
+    makespan = max(e.at for e in ends) - min(e.at for e in starts.values())
     return {
-        "makespan": makespan,
-        "max_concurrency": proj.probe(key).maximum,
+        "makespan_s": makespan,
+        "over_ideal": makespan / spec.ideal,
         "inversions": pairs,
-        "inversions_beyond_countdown": late,
+        "inversions_pct": 100.0 * pairs / all_pairs,
         "max_displacement": displacement,
-        "ran": len(starts),
+        "runs_per_task": statistics.fmean(runs),
+        "runs_max": max(runs),
+        "msgs_per_task": statistics.fmean(received),
+        "max_concurrency": maximum,
+        "ran_twice": len(all_starts) - len(starts),
+        "send_s": sent,
+        "wall_s": wall,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=int, default=40)
-    parser.add_argument("--hold", type=float, default=0.2)
-    parser.add_argument("--limit", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
-    ideal = args.tasks * args.hold / args.limit
-    report: dict[str, Any] = {"ideal": ideal, "cases": {}}
-    with stack() as celery_stack:
-        import tests.proj.app as proj
+def handoff_round(lab: Lab, spec: Handoff, round_no: int) -> dict[str, Any]:
+    """Chains of limit-1 keys: each link is sent to the other worker the moment the previous
+    link's body starts, so it is refused and waits outside the worker while its predecessor
+    holds the slot; the sample is the predecessor's release to this link's body start."""
+    broker_url = lab.redis_broker
+    queues = [f"bc-handoff-r{round_no}-{lab.nonce}-{side}" for side in "ab"]
+    conf = {"semaphore_limits": {"bc:*": 1}, "semaphore_inline_wait": 0}
+    chains: list[list[str]] = [[] for _ in range(spec.chains)]
+    errors: list[str] = []
+    lab.clean(broker_url)
 
-        proj.app.conf.update(broker_url=celery_stack.env["PROJ_BROKER_URL"],
-                             result_backend=celery_stack.env["PROJ_RESULT_URL"],
-                             semaphore_backend_url=celery_stack.env["PROJ_SEMAPHORE_URL"])
-        limits = {"semaphore_limits": {"bench:*": args.limit, "proj.config_only": 2, "crawl:*": 2}}
-        # first asks are recorded at task_prerun of the first delivery (tests/proj/app.py)
-        cases = [
-            ("baseline: no semaphore, 1 worker x limit children", "base", proj.unlimited, 1, args.limit, {}),
-            ("semaphore, default policy (in-process wait near the head)", "inline", proj.keyed, WORKERS,
-             CHILDREN, limits),
-            ("semaphore, countdown re-sends only (inline_wait=0)", "countdown", proj.keyed, WORKERS, CHILDREN,
-             {**limits, "semaphore_inline_wait": 0}),
+    def chain(index: int) -> None:
+        key = f"handoff-r{round_no}-c{index}-{lab.nonce}"
+        client = redis.Redis.from_url(lab.stack.env["PROJ_PROBE_URL"])
+        try:
+            for link in range(spec.links):
+                queue = queues[(index + link) % 2]
+                (task_id,) = lab.send(broker_url, "bench.fair", [(spec.hold, key)], queue)
+                chains[index].append(task_id)
+                if client.blpop([f"bench:start:{task_id}"], timeout=STALL_S) is None:
+                    errors.append(f"chain {index}: link {link} ({task_id}) did not start within {STALL_S:.0f} s")
+                    return
+        except Exception as error:  # reported with the round, the other chains go on
+            errors.append(f"chain {index}: {type(error).__name__}: {error}")
+        finally:
+            client.close()
+
+    with lab.workers(broker_url, queues, CHILDREN, conf) as group:
+        threads = [threading.Thread(target=chain, args=(i,), daemon=True) for i in range(spec.chains)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise RoundFailed("; ".join(errors) + "\n" + "\n".join(w.log()[-2000:] for w in group))
+        ids = [task_id for links in chains for task_id in links]
+        lab.wait_for(ids, "bench:ends", group, timeout=120)
+        runs = lab.counts("bench:runs", ids)
+        released = _first_by_task(_events(lab.probe, "bench:released"))
+        starts = _first_by_task(_events(lab.probe, "bench:starts"))
+        asks = _first_by_task(_events(lab.probe, "bench:asks"))
+    samples: list[float] = []
+    cross = not_waiting = 0
+    for links in chains:
+        for holder, waiter in itertools.pairwise(links):
+            release, start, ask = released[holder], starts[waiter], asks[waiter]
+            if ask.at >= release.at:
+                not_waiting += 1  # it first asked after the release: no hand-off to time
+                continue
+            samples.append((start.at - release.at) * 1000)
+            cross += release.worker != start.worker
+    waiter_runs = [count for links in chains for count in lab.counts("bench:runs", links[1:])] or [0]
+    return {
+        "samples_ms": samples,
+        "samples": len(samples),
+        "cross_worker": cross,
+        "not_waiting": not_waiting,
+        "p50_ms": percentile(samples, 50),
+        "p90_ms": percentile(samples, 90),
+        "p99_ms": percentile(samples, 99),
+        "max_ms": max(samples, default=float("nan")),
+        "runs_per_waiter": statistics.fmean(waiter_runs),
+        "runs_per_task": statistics.fmean(runs),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, by linear interpolation between closest ranks; NaN with no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def overhead_rounds(lab: Lab, spec: Overhead, rounds: int, cases: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """Both tasks through one worker with one child (no contention for the pool, so the
+    duration of a run is its own cost), alternating which goes first round by round."""
+    broker_url = lab.redis_broker
+    queue = f"bc-overhead-{lab.nonce}"
+    names = {"semaphore": "bench.fair_noop", "plain": "bench.plain_noop"}
+    results: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
+    lab.clean(broker_url)
+    with lab.workers(broker_url, [queue], 1, {"semaphore_limits": {"bc:*": UNREACHED_LIMIT}}) as group:
+        # the first calls in a child connect and load scripts: not what a task costs
+        warm = [task_id for case in cases for task_id in
+                lab.send(broker_url, names[case], [(f"warm-{lab.nonce}",)] * spec.warmup, queue)]
+        lab.wait_for(warm, "bench:durations", group, timeout=120)
+        for round_no in range(rounds):
+            order = list(cases) if round_no % 2 == 0 else list(reversed(cases))
+            for case in order:
+                lab.probe.delete("bench:durations")
+                began = time.time()
+                ids = lab.send(broker_url, names[case], [(f"ovh-r{round_no}-{lab.nonce}",)] * spec.tasks, queue)
+                lab.wait_for(ids, "bench:durations", group, timeout=300)
+                wall = time.time() - began
+                durations = [float(raw.split()[1]) for raw in lab.probe.lrange("bench:durations", 0, -1)]
+                results[case].append({
+                    "median_ms": statistics.median(durations),
+                    "p90_ms": percentile(durations, 90),
+                    "wall_ms_per_task": wall * 1000 / spec.tasks,
+                })
+    if "semaphore" in results and "plain" in results:
+        for with_, without in zip(results["semaphore"], results["plain"], strict=True):
+            with_["delta_ms"] = with_["median_ms"] - without["median_ms"]
+            with_["wall_delta_ms"] = with_["wall_ms_per_task"] - without["wall_ms_per_task"]
+    return results
+
+
+# -- the run, the tables ------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """Everything one scenario measured: per case, one dict of figures per round (or an error)."""
+
+    spec: Scenario
+    rounds: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+
+def selected(only: set[str] | None, scenario: str, case: str | None = None) -> bool:
+    """``--only order`` takes a whole scenario, ``--only order/naive`` one case of it."""
+    if only is None:
+        return True
+    if case is None:
+        return scenario in only or any(name.startswith(f"{scenario}/") for name in only)
+    return scenario in only or f"{scenario}/{case}" in only
+
+
+def run_scenario(lab: Lab, spec: Scenario, rounds: int, only: set[str] | None, amqp: str | None) -> Outcome:
+    outcome = Outcome(spec)
+    cases = [case for case in spec.cases if selected(only, spec.name, case)]
+    for case in cases:
+        outcome.rounds[case] = []
+    if isinstance(spec, Overhead):
+        try:
+            outcome.rounds = overhead_rounds(lab, spec, rounds, cases)
+        except RoundFailed as error:
+            outcome.errors.append(f"overhead: {error}")
+        return outcome
+    if isinstance(spec, Fairness) and spec.broker == "amqp" and amqp is None:
+        problem = amqp_problem(AMQP_URL)
+        outcome.skipped = f"RabbitMQ at {AMQP_URL} not reachable: {problem}"
+        return outcome
+    for round_no in range(rounds):
+        # rotate the order of the cases: none always runs first (cold) or last (after the others)
+        for case in cases[round_no % len(cases):] + cases[:round_no % len(cases)]:
+            print(f"  {spec.name}/{case} round {round_no + 1}/{rounds} ...", file=sys.stderr, flush=True)
+            began = time.monotonic()
+            try:
+                if isinstance(spec, Handoff):
+                    result = handoff_round(lab, spec, round_no)
+                else:
+                    broker = amqp if spec.broker == "amqp" and amqp else lab.redis_broker
+                    result = fairness_round(lab, spec, case, round_no, broker)
+            except RoundFailed as error:
+                outcome.errors.append(f"{spec.name}/{case} round {round_no + 1}: {error}")
+                print(f"  FAILED: {error}", file=sys.stderr, flush=True)
+                continue
+            result["round"] = round_no + 1
+            result["seconds"] = time.monotonic() - began
+            outcome.rounds[case].append(result)
+    if isinstance(spec, Fairness) and "plain" in outcome.rounds:
+        plain = {r["round"]: r["makespan_s"] for r in outcome.rounds["plain"]}
+        for results in outcome.rounds.values():
+            for result in results:
+                if result["round"] in plain:
+                    result["over_plain"] = result["makespan_s"] / plain[result["round"]]
+    return outcome
+
+
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)"""
+    return statistics.median(values), min(values), max(values)
+
+
+def show(values: Sequence[float], digits: int) -> str:
+    """``median (min-max)``; one value alone; ``-`` for none."""
+    if not values:
+        return "-"
+    middle, low, high = spread(values)
+    if len(values) == 1 or low == high:
+        return f"{middle:.{digits}f}"
+    return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def figures(outcome: Outcome, case: str, name: str) -> list[float]:
+    return [float(r[name]) for r in outcome.rounds.get(case, []) if name in r]
+
+
+def table(rows: list[list[str]], left: int = 1) -> str:
+    """Columns padded to their widest cell; the first ``left`` ones (text) to the left."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = (cell.ljust(w) if i < left else cell.rjust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+FAIRNESS_COLUMNS = [
+    ("makespan/ideal", "over_ideal", 2), ("/plain", "over_plain", 2), ("inversions %", "inversions_pct", 1),
+    ("max displ.", "max_displacement", 0), ("runs/task", "runs_per_task", 2), ("max runs", "runs_max", 0),
+    ("msgs/task", "msgs_per_task", 2), ("max conc.", "max_concurrency", 0), ("ran twice", "ran_twice", 0),
+]
+
+
+def report_scenario(outcome: Outcome, rounds: int) -> str:
+    spec = outcome.spec
+    out = []
+    if isinstance(spec, Fairness):
+        head = (f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit {spec.limit}, "
+                f"{WORKERS} workers x {CHILDREN} (plain: 1 x {spec.limit}); ideal {spec.ideal:.2f} s; "
+                f"{spec.tasks * (spec.tasks - 1) // 2} pairs")
+        rows = [["case", *(title for title, _, _ in FAIRNESS_COLUMNS)]]
+        for case in outcome.rounds:
+            rows.append([case, *(show(figures(outcome, case, name), digits) for _, name, digits in FAIRNESS_COLUMNS)])
+    elif isinstance(spec, Handoff):
+        head = (f"{spec.name}: {spec.title}: {spec.chains} chains x {spec.links} links, hold {spec.hold} s, "
+                f"limit 1 per chain, {WORKERS} workers x {CHILDREN}")
+        rows = [["", "samples", "cross-worker", "p50 ms", "p90 ms", "p99 ms", "max ms", "runs/waiter"]]
+        for result in outcome.rounds.get("semaphore", []):
+            rows.append([f"round {result['round']}", str(result["samples"]), str(result["cross_worker"]),
+                         *(f"{result[k]:.1f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
+                         f"{result['runs_per_waiter']:.2f}"])
+        pooled = [s for r in outcome.rounds.get("semaphore", []) for s in r["samples_ms"]]
+        if pooled:
+            rows.append(["all rounds", str(len(pooled)), str(sum(int(r["cross_worker"]) for r in
+                                                                  outcome.rounds["semaphore"])),
+                         *(f"{percentile(pooled, q):.1f}" for q in (50, 90, 99, 100)),
+                         show(figures(outcome, "semaphore", "runs_per_waiter"), 2)])
+    else:
+        head = f"{spec.name}: {spec.title}: {spec.tasks} tasks per case and round"
+        rows = [["case", "prerun->postrun median ms", "p90 ms", "wall ms/task", "delta median ms", "delta wall ms"]]
+        for case in outcome.rounds:
+            rows.append([case, show(figures(outcome, case, "median_ms"), 3), show(figures(outcome, case, "p90_ms"), 3),
+                         show(figures(outcome, case, "wall_ms_per_task"), 3),
+                         show(figures(outcome, case, "delta_ms"), 3), show(figures(outcome, case, "wall_delta_ms"), 3)])
+    out.append(head + f"; {rounds} rounds, median (min-max)")
+    if outcome.skipped:
+        out.append(f"  SKIPPED: {outcome.skipped}")
+    elif len(rows) > 1:
+        out.append(table(rows))
+    for error in outcome.errors:
+        out.append(f"  FAILED {error.splitlines()[0]}")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Target:
+    scenario: str
+    figure: str  # a figure name, or "p50_ms"/"p99_ms" pooled over the rounds for the hand-off
+    bound: float
+    title: str
+    worst: bool = False  # judge the worst round (a limit), not the median
+
+
+def targets(specs: Sequence[Scenario]) -> list[Target]:
+    limits = {spec.name: spec.limit for spec in specs if isinstance(spec, Fairness)}
+    found = [
+        Target("order", "inversions_pct", 1.0, "inverted start-order pairs, % of all"),
+        Target("order", "max_displacement", 2, "max displacement, places"),
+        Target("order", "over_ideal", 1.05, "makespan / ideal"),
+        Target("order", "runs_per_task", 2.2, "deliveries (runs) per task"),
+        Target("order", "max_concurrency", limits.get("order", 3), "max concurrency (limit)", worst=True),
+    ]
+    for name in ("backlog-redis", "backlog-amqp"):
+        found += [
+            Target(name, "over_ideal", 1.10, "makespan / ideal"),
+            Target(name, "inversions_pct", 1.0, "inverted start-order pairs, % of all"),
+            Target(name, "max_concurrency", limits.get(name, 5), "max concurrency (limit)", worst=True),
         ]
-        for title, name, task, count, children, conf in cases:
-            env = {**celery_stack.env, "PROJ_QUEUE": f"bench-{name}"}
-            with workers(env, count, children, conf):
-                runs = [run_once(proj, task, name, args.tasks, args.hold, f"bench-{name}")
-                        for _ in range(args.rounds)]
-            report["cases"][name] = {"title": title, "runs": runs}
-    base = statistics.median(r["makespan"] for r in report["cases"]["base"]["runs"])
-    pairs = args.tasks * (args.tasks - 1) // 2
-    print(f"{args.tasks} tasks x {args.hold} s, limit {args.limit}; ideal makespan {ideal:.2f} s; "
-          f"{args.rounds} rounds, medians; inversions out of {pairs} pairs (baseline records no asks)")
-    print(f"{'case':58} {'makespan':>9} {'/ideal':>7} {'/base':>6} {'max conc':>8} {'inversions':>10} "
-          f"{'>1 cntdwn':>9} {'max disp':>8}")
-    for case in report["cases"].values():
-        runs = case["runs"]
-        makespan = statistics.median(r["makespan"] for r in runs)
-        print(f"{case['title']:58} {makespan:9.2f} {makespan / ideal:7.2f} {makespan / base:6.2f} "
-              f"{max(r['max_concurrency'] for r in runs):8d} "
-              f"{statistics.median(r['inversions'] for r in runs):10.0f} "
-              f"{statistics.median(r['inversions_beyond_countdown'] for r in runs):9.0f} "
-              f"{statistics.median(r['max_displacement'] for r in runs):8.0f}")
+    found += [
+        Target("handoff", "p50_ms", 15, "release -> waiter body start p50 ms (pooled)"),
+        Target("handoff", "p99_ms", 60, "release -> waiter body start p99 ms (pooled)"),
+        Target("overhead", "delta_ms", 2, "per-task overhead, median ms"),
+    ]
+    return found
+
+
+def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[str, Any]]:
+    """Each target against both semaphore cases (the default policy, and countdown re-sends
+    only), with the naive baseline's figure of the same scenario beside it."""
+    verdicts = []
+    for target in wanted:
+        outcome = outcomes.get(target.scenario)
+        if outcome is None or outcome.skipped:
+            continue
+        for case in ("semaphore", "countdown"):
+            if not outcome.rounds.get(case):
+                continue
+            if target.scenario == "handoff":
+                pooled = [s for r in outcome.rounds[case] for s in r["samples_ms"]]
+                value = percentile(pooled, 50 if target.figure == "p50_ms" else 99)
+                measured = f"{value:.1f} (rounds: {show(figures(outcome, case, target.figure), 1)})"
+                naive = "-"
+            else:
+                values = figures(outcome, case, target.figure)
+                value = max(values) if target.worst else statistics.median(values)
+                digits = 0 if target.figure in ("max_displacement", "max_concurrency") else 2
+                measured = show(values, digits)
+                naive = show(figures(outcome, "naive", target.figure), digits)
+            verdicts.append({"scenario": target.scenario, "case": case, "figure": target.title,
+                             "measured": measured, "value": value, "naive": naive,
+                             "target": f"<= {target.bound:g}", "met": bool(value <= target.bound)})
+    return verdicts
+
+
+def git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def versions() -> dict[str, str]:
+    import celery
+    import kombu
+
+    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()
+    return {
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "redis-py": redis.__version__,
+        "redis-server": next((part[2:] for part in server if part.startswith("v=")), "?"),
+        "cpus": str(os.cpu_count()),
+    }
+
+
+LEGEND = """
+makespan: first body start to last body end; ideal: tasks x hold / limit; /plain: against the
+no-semaphore baseline of the same round (1 worker, pool size = limit). inversions: pairs of tasks
+whose bodies started in the opposite order to their first asks (first task_prerun). runs: times
+a task ran in a pool child (task_prerun); msgs: its messages received by a worker. max conc.: most
+bodies running at once (concurrency probe). ran twice: bodies run a second time (must be 0).
+naive: one-shot try + self.retry(countdown=1); countdown: semaphore_inline_wait = 0."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="repeat each scenario this many times (default 3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer tasks (order 30, backlogs 200, hand-off 2 x 10, overhead 100), for development")
+    parser.add_argument("--only", help="comma-separated scenarios or scenario/case: order, backlog-redis, "
+                                       "backlog-amqp, handoff, overhead (e.g. order/semaphore)")
+    parser.add_argument("--json", help="also write every round's figures, versions and the commit here")
+    args = parser.parse_args(argv)
+    only = {name.strip() for name in args.only.split(",")} if args.only else None
+    specs = [spec for spec in scenarios(args.quick) if selected(only, spec.name)]
+    if not specs:
+        parser.error(f"--only {args.only}: no such scenario")
+    began = time.monotonic()
+    meta: dict[str, Any] = {
+        "commit": git("log", "--oneline", "-1"),
+        "library_changes_not_committed": git("status", "--porcelain", "--", "celery_semaphore").splitlines(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "load_at_start": os.getloadavg(),
+        "rounds": args.rounds,
+        "quick": args.quick,
+        **versions(),
+    }
+    amqp_needed = any(isinstance(spec, Fairness) and spec.broker == "amqp" for spec in specs)
+    amqp = AMQP_URL if amqp_needed and amqp_problem(AMQP_URL) is None else None
+    meta["rabbitmq"] = AMQP_URL if amqp else "not used" if not amqp_needed else "unreachable: skipped"
+    outcomes: dict[str, Outcome] = {}
+    stack = CeleryStack()
+    try:
+        lab = Lab(stack)
+        for spec in specs:
+            print(f"{spec.name} ...", file=sys.stderr, flush=True)
+            outcomes[spec.name] = run_scenario(lab, spec, args.rounds, only, amqp)
+    finally:
+        stack.close()
+    meta["seconds"] = time.monotonic() - began
+    meta["load_at_end"] = os.getloadavg()
+    dirty = meta["library_changes_not_committed"]
+    changes = f" + {len(dirty)} uncommitted change(s) in celery_semaphore/" if dirty else ""
+    commit = meta["commit"] if len(meta["commit"]) <= 72 else meta["commit"][:69] + "..."
+    print(f"\ncommit {commit}{changes}")
+    print(f"celery {meta['celery']}, kombu {meta['kombu']}, redis-py {meta['redis-py']}, "
+          f"redis-server {meta['redis-server']}, Python {meta['python']}, {meta['cpus']} CPUs; "
+          f"RabbitMQ: {meta['rabbitmq']}; ran {meta['seconds']:.0f} s")
+    for outcome in outcomes.values():
+        print()
+        print(report_scenario(outcome, args.rounds))
+    print(LEGEND)
+    verdicts = judge(outcomes, targets(specs))
+    if verdicts:
+        print("\nissue 8 targets: median (min-max) over the rounds; judged on the median, max concurrency on "
+              "the worst round")
+        rows = [["scenario", "case", "figure", "measured", "naive", "target", "met"]]
+        rows += [[v["scenario"], v["case"], v["figure"], v["measured"], v["naive"], v["target"],
+                  "yes" if v["met"] else "NO"] for v in verdicts]
+        print(table(rows, left=3))
     if args.json:
+        report = {
+            "meta": meta,
+            "scenarios": {
+                name: {"spec": outcome.spec.__dict__, "rounds": outcome.rounds, "errors": outcome.errors,
+                       "skipped": outcome.skipped}
+                for name, outcome in outcomes.items()
+            },
+            "targets": verdicts,
+        }
         with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
+            json.dump(report, out, indent=2, default=str)
 
 
 if __name__ == "__main__":

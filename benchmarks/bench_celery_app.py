@@ -1,0 +1,215 @@
+"""The Celery app that the workers of ``benchmarks.bench_celery`` run (``celery -A`` this module).
+
+Why an app of its own rather than tests/proj/app.py: the benchmark must measure the library and
+nothing else, so its workers load only the tasks and signal handlers below (the test app's
+handlers would add Redis calls to every delivery), and the benchmark does not break when the
+test app changes. It reads the same environment variables as the test app (``PROJ_BROKER_URL``,
+``PROJ_RESULT_URL``, ``PROJ_SEMAPHORE_URL``, ``PROJ_PROBE_URL``, ``PROJ_QUEUE``, ``PROJ_CONF``),
+so the test helpers (tests/workers.py, ``CeleryStack``) start and configure its workers.
+
+Everything the benchmark reports is recorded here, *independently of the semaphore*, in the
+probe database (db 3 of the broker's Redis), keyed by task id:
+
+* ``bench:received`` (hash): messages of the task that reached a worker (``task_received``, in the
+  worker's main process): how often the broker delivered it, copies that never ran included;
+* ``bench:runs`` (hash): times the task was run in a pool child (``task_prerun``): deliveries;
+* ``bench:asks`` (list of ``"<id> <time>"``): the first ``task_prerun`` of each task: the order in
+  which tasks first asked for a slot, whatever the semaphore believes;
+* ``bench:starts`` / ``bench:ends`` (lists of ``"<id> <time> <worker> <key>"``): the body of the
+  limited work, start and end; with the concurrency probe (``probe:<key>``) around it, the true
+  number of bodies running at once per key;
+* ``bench:released`` (list of ``"<id> <time> <worker> <key>"``): right after ``SemaphoreTask``'s
+  ``__call__`` returned, i.e. right after its slot was released: the start of a hand-off;
+* ``bench:durations`` (list of ``"<id> <ms>"``): ``task_prerun`` to ``task_postrun`` per run, the
+  per-task cost with and without the semaphore;
+* ``bench:failures`` (list): any task that failed, so that the benchmark stops instead of
+  waiting for it.
+"""
+
+# Celery's decorators are untyped: the tasks and handlers below would each need an ignore.
+# mypy: disable-error-code="untyped-decorator"
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import redis
+from celery import Celery, Task, signals
+
+from celery_semaphore import SemaphoreTask
+from tests.concurrency_probe import ConcurrencyProbe
+
+app = Celery(
+    "bench",
+    broker=os.environ.get("PROJ_BROKER_URL", "redis://127.0.0.1:1/0"),
+    backend=os.environ.get("PROJ_RESULT_URL", "redis://127.0.0.1:1/2"),
+)
+app.conf.update(
+    semaphore_backend_url=os.environ.get("PROJ_SEMAPHORE_URL", "redis://127.0.0.1:1/1"),
+    task_default_queue=os.environ.get("PROJ_QUEUE", "celery"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    result_expires=600,
+    semaphore_limits={"bc:*": 3},
+)
+app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
+
+_clients: dict[str, redis.Redis] = {}
+
+
+def probe_client() -> redis.Redis:
+    """The client of the probe database (one per process: pool children build their own)."""
+    if "probe" not in _clients:
+        _clients["probe"] = redis.Redis.from_url(os.environ.get("PROJ_PROBE_URL", "redis://127.0.0.1:1/3"))
+    return _clients["probe"]
+
+
+def semaphore_client() -> redis.Redis:
+    """The semaphore's Redis, where the naive baseline keeps its own holders."""
+    if "semaphore" not in _clients:
+        _clients["semaphore"] = redis.Redis.from_url(os.environ.get("PROJ_SEMAPHORE_URL", "redis://127.0.0.1:1/1"))
+    return _clients["semaphore"]
+
+
+def _worker(task: Task) -> str:
+    """The worker node that runs this call (both benchmark workers share one host)."""
+    return str(task.request.hostname or "?")
+
+
+def _hold(task: Task, seconds: float, key: str) -> None:
+    """The limited work: sleep, with the body's start and end recorded and counted by the probe.
+
+    The start is also pushed on ``bench:start:<id>``, so that the benchmark can block on it (the
+    hand-off chains send their next task the moment the previous one starts)."""
+    started = time.time()
+    client = probe_client()
+    concurrency = ConcurrencyProbe(client, f"probe:{key}")
+    concurrency.enter()
+    with client.pipeline(transaction=False) as pipe:
+        pipe.rpush("bench:starts", f"{task.request.id} {started} {_worker(task)} {key}")
+        pipe.rpush(f"bench:start:{task.request.id}", started)
+        pipe.expire(f"bench:start:{task.request.id}", 3600)
+        pipe.execute()
+    try:
+        if seconds > 0:
+            time.sleep(seconds)
+    finally:
+        concurrency.leave()
+        client.rpush("bench:ends", f"{task.request.id} {time.time()} {_worker(task)} {key}")
+
+
+class TimedSemaphoreTask(SemaphoreTask):
+    """SemaphoreTask that notes the moment its slot was given back.
+
+    ``SemaphoreTask.__call__`` releases in its ``finally``, so the instant our ``super().__call__``
+    returns (or raises) is right after the release: the start of the hand-off that the benchmark
+    times to the next waiter's body start. A refused call (no body ran) released nothing and
+    records nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.request.bench_key = None
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            key = getattr(self.request, "bench_key", None)
+            if key is not None:
+                released = time.time()
+                probe_client().rpush("bench:released", f"{self.request.id} {released} {_worker(self)} {key}")
+
+
+@app.task(base=TimedSemaphoreTask, semaphore_key="bc:{key}", bind=True, name="bench.fair")
+def fair(self: Any, seconds: float, key: str) -> None:
+    """Limited by the semaphore: ``semaphore_limits`` gives ``bc:*`` its limit (set per worker)."""
+    self.request.bench_key = f"bc:{key}"
+    _hold(self, seconds, f"bc:{key}")
+
+
+# A plain one-shot semaphore, as a user writes one by hand: drop expired holders, and take a slot
+# if fewer than ``limit`` hold. No line, no tickets. Server time, so clocks do not matter.
+_NAIVE_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+    return 1
+end
+return 0
+"""
+NAIVE_COUNTDOWN = 1
+NAIVE_LEASE_MS = 60_000
+
+
+@app.task(bind=True, name="bench.naive", max_retries=None)
+def naive(self: Any, seconds: float, key: str, limit: int) -> None:
+    """The naive baseline: one try of a plain semaphore, and ``self.retry(countdown=1)`` when
+    refused. What a user writes by hand; its order is whatever the broker's timers make it."""
+    holders = f"naive:{key}"
+    token = uuid.uuid4().hex
+    client = semaphore_client()
+    if not client.eval(_NAIVE_ACQUIRE, 1, holders, limit, token, NAIVE_LEASE_MS):
+        raise self.retry(countdown=NAIVE_COUNTDOWN, max_retries=None)
+    try:
+        _hold(self, seconds, f"naive:{key}")
+    finally:
+        client.zrem(holders, token)
+
+
+@app.task(bind=True, name="bench.plain")
+def plain(self: Any, seconds: float, key: str) -> None:
+    """No semaphore: the baseline run on a pool whose size is the limit."""
+    _hold(self, seconds, f"plain:{key}")
+
+
+@app.task(base=SemaphoreTask, semaphore_key="bc:{key}", name="bench.fair_noop")
+def fair_noop(key: str) -> None:
+    """Holds a slot of a key whose limit is never reached, and does nothing: the semaphore's cost."""
+
+
+@app.task(name="bench.plain_noop")
+def plain_noop(key: str) -> None:
+    """The same task without the semaphore."""
+
+
+def _ours(task: Any) -> bool:
+    return str(getattr(task, "name", "")).startswith("bench.")
+
+
+_prerun_at: dict[str, float] = {}
+
+
+@signals.task_received.connect
+def _on_received(request: Any = None, **_: Any) -> None:
+    if request is not None and str(getattr(request, "name", "")).startswith("bench."):
+        probe_client().hincrby("bench:received", request.id, 1)
+
+
+@signals.task_prerun.connect
+def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    if task_id is None or not _ours(task):
+        return
+    now = time.time()
+    if probe_client().hincrby("bench:runs", task_id, 1) == 1:
+        probe_client().rpush("bench:asks", f"{task_id} {now}")
+    # timed from here, so that the bookkeeping above is not counted as the task's cost
+    _prerun_at[task_id] = time.perf_counter()
+
+
+@signals.task_postrun.connect
+def _on_postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    if task_id is None or not _ours(task):
+        return
+    started = _prerun_at.pop(task_id, None)
+    if started is not None:
+        probe_client().rpush("bench:durations", f"{task_id} {(time.perf_counter() - started) * 1000:.4f}")
+
+
+@signals.task_failure.connect
+def _on_failure(task_id: str | None = None, sender: Any = None, exception: BaseException | None = None,
+                **_: Any) -> None:
+    if _ours(sender):
+        probe_client().rpush("bench:failures", f"{task_id} {type(exception).__name__}: {exception}")
