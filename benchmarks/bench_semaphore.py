@@ -144,6 +144,67 @@ def make_baseline(client: redis.Redis, limit: int) -> Op:
     return op
 
 
+def make_baseline_2x(client: redis.Redis, limit: int) -> Op:
+    """Two EVALSHA of ``return 1``: what any acquire + release of one script each cannot beat."""
+    sha = client.script_load("return 1")
+
+    def op() -> tuple[int, int]:
+        client.evalsha(sha, 0)
+        client.evalsha(sha, 0)
+        return 1, 1
+
+    return op
+
+
+# A minimal fair semaphore in one script per operation, written for this comparison: a ticket
+# line and a holders set, both purged by time, no hand-off, no expiry, no labels. About what a
+# careful reader of "Redis in Action" 11.2 would write: 11 Redis calls per uncontended cycle.
+_MINIMAL_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then
+  redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[2])
+end
+local rank = redis.call('ZRANK', KEYS[2], ARGV[2])
+if rank < tonumber(ARGV[3]) - redis.call('ZCARD', KEYS[1]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  return 1
+end
+redis.call('ZADD', KEYS[3], now + 5000, ARGV[2])
+return 0
+"""
+_MINIMAL_RELEASE = "return redis.call('ZREM', KEYS[1], ARGV[1])"
+
+
+def make_minimal_fair(client: redis.Redis, limit: int) -> Op:
+    acquire, release = client.register_script(_MINIMAL_ACQUIRE), client.register_script(_MINIMAL_RELEASE)
+    keys = ["min:{bench}:holders", "min:{bench}:queue", "min:{bench}:seen", "min:{bench}:ticket"]
+    lease_ms = int(LEASE_S * 1000)
+
+    def op() -> tuple[int, int]:
+        token = uuid.uuid4().hex
+        if not acquire(keys=keys, args=[token, token, limit, lease_ms]):
+            client.zrem(keys[1], token)
+            return 1, 0
+        release(keys=keys[:1], args=[token])
+        return 1, 1
+
+    return op
+
+
+def make_fair_blocking(client: redis.Redis, limit: int) -> Op:
+    sem = FairSemaphore(client, "bench", limit, lease=LEASE_S)
+
+    def op() -> tuple[int, int]:
+        sem.acquire(timeout=10).release()
+        return 1, 1
+
+    return op
+
+
 def make_fair_cycle(client: redis.Redis, limit: int) -> Op:
     sem = FairSemaphore(client, "bench", limit, lease=LEASE_S)
 
@@ -221,7 +282,10 @@ class CaseKind:
 
 KINDS: dict[str, CaseKind] = {
     "baseline": CaseKind("EVALSHA 'return 1' (baseline)", make_baseline, "1"),
+    "baseline-2x": CaseKind("2 x EVALSHA 'return 1' (cycle baseline)", make_baseline_2x, "2"),
     "fair-cycle": CaseKind("FairSemaphore acquire(timeout=0)+release", make_fair_cycle, "2"),
+    "fair-blocking": CaseKind("FairSemaphore acquire(timeout=10)+release", make_fair_blocking, "2"),
+    "minimal-fair": CaseKind("minimal one-script fair semaphore+release", make_minimal_fair, "2 (2)"),
     "fair-try-oneshot": CaseKind("FairSemaphore try_acquire(enqueue=False)+release", make_fair_try_oneshot, "2 (1)"),
     "fair-try-queued": CaseKind("FairSemaphore try_acquire(waiter kept)+release", make_fair_try_queued, "2 (1)"),
     "book-fair": CaseKind("book 6.3.2 fair semaphore (MULTI x2)+release", make_book_fair, "3 (3)"),
@@ -231,7 +295,16 @@ KINDS: dict[str, CaseKind] = {
 
 def plan(clients: int) -> list[tuple[str, int]]:
     """(kind, limit) pairs to measure for one client count; the baseline comes first."""
-    cases = [("baseline", 1), ("fair-cycle", clients), ("book-fair", clients), ("book-fair-locked", clients)]
+    cases = [
+        ("baseline", 1),
+        ("baseline-2x", 1),
+        ("fair-cycle", clients),
+        ("fair-blocking", clients),
+        ("fair-try-oneshot", clients),
+        ("minimal-fair", clients),
+        ("book-fair", clients),
+        ("book-fair-locked", clients),
+    ]
     if clients > 1:
         cases += [("fair-try-oneshot", 1), ("fair-try-queued", 1), ("book-fair", 1), ("book-fair-locked", 1)]
     return cases
@@ -339,6 +412,10 @@ class Result:
     tries_vs_baseline: float
     grants_vs_baseline: float
     per_round: list[float]  # tries/s of each round, to show the noise
+    # grants/s over the 2 x EVALSHA cycle and over the minimal fair semaphore, per round of
+    # this run (same clients, same moment): (whole run, lowest round, highest round)
+    vs_cycle: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    vs_minimal: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 def server_cpu(admin: redis.Redis) -> float:
@@ -376,6 +453,19 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
             samples[i].append(measure(kind, server, limit, clients, seconds / rounds, workers))
     totals = [sum(case_samples[1:], case_samples[0]) for case_samples in samples]
     base = totals[0].tries / totals[0].seconds
+    index = {case: i for i, case in enumerate(cases)}
+
+    def versus(i: int, kind: str) -> tuple[float, float, float]:
+        j = index.get((kind, 1 if kind == "baseline-2x" else clients))
+        if j is None:
+            return (0.0, 0.0, 0.0)
+        whole = (totals[i].grants / totals[i].seconds) / (totals[j].grants / totals[j].seconds)
+        rounds = [
+            (mine.grants / mine.seconds) / (theirs.grants / theirs.seconds)
+            for mine, theirs in zip(samples[i], samples[j], strict=True)
+        ]
+        return (whole, min(rounds), max(rounds))
+
     results = []
     for (kind, limit), total, case_samples in zip(cases, totals, samples, strict=True):
         tries_per_s, grants_per_s = total.tries / total.seconds, total.grants / total.seconds
@@ -396,12 +486,19 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
                 tries_vs_baseline=tries_per_s / base,
                 grants_vs_baseline=grants_per_s / base,
                 per_round=[sample.tries / sample.seconds for sample in case_samples],
+                vs_cycle=versus(len(results), "baseline-2x"),
+                vs_minimal=versus(len(results), "minimal-fair"),
             )
         )
     return results
 
 
 # -- reporting --------------------------------------------------------------------------------------
+
+
+def _ratio(ratio: tuple[float, float, float]) -> str:
+    whole, low, high = ratio
+    return f"{whole:.2f} ({low:.2f}-{high:.2f})" if whole else ""
 
 
 def table(results: list[Result]) -> str:
@@ -416,6 +513,8 @@ def table(results: list[Result]) -> str:
         "tries/base",
         "srv us/try",
         "srv CPU%",
+        "vs 2xEVALSHA (min-max)",
+        "vs minimal (min-max)",
     )
     rows = [
         (
@@ -429,6 +528,8 @@ def table(results: list[Result]) -> str:
             f"{r.tries_vs_baseline:.3f}",
             f"{r.server_us_per_try:.0f}",
             f"{r.server_cpu_percent:.0f}",
+            _ratio(r.vs_cycle),
+            _ratio(r.vs_minimal),
         )
         for r in results
     ]

@@ -78,6 +78,12 @@ class SemaphoreKeys:
         return [self.holders, self.holder_info, self.queue, self.present, self.deadlines, self.waiter_info,
                 self.ticket, self.limit]
 
+    @functools.cached_property
+    def encoded(self) -> list[bytes]:
+        """``ordered`` as bytes, encoded once: redis-py then passes them through untouched, which
+        matters on the hot path (eight keys per call)."""
+        return [key.encode() for key in self.ordered]
+
     def wake_channel(self, process_id: str) -> str:
         """The channel a process's waiters on this semaphore are told on: inside the hash tag,
         so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster."""
@@ -93,6 +99,10 @@ class AcquireReply:
     hold_ms: int  # -1: unknown
     ticket: int | None
     turn: int
+
+
+# A grant is answered with its bare code; its other fields mean nothing to the caller.
+_GRANTED_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED)}
 
 
 @dataclass(frozen=True)
@@ -145,11 +155,15 @@ class Scripts:
         ticket: int | None,
         wake: str,
     ) -> AcquireReply:
-        outcome, position, free, limit, hold_ms, ticket_text, turn = self._scripts["acquire"](
-            keys=keys.ordered,
-            args=[token, waiter, default_limit, lease_ms, patience_ms, int(enqueue), int(fresh), label,
-                  "" if ticket is None else int(ticket), wake],
+        reply = self._scripts["acquire"](
+            keys=keys.encoded,
+            args=[token, waiter, _number(default_limit), _number(lease_ms), _number(patience_ms),
+                  b"1" if enqueue else b"0", b"1" if fresh else b"0", label,
+                  b"" if ticket is None else _number(int(ticket)), wake],
         )
+        if not isinstance(reply, list):
+            return _GRANTED_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
+        outcome, position, free, limit, hold_ms, ticket_text, turn = reply
         text = _text(ticket_text)
         return AcquireReply(
             outcome=int(outcome),
@@ -162,7 +176,7 @@ class Scripts:
         )
 
     def release(self, keys: SemaphoreKeys, *, token: str, default_limit: int) -> bool:
-        return bool(self._scripts["release"](keys=keys.ordered, args=[token, default_limit]))
+        return bool(self._scripts["release"](keys=keys.encoded, args=[token, _number(default_limit)]))
 
     def renew(
         self, keys: SemaphoreKeys, *, lease_ms: int, default_limit: int, reclaim: bool, holders: list[tuple[str, str]]
@@ -170,15 +184,15 @@ class Scripts:
         args: list[Any] = [lease_ms, default_limit, int(reclaim)]
         for token, label in holders:
             args += [token, label]
-        return [int(code) for code in self._scripts["renew"](keys=keys.ordered, args=args)]
+        return [int(code) for code in self._scripts["renew"](keys=keys.encoded, args=args)]
 
     def leave(self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int) -> bool:
         args = [waiter, "" if away_ms is None else away_ms, default_limit]
-        return bool(self._scripts["leave"](keys=keys.ordered, args=args))
+        return bool(self._scripts["leave"](keys=keys.encoded, args=args))
 
     def status(self, keys: SemaphoreKeys, *, listed: int) -> StatusReply:
         now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters = self._scripts["status"](
-            keys=keys.ordered, args=[listed]
+            keys=keys.encoded, args=[listed]
         )
         listed_holders = []
         for i in range(0, len(holders), 3):
@@ -216,10 +230,10 @@ class Scripts:
 
     def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, default_limit: int) -> int:
         args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, default_limit]
-        return int(self._scripts["set_limit"](keys=keys.ordered, args=args))
+        return int(self._scripts["set_limit"](keys=keys.encoded, args=args))
 
     def reset(self, keys: SemaphoreKeys) -> int:
-        return int(self._scripts["reset"](keys=keys.ordered, args=[]))
+        return int(self._scripts["reset"](keys=keys.encoded, args=[]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -236,6 +250,13 @@ def scripts_for(client: Any) -> Scripts:
         if client not in _registered:
             _registered[client] = Scripts(client)
         return _registered[client]
+
+
+@functools.lru_cache(maxsize=4096)
+def _number(value: int) -> bytes:
+    """An int argument as redis-py would send it, made once per distinct value (limits and
+    lease lengths repeat on every call)."""
+    return b"%d" % value
 
 
 def _text(value: Any) -> str:

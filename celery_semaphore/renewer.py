@@ -39,6 +39,12 @@ __all__ = ["RENEW_LOST", "RENEW_REGISTERED_AGAIN", "RENEW_RENEWED", "add_listene
 # After a failed renewal (Redis unreachable), try again this soon rather than a third of a lease.
 RETRY_AFTER_ERROR = 0.5
 
+# With nothing to renew the thread still looks again this often. Without it, a process that
+# acquires and releases in a loop would wake the idle thread (a context switch, a GIL hand-over)
+# on every acquire, since every new lease is due before "never"; with it, only a lease due within
+# a second (a lease under 3 s) wakes it early.
+IDLE_WAKE = 1.0
+
 # Callbacks told of each lease found lost or registered again (metrics hook into this).
 LeaseListener = Callable[["Lease", str], None]
 _listeners: list[LeaseListener] = []
@@ -85,7 +91,7 @@ class _Renewer:
                 now = time.monotonic()
                 due = [lease for lease in leases if lease.renew_due <= now]
                 if not due:
-                    self.wakes_at = min((lease.renew_due for lease in leases), default=now + 3600)
+                    self.wakes_at = min((lease.renew_due for lease in leases), default=now + IDLE_WAKE)
                     self.changed.wait(timeout=max(0.0, self.wakes_at - now))
                     self.wakes_at = math.inf
                     continue

@@ -26,8 +26,6 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -47,11 +45,16 @@ logger = logging.getLogger("celery_semaphore")
 STATUS_LISTING_LIMIT = 1000
 
 _LABEL = f"{socket.gethostname()}:{{pid}}"
+_label_of_pid: tuple[int, str] = (-1, "")
 
 
 def default_label() -> str:
     """Who holds a slot, as status() shows it: host and process id."""
-    return _LABEL.format(pid=os.getpid())
+    global _label_of_pid
+    pid = os.getpid()
+    if _label_of_pid[0] != pid:  # made once per process (this runs on every acquire)
+        _label_of_pid = (pid, _LABEL.format(pid=pid))
+    return _label_of_pid[1]
 
 
 def new_token() -> str:
@@ -208,6 +211,7 @@ class FairSemaphore:
         self.patience = check_seconds("patience", patience)
         self.keys = SemaphoreKeys.of(self.prefix, self.name)
         self._lease_ms = to_ms(self.lease)
+        self._patience_ms = to_ms(self.patience)
         self._scripts: Scripts = scripts_for(client)
 
     def __repr__(self) -> str:
@@ -226,12 +230,13 @@ class FairSemaphore:
         if timeout is not None:
             timeout = check_seconds("timeout", timeout, allow_zero=True)
         started = time.monotonic()
-        token, waiter = new_token(), new_token()
+        token = new_token()
         if timeout == 0:
-            attempt = self.try_acquire(token=token, waiter=waiter, enqueue=False, label=label, fresh=True)
+            attempt = self.try_acquire(token=token, waiter=token, enqueue=False, label=label, fresh=True)
             if isinstance(attempt, Granted):
                 return attempt.lease
             raise SemaphoreUnavailable(self.name, attempt.limit, time.monotonic() - started)
+        waiter = new_token()
         try:
             attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
         except BaseException:
@@ -325,7 +330,7 @@ class FairSemaphore:
             # nobody will ask again under a fresh waiter id: a ticket would only block the line
             waiter, enqueue, fresh = token, False, True
         label = default_label() if label is None else label
-        patience_s = self.patience if patience is None else check_seconds("patience", patience)
+        patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
         with self._redis_errors("acquire"):
             reply = self._scripts.acquire(
                 self.keys,
@@ -333,7 +338,7 @@ class FairSemaphore:
                 waiter=waiter,
                 default_limit=self.limit,
                 lease_ms=self._lease_ms,
-                patience_ms=to_ms(patience_s),
+                patience_ms=patience_ms,
                 enqueue=enqueue,
                 fresh=fresh,
                 label=label,
@@ -472,20 +477,8 @@ class FairSemaphore:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    @contextmanager
-    def _redis_errors(self, operation: str) -> Iterator[None]:
-        try:
-            yield
-        except (redis.ConnectionError, redis.TimeoutError) as error:
-            raise RedisUnavailable(self.name, operation, error) from error
-        except redis.ResponseError as error:
-            # a full Redis (maxmemory with noeviction) or one still loading its data set is
-            # unavailable for now, like an unreachable one: callers wait, they do not fail
-            if isinstance(error, _NOT_NOW) or str(error).startswith(("OOM", "LOADING", "BUSY", "MASTERDOWN")):
-                raise RedisUnavailable(self.name, operation, error) from error
-            raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
-        except redis.RedisError as error:
-            raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
+    def _redis_errors(self, operation: str) -> _RedisErrors:
+        return _RedisErrors(self.name, operation)
 
     def _leave_quietly(self, waiter: str) -> None:
         try:
@@ -496,6 +489,35 @@ class FairSemaphore:
 
 # Answers that mean "not now" rather than "wrong": the caller should wait and try again.
 _NOT_NOW = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+
+
+class _RedisErrors:
+    """Turns redis-py's errors into the package's: unreachable, full, read-only or loading is
+    RedisUnavailable (callers wait, fail closed); anything else a SemaphoreError. (A class, not a
+    generator context manager: it runs twice per acquire+release.)"""
+
+    __slots__ = ("name", "operation")
+
+    def __init__(self, name: str, operation: str) -> None:
+        self.name = name
+        self.operation = operation
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if error is None or not isinstance(error, redis.RedisError):
+            return
+        operation = self.operation
+        if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
+            raise RedisUnavailable(self.name, operation, error) from error
+        # a full Redis (maxmemory with noeviction) or one still loading its data set is
+        # unavailable for now, like an unreachable one: callers wait, they do not fail
+        if isinstance(error, redis.ResponseError) and (
+            isinstance(error, _NOT_NOW) or str(error).startswith(("OOM", "LOADING", "BUSY", "MASTERDOWN"))
+        ):
+            raise RedisUnavailable(self.name, operation, error) from error
+        raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
 
 
 def _text(value: Any) -> str:

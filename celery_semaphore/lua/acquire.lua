@@ -17,7 +17,8 @@
 --   ARGV[10] wake        the waiter's wake address (a channel) or "": where an offer is told
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
--- Returns {outcome, position, free, limit, hold, ticket, turn}:
+-- Returns, when granted, the bare integer outcome (1 or 2: the common answer stays short to parse);
+-- when refused, {outcome, position, free, limit, hold, ticket, turn}:
 --   outcome  1 = granted: the slot is held under token (also when token already held it, so
 --            a resend by redis-py after a connection error is harmless); 2 = granted by
 --            claiming the offer a release made to this waiter; 0 = wait
@@ -41,7 +42,7 @@ if fresh then
   local size = redis.call('ZCARD', K_HOLDERS)
   if size < limit and redis.call('ZCARD', K_PRESENT) == 0 then
     hold(token, now, lease_ms, label, size == 0)
-    return {GRANTED, 0, limit - size - 1, limit, -1, '', 0}
+    return GRANTED
   end
 end
 
@@ -50,13 +51,13 @@ if redis.call('ZSCORE', K_HOLDERS, token) then
   -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
   redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
   extend(K_HOLDERS, lease_ms + GRACE_MS, false)
-  return {GRANTED, 0, limit - redis.call('ZCARD', K_HOLDERS), limit, -1, '', 0}
+  return GRANTED
 end
 if redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
   -- a release offered this waiter a slot: take it (the entry counted already)
   hold(token, now, lease_ms, label, false)
   drop_waiter(waiter)
-  return {CLAIMED, 0, limit - redis.call('ZCARD', K_HOLDERS), limit, -1, '', 0}
+  return CLAIMED
 end
 
 local size = redis.call('ZCARD', K_HOLDERS)
@@ -66,7 +67,7 @@ if not enqueue then
   local left, _, offered = hand_off(now, limit, nil)
   if left > 0 then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
-    return {GRANTED, 0, left - 1, limit, -1, '', 0}
+    return GRANTED
   end
   return {WAIT, redis.call('ZCARD', K_QUEUE), left, limit, average, '', redis.call('ZCARD', K_PRESENT)}
 end
@@ -100,7 +101,7 @@ local left, chosen, offered = hand_off(now, limit, waiter)
 if chosen then
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)
-  return {GRANTED, 0, left, limit, -1, '', 0}
+  return GRANTED
 end
 extend_line(patience_ms + GRACE_MS)
 return {WAIT, redis.call('ZRANK', K_QUEUE, waiter), left, limit, average, string.format('%.0f', ticket),
