@@ -19,7 +19,7 @@ from celery_semaphore._backend import (
 )
 from celery_semaphore.errors import ConfigurationError
 
-from .redis_server import RedisServer
+from .redis_server import RedisServer, wait_until
 
 SETTING = "semaphore_backend_url"
 SECRET = "s3cr3t-Pw"
@@ -414,3 +414,46 @@ def test_client_survives_fork(redis_server: RedisServer) -> None:
         queue.join_thread()
     assert child.exitcode == 0
     assert client_for(url).ping()
+
+
+# The narrowest ACL rules docs/deploying.md gives for the semaphore's own commands.
+SEMAPHORE_ACL = ["resetkeys", "~semaphore:*", "resetchannels", "&*", "-@all", "+@read", "+@write", "+@scripting",
+                 "+@pubsub", "+@connection", "+time"]  # fmt: skip
+
+
+def test_documented_acl_rules_suffice_for_the_semaphore(redis_server: RedisServer) -> None:
+    """A user limited to the documented ACL rules can acquire, wait for a hand-off, release,
+    read status, set and clear a limit and reset, through a client_for URL."""
+    import threading
+
+    from celery_semaphore import FairSemaphore
+
+    user = "semaphore-acl"
+    with redis_server.client() as admin:
+        admin.execute_command("ACL", "SETUSER", user, "on", f">{SECRET}", *SEMAPHORE_ACL)
+    try:
+        client = client_for(f"redis://{user}:{SECRET}@127.0.0.1:{redis_server.port}/0")
+        semaphore = FairSemaphore(client, "acl", 1, lease=5)
+        first = semaphore.acquire(timeout=5)
+        waited: list[object] = []
+
+        def second() -> None:
+            lease = semaphore.acquire(timeout=10)
+            waited.append(lease)
+            lease.release()
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        wait_until(lambda: client.zcard(semaphore.keys.queue) == 1, 10, "the second caller waiting in line")
+        first.release()
+        thread.join(timeout=15)
+        assert len(waited) == 1
+        semaphore.status()
+        semaphore.set_limit(3)
+        semaphore.clear_limit()
+        semaphore.reset()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.config_get("maxmemory-policy")
+    finally:
+        with redis_server.client() as admin:
+            admin.execute_command("ACL", "DELUSER", user)
