@@ -26,7 +26,7 @@ from redis.commands.core import Script
 _NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset")
 
 # acquire outcomes
-GRANTED, CLAIMED, WAIT = 1, 2, 0
+GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 # renew codes, one per token
 RENEW_LOST, RENEW_RENEWED, RENEW_REGISTERED_AGAIN = 0, 1, 2
 # waiter states in a status listing
@@ -56,6 +56,8 @@ class SemaphoreKeys:
     waiter_info: str
     ticket: str
     limit: str
+    runs: str
+    run_expiry: str
     base: str  # "{prefix}:{<name>}", the common start of every key and channel (not a key)
 
     @classmethod
@@ -70,13 +72,15 @@ class SemaphoreKeys:
             waiter_info=f"{base}:waiter_info",
             ticket=f"{base}:ticket",
             limit=f"{base}:limit",
+            runs=f"{base}:runs",
+            run_expiry=f"{base}:run_expiry",
             base=base,
         )
 
     @property
     def ordered(self) -> list[str]:
         return [self.holders, self.holder_info, self.queue, self.present, self.deadlines, self.waiter_info,
-                self.ticket, self.limit]
+                self.ticket, self.limit, self.runs, self.run_expiry]
 
     @functools.cached_property
     def encoded(self) -> list[bytes]:
@@ -101,8 +105,8 @@ class AcquireReply:
     turn: int
 
 
-# A grant is answered with its bare code; its other fields mean nothing to the caller.
-_GRANTED_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED)}
+# A grant or a duplicate is answered with its bare code; its other fields mean nothing then.
+_BARE_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED, RUNNING, RAN)}
 
 
 @dataclass(frozen=True)
@@ -154,15 +158,17 @@ class Scripts:
         label: str,
         ticket: int | None,
         wake: str,
+        run: str = "",
+        remember_ms: int = 0,
     ) -> AcquireReply:
         reply = self._scripts["acquire"](
             keys=keys.encoded,
             args=[token, waiter, _number(default_limit), _number(lease_ms), _number(patience_ms),
                   b"1" if enqueue else b"0", b"1" if fresh else b"0", label,
-                  b"" if ticket is None else _number(int(ticket)), wake],
+                  b"" if ticket is None else _number(int(ticket)), wake, run, _number(remember_ms)],
         )
         if not isinstance(reply, list):
-            return _GRANTED_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
+            return _BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
         outcome, position, free, limit, hold_ms, ticket_text, turn = reply
         text = _text(ticket_text)
         return AcquireReply(
@@ -186,8 +192,10 @@ class Scripts:
             args += [token, label]
         return [int(code) for code in self._scripts["renew"](keys=keys.encoded, args=args)]
 
-    def leave(self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int) -> bool:
-        args = [waiter, "" if away_ms is None else away_ms, default_limit]
+    def leave(
+        self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int, wake: str = ""
+    ) -> bool:
+        args = [waiter, "" if away_ms is None else away_ms, default_limit, wake]
         return bool(self._scripts["leave"](keys=keys.encoded, args=args))
 
     def status(self, keys: SemaphoreKeys, *, listed: int) -> StatusReply:

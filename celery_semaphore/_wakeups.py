@@ -103,14 +103,22 @@ class _Channel:
         self.idle_since = time.monotonic()
 
 
-class WakeSignal:
-    """One waiter's registration: ``event`` is set when a wake-up names it. Close when done."""
+class WakeHandle:
+    """One waiter's registration with the listener: ``callback`` runs (on the listener thread:
+    keep it short) when a wake-up names the waiter. For a blocked caller the callback sets
+    ``event``. Close when done: the channel is unsubscribed once nobody has used it for a while."""
 
-    def __init__(self, wake_ups: WakeUps, channel: str, waiter: str) -> None:
+    def __init__(
+        self, wake_ups: WakeUps, channel: str, waiter: str, callback: Callable[[], None] | None = None,
+    ) -> None:
         self.wake_ups = wake_ups
         self.channel = channel
         self.waiter = waiter
         self.event = threading.Event()
+        self.callback = self.event.set if callback is None else callback
+        # a blocked caller asks again after a reconnect (wake-ups may have been lost meanwhile);
+        # a callback fires only for a real wake-up
+        self.poll_on_reconnect = callback is None
         self.counted = False  # counted among the channel's users (keeps it subscribed)
 
     def ready(self) -> bool:
@@ -127,7 +135,7 @@ class WakeSignal:
     def close(self) -> None:
         self.wake_ups._unregister(self)
 
-    def __enter__(self) -> WakeSignal:
+    def __enter__(self) -> WakeHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -143,7 +151,7 @@ class WakeUps:
         self.control = f"celery-semaphore:wake-control:{self.process_id}:{id(self):x}"
         self._lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
-        self._signals: dict[tuple[str, str], threading.Event] = {}
+        self._signals: dict[tuple[str, str], WakeHandle] = {}
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()  # the control channel is subscribed: pokes arrive
         pool = getattr(client, "connection_pool", None)
@@ -154,20 +162,26 @@ class WakeUps:
 
     # -- the waiter's side ----------------------------------------------------------------------
 
-    def signal(self, channel: str, waiter: str) -> WakeSignal:
-        """Register ``waiter`` of ``channel``: a wake-up for it sets the returned signal's event
-        from now on, if the channel is subscribed (``WakeSignal.subscribe`` sees to that).
-        Registering is cheap and opens nothing: an uncontended acquire never subscribes."""
-        signal = WakeSignal(self, channel, waiter)
+    def signal(self, channel: str, waiter: str) -> WakeHandle:
+        """Register a blocked caller, ``waiter`` of ``channel``: a wake-up for it sets the
+        returned handle's event from now on, if the channel is subscribed (``subscribe`` sees to
+        that). Registering is cheap and opens nothing: an uncontended acquire never subscribes."""
+        return self.on_wake(channel, waiter, None)
+
+    def on_wake(self, channel: str, waiter: str, callback: Callable[[], None] | None) -> WakeHandle:
+        """Register ``callback`` to run (on the listener thread) when a wake-up names ``waiter``
+        on ``channel``; a later registration of the same waiter replaces it. Call
+        ``subscribe`` on the handle to be sure the channel is listened to."""
+        signal = WakeHandle(self, channel, waiter, callback)
         with self._lock:
-            self._signals[(channel, waiter)] = signal.event
+            self._signals[(channel, waiter)] = signal
             entry = self._channels.get(channel)
             if entry is not None:
                 entry.users += 1
                 signal.counted = True
         return signal
 
-    def _subscribe(self, signal: WakeSignal) -> _Channel:
+    def _subscribe(self, signal: WakeHandle) -> _Channel:
         with self._lock:
             entry = self._channels.get(signal.channel)
             new = entry is None
@@ -181,10 +195,10 @@ class WakeUps:
             self._poke()
         return entry
 
-    def _unregister(self, signal: WakeSignal) -> None:
+    def _unregister(self, signal: WakeHandle) -> None:
         with self._lock:
             key = (signal.channel, signal.waiter)
-            if self._signals.get(key) is signal.event:
+            if self._signals.get(key) is signal:
                 del self._signals[key]
             entry = self._channels.get(signal.channel)
             if signal.counted and entry is not None:
@@ -283,16 +297,19 @@ class WakeUps:
             return
         waiter = _text(message.get("data"))
         with self._lock:
-            signal = self._signals.get((channel, waiter))
-        if signal is not None:
-            signal.set()
+            handle = self._signals.get((channel, waiter))
+        if handle is not None:
+            try:
+                handle.callback()
+            except Exception:  # a callback must never stop the listener
+                logger.exception("wake-up callback for %r failed", waiter)
 
     def _wake_everyone(self) -> None:
         """Wake-ups may have been lost (new or re-established connection): everyone asks again."""
         with self._lock:
-            signals = list(self._signals.values())
-        for signal in signals:
-            signal.set()
+            handles = [handle for handle in self._signals.values() if handle.poll_on_reconnect]
+        for handle in handles:
+            handle.event.set()
 
 
 _registry: weakref.WeakKeyDictionary[Any, WakeUps] = weakref.WeakKeyDictionary()

@@ -34,7 +34,19 @@ import redis
 import redis.cluster
 
 from . import renewer
-from ._scripts import CLAIMED, GRANTED, OFFERED, PRESENT, RENEW_LOST, WAIT, Scripts, SemaphoreKeys, scripts_for
+from ._scripts import (
+    CLAIMED,
+    GRANTED,
+    OFFERED,
+    PRESENT,
+    RAN,
+    RENEW_LOST,
+    RUNNING,
+    WAIT,
+    Scripts,
+    SemaphoreKeys,
+    scripts_for,
+)
 from ._wakeups import wake_ups_for
 from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .validation import check_limit, check_name, check_prefix, check_seconds, check_token, to_ms
@@ -90,7 +102,19 @@ class Waiting:
         return False
 
 
-Attempt = Granted | Waiting
+@dataclass(frozen=True)
+class Duplicate:
+    """A try under a ``run`` id that another copy of the same run already used: that copy holds
+    the slot now (``running``) or held it and gave it back. This copy must not run."""
+
+    running: bool
+
+    @property
+    def granted(self) -> bool:
+        return False
+
+
+Attempt = Granted | Waiting | Duplicate
 
 
 @dataclass(frozen=True)
@@ -235,7 +259,7 @@ class FairSemaphore:
             attempt = self.try_acquire(token=token, waiter=token, enqueue=False, label=label, fresh=True)
             if isinstance(attempt, Granted):
                 return attempt.lease
-            raise SemaphoreUnavailable(self.name, attempt.limit, time.monotonic() - started)
+            raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
         waiter = new_token()
         try:
             attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
@@ -245,7 +269,7 @@ class FairSemaphore:
         if isinstance(attempt, Granted):
             return attempt.lease
         self._leave_quietly(waiter)
-        raise SemaphoreUnavailable(self.name, attempt.limit, time.monotonic() - started)
+        raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
 
     def wait_for_slot(
         self,
@@ -257,6 +281,8 @@ class FairSemaphore:
         label: str | None = None,
         ticket: int | None = None,
         fresh: bool = False,
+        run: str | None = None,
+        remember: float | None = None,
     ) -> Attempt:
         """Try, and while refused sleep until told a slot is offered, then claim it; until
         granted or ``timeout`` seconds pass (None: no bound). Returns the last try; a waiter that
@@ -267,7 +293,8 @@ class FairSemaphore:
         listener (no connection of its own: it holds none while asleep) and asks again when
         woken, and every ``patience / 3`` seconds anyway: that keeps its place in line and claims
         an offer whose wake-up was lost. ``fresh``: this waiter never asked before (the first
-        try may then skip the line bookkeeping when nobody waits).
+        try may then skip the line bookkeeping when nobody waits). ``run``/``remember``: see
+        ``try_acquire``; a Duplicate ends the wait at once.
         """
         started = time.monotonic()
         patience_s = self.patience if patience is None else check_seconds("patience", patience)
@@ -281,13 +308,15 @@ class FairSemaphore:
                 with wake_ups.gate:  # blocked threads never take the whole connection pool
                     attempt = self.try_acquire(
                         token=token, waiter=waiter, patience=patience_s, label=label, ticket=ticket, fresh=fresh,
-                        wake=channel,
+                        wake=channel, run=run, remember=remember,
                     )
                 fresh = False
-                if isinstance(attempt, Waiting) and attempt.ticket is not None:
+                if not isinstance(attempt, Waiting):
+                    return attempt
+                if attempt.ticket is not None:
                     ticket = attempt.ticket  # if the place ever lapses, come back to it
                 waited = time.monotonic() - started
-                if isinstance(attempt, Granted) or (timeout is not None and waited >= timeout):
+                if timeout is not None and waited >= timeout:
                     return attempt
                 wait = pause if timeout is None else min(pause, timeout - waited)
                 if not subscribed:
@@ -308,6 +337,8 @@ class FairSemaphore:
         ticket: int | None = None,
         fresh: bool = False,
         wake: str = "",
+        run: str | None = None,
+        remember: float | None = None,
     ) -> Attempt:
         """One try, one round trip: Granted with a Lease, or Waiting with the place in line.
 
@@ -321,6 +352,11 @@ class FairSemaphore:
         ``fresh``: the caller knows this waiter never asked before; when nobody is present and a
         slot is free it is granted on the fast path (no line bookkeeping). ``wake``: the channel
         on which to PUBLISH this waiter's id when a slot is offered to it ("" for nowhere).
+
+        ``run``: for a waiter that may exist in several copies (a Celery wait re-sent both with a
+        countdown and on wake-up), the id of this run. If another copy of the run was granted in
+        the last ``remember`` seconds (default: ``patience`` plus the lease), this try returns
+        ``Duplicate`` (running or done) instead of a second slot.
         """
         if token is None:
             token = new_token()
@@ -331,6 +367,9 @@ class FairSemaphore:
             waiter, enqueue, fresh = token, False, True
         label = default_label() if label is None else label
         patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
+        remember_ms = 0
+        if run:
+            remember_ms = to_ms(self.patience + self.lease if remember is None else check_seconds("remember", remember))
         with self._redis_errors("acquire"):
             reply = self._scripts.acquire(
                 self.keys,
@@ -344,6 +383,8 @@ class FairSemaphore:
                 label=label,
                 ticket=ticket,
                 wake=wake,
+                run=run or "",
+                remember_ms=remember_ms,
             )
         if reply.outcome in (GRANTED, CLAIMED):
             lease = Lease(self, token, label=label)
@@ -358,18 +399,25 @@ class FairSemaphore:
                 ticket=reply.ticket,
                 turn=reply.turn,
             )
+        if reply.outcome in (RUNNING, RAN):
+            return Duplicate(running=reply.outcome == RUNNING)
         raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
-    def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
+    def leave(self, waiter: str, *, away_for: float | None = None, wake: str = "") -> bool:
         """Step out of line at once, so those behind move up. True if it was in line.
 
         With ``away_for`` (seconds) the waiter keeps its place and shows in status while away,
         but slots pass it by until it asks again; if it does not ask within ``away_for`` its
         place lapses. A Celery task sleeping through a countdown steps away like this. A slot
-        offered to the waiter and not yet claimed goes on to the next present waiter."""
+        offered to the waiter and not yet claimed goes on to the next present waiter.
+
+        With ``away_for`` and a ``wake`` address the waiter is *parked* instead: away, yet offered
+        its turn like a present waiter, the offer published on ``wake`` (see _wakeups.on_wake)."""
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with self._redis_errors("leave"):
-            return self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit)
+            return self._scripts.leave(
+                self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit, wake=wake
+            )
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -432,7 +480,7 @@ class FairSemaphore:
                 ticket=waiter.ticket,
                 waited=(now - (waiter.first_ask_ms if waiter.first_ask_ms is not None else now)) / 1000,
                 must_ask_within=(waiter.must_ask_by_ms - now) / 1000,
-                present=waiter.state in (PRESENT, OFFERED),
+                present=waiter.state in (PRESENT, OFFERED),  # parked waiters show as present
                 offered=waiter.state == OFFERED,
             )
             for position, waiter in enumerate(reply.waiters)
@@ -518,6 +566,10 @@ class _RedisErrors:
         ):
             raise RedisUnavailable(self.name, operation, error) from error
         raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
+
+
+def _limit_of(attempt: Attempt, default: int) -> int:
+    return attempt.limit if isinstance(attempt, Waiting) else default
 
 
 def _text(value: Any) -> str:

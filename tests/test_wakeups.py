@@ -12,14 +12,12 @@ import pytest
 import redis
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
+from celery_semaphore._wakeups import wake_ups_for
+from celery_semaphore.semaphore import Duplicate
 
 from .concurrency_probe import ConcurrencyProbe
 from .redis_server import RedisServer
 from .waiting import wait_until
-
-
-def _subscribers(client: redis.Redis) -> list[dict[str, Any]]:
-    return [entry for entry in client.client_list() if int(entry.get("sub", 0)) + int(entry.get("psub", 0)) > 0]
 
 
 def test_200_blocked_threads_share_one_client_without_running_out_of_connections(
@@ -52,11 +50,15 @@ def test_200_blocked_threads_share_one_client_without_running_out_of_connections
                 errors.append(error)
 
     threads = [threading.Thread(target=work, daemon=True) for _ in range(200)]
+    monitor = redis_server.client()
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 120
     while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline:
-        max_subscribers = max(max_subscribers, len(_subscribers(redis_server.client())))
+        # the process's one channel for this semaphore, listened to by one connection
+        channels = monitor.pubsub_channels("semaphore:{crowd}:wake:*")
+        listeners = sum(count for _, count in monitor.pubsub_numsub(*channels)) if channels else 0
+        max_subscribers = max(max_subscribers, len(channels), listeners)
         time.sleep(0.05)
     for thread in threads:
         thread.join(timeout=1)
@@ -67,6 +69,7 @@ def test_200_blocked_threads_share_one_client_without_running_out_of_connections
     assert max_subscribers <= 1
     assert client.connection_pool._created_connections <= 100  # type: ignore[attr-defined]
     client.close()
+    monitor.close()
 
 
 def test_an_unclaimed_offer_lapses_to_the_next_waiter_and_the_late_one_keeps_its_place(
@@ -248,3 +251,44 @@ def test_a_forked_child_gets_its_own_wake_up_listener(redis_server: RedisServer)
         if child.is_alive():
             child.kill()
     client.close()
+
+
+def test_a_second_copy_of_a_run_is_told_it_is_a_duplicate(redis_client: redis.Redis) -> None:
+    """Two copies of one wait (same run id, different tokens): the second copy to ask is told
+    the run is running, then, after the release, that it ran; the first copy's own repeat is
+    still a grant (idempotent)."""
+    semaphore = FairSemaphore(redis_client, "runs", 2)
+    first = semaphore.try_acquire(token="t1", waiter="task-1", run="task-1#0", remember=60)
+    assert isinstance(first, Granted)
+    assert semaphore.try_acquire(token="t2", waiter="task-1", run="task-1#0", remember=60) == Duplicate(running=True)
+    again = semaphore.try_acquire(token="t1", waiter="task-1", run="task-1#0", remember=60)
+    assert isinstance(again, Granted)
+    assert semaphore.status().holder_count == 1
+    first.lease.release()
+    again.lease.release()
+    assert semaphore.try_acquire(token="t3", waiter="task-1", run="task-1#0", remember=60) == Duplicate(running=False)
+    assert isinstance(semaphore.try_acquire(token="t4", waiter="task-1", run="task-1#1", remember=60), Granted)
+    semaphore.release("t4")
+    semaphore.reset()
+
+
+def test_a_parked_waiter_is_offered_its_turn_and_told_on_its_address(redis_client: redis.Redis) -> None:
+    """A waiter that steps away *parked* (away_for with a wake address) is offered the next slot
+    like a present one; the offer is published on its address, where on_wake hears it, and its
+    next try claims the slot."""
+    semaphore = FairSemaphore(redis_client, "parked", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    assert isinstance(semaphore.try_acquire(waiter="task-9"), Waiting)
+    wake_ups = wake_ups_for(redis_client)
+    channel = semaphore.keys.wake_channel(wake_ups.process_id)
+    woken = threading.Event()
+    with wake_ups.on_wake(channel, "task-9", woken.set) as handle:
+        assert handle.subscribe(5)
+        assert semaphore.leave("task-9", away_for=30, wake=channel) is True
+        assert isinstance(semaphore.try_acquire(waiter="newcomer"), Waiting)
+        holder.release()
+        assert woken.wait(5)
+    assert [w.waiter for w in semaphore.status().waiters if w.offered] == ["task-9"]
+    assert isinstance(semaphore.try_acquire(waiter="task-9"), Granted)
+    semaphore.release_holders_with_prefix("")
+    semaphore.reset()

@@ -21,6 +21,11 @@
 --                               "hold" -> moving average of hold times (ms)
 --   KEYS[7] ticket       STRING counter for tickets taken in the same millisecond (INCR)
 --   KEYS[8] limit        STRING runtime limit override, if any (no expiry unless set with one)
+--   KEYS[9] runs         HASH   run id -> the token it was granted under: a waiter that may
+--                               exist in several copies (a Celery wait re-sent twice) names its
+--                               run, and a copy asking after another copy got the slot is told
+--                               so (running, or done) instead of taking a second slot
+--   KEYS[10] run_expiry  ZSET   run id -> when its record is forgotten (server ms)
 -- No ARGV is shared: each script documents its own.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.
@@ -29,6 +34,7 @@
 
 local K_HOLDERS, K_HOLDER_INFO, K_QUEUE, K_PRESENT, K_DEADLINES, K_WAITER_INFO, K_TICKET, K_LIMIT =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_RUNS, K_RUN_EXPIRY = KEYS[9], KEYS[10]
 
 -- keys outlive the last deadline they hold by this much, so a reader right at a deadline sees
 -- a consistent set instead of half-expired keys

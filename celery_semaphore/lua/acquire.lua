@@ -15,9 +15,13 @@
 --                        that left the line (a Celery countdown, a lapsed offer) comes back to
 --                        its old place
 --   ARGV[10] wake        the waiter's wake address (a channel) or "": where an offer is told
+--   ARGV[11] run         "" or the run id of this copy of a wait: if another copy of the run was
+--                        granted within the last ARGV[12] ms, this try is answered DUPLICATE
+--   ARGV[12] remember_ms how long a granted run is remembered (counted from its grant)
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns, when granted, the bare integer outcome (1 or 2: the common answer stays short to parse);
+-- for a duplicate run, 3 (its other copy holds the slot now) or 4 (it held it and gave it back);
 -- when refused, {outcome, position, free, limit, hold, ticket, turn}:
 --   outcome  1 = granted: the slot is held under token (also when token already held it, so
 --            a resend by redis-py after a connection error is harmless); 2 = granted by
@@ -29,20 +33,50 @@
 --   ticket   the waiter's ticket as a decimal string ("" when granted or not queued)
 --   turn     the waiter's 0-based place among present waiters: slots are offered by this
 
-local GRANTED, CLAIMED, WAIT = 1, 2, 0
+local GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 local token, waiter = ARGV[1], ARGV[2]
 local lease_ms, patience_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local enqueue, fresh, label, wake = ARGV[6] == '1', ARGV[7] == '1', ARGV[8], ARGV[10]
+local run, remember_ms = ARGV[11], tonumber(ARGV[12])
 
 local now = now_ms()
 local limit = current_limit(tonumber(ARGV[3]))
+
+if run ~= '' then
+  local previous = redis.call('HGET', K_RUNS, run)
+  if previous and previous ~= token then
+    local forget_at = tonumber(redis.call('ZSCORE', K_RUN_EXPIRY, run))
+    if forget_at and forget_at > now then
+      if redis.call('ZSCORE', K_HOLDERS, previous) then
+        return RUNNING
+      end
+      return RAN
+    end
+  end
+end
+
+-- Every grant goes through here: a run remembers the token it got the slot under.
+local function granted(code)
+  if run ~= '' then
+    local old = redis.call('ZRANGEBYSCORE', K_RUN_EXPIRY, '-inf', now, 'LIMIT', 0, PURGE_STEP)
+    if #old > 0 then
+      redis.call('ZREM', K_RUN_EXPIRY, unpack(old))
+      redis.call('HDEL', K_RUNS, unpack(old))
+    end
+    redis.call('HSET', K_RUNS, run, token)
+    redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
+    extend(K_RUNS, remember_ms + GRACE_MS, false)
+    extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+  end
+  return code
+end
 
 if fresh then
   -- the fast path: a newcomer, nobody present to pass, a slot free
   local size = redis.call('ZCARD', K_HOLDERS)
   if size < limit and redis.call('ZCARD', K_PRESENT) == 0 then
     hold(token, now, lease_ms, label, size == 0)
-    return GRANTED
+    return granted(GRANTED)
   end
 end
 
@@ -51,13 +85,13 @@ if redis.call('ZSCORE', K_HOLDERS, token) then
   -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
   redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
   extend(K_HOLDERS, lease_ms + GRACE_MS, false)
-  return GRANTED
+  return granted(GRANTED)
 end
 if redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
   -- a release offered this waiter a slot: take it (the entry counted already)
   hold(token, now, lease_ms, label, false)
   drop_waiter(waiter)
-  return CLAIMED
+  return granted(CLAIMED)
 end
 
 local size = redis.call('ZCARD', K_HOLDERS)
@@ -67,7 +101,7 @@ if not enqueue then
   local left, _, offered = hand_off(now, limit, nil)
   if left > 0 then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
-    return GRANTED
+    return granted(GRANTED)
   end
   return {WAIT, redis.call('ZCARD', K_QUEUE), left, limit, average, '', redis.call('ZCARD', K_PRESENT)}
 end
@@ -101,7 +135,7 @@ local left, chosen, offered = hand_off(now, limit, waiter)
 if chosen then
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)
-  return GRANTED
+  return granted(GRANTED)
 end
 extend_line(patience_ms + GRACE_MS)
 return {WAIT, redis.call('ZRANK', K_QUEUE, waiter), left, limit, average, string.format('%.0f', ticket),

@@ -5,14 +5,33 @@
 --                    waiter will be away (a Celery countdown): it keeps its place and shows in
 --                    status, but slots pass it by until it asks again, within away_ms
 --   ARGV[3] limit    the limit to apply when no runtime override is stored (for the hand-off)
+--   ARGV[4] wake     with away_ms: "" to be passed by while away; or a wake address, to stay
+--                    *parked*: offered its turn like a present waiter, the offer told on that
+--                    address (a Celery worker that sends the task back at once)
 -- Returns 1 if the waiter was in line (or held an offer), 0 if not. Safe to repeat.
--- A slot offered to this waiter and not claimed goes on to the next present waiter at once.
+-- A slot offered to a waiter that gives up or steps away unparked goes on to the next present
+-- waiter at once; a parked waiter keeps its offer, told again on its new address.
 
 local waiter = ARGV[1]
 local away_ms = tonumber(ARGV[2])
+local wake = ARGV[4] or ''
 local in_line = redis.call('ZSCORE', K_QUEUE, waiter)
-local had_offer = redis.call('ZREM', K_HOLDERS, '!' .. waiter)
 local now
+if away_ms and in_line and wake ~= '' then
+  now = now_ms()
+  local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+  redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (string.match(info, '^(%d+)') or now) .. '|' .. wake)
+  redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
+  if redis.call('ZSCORE', K_HOLDERS, '!' .. waiter) then
+    notify(wake, waiter)  -- offered already, perhaps told where nobody listened
+  else
+    redis.call('ZADD', K_PRESENT, in_line, waiter)
+    hand_off(now, current_limit(tonumber(ARGV[3])), nil)
+  end
+  extend_line(away_ms + GRACE_MS)
+  return 1
+end
+local had_offer = redis.call('ZREM', K_HOLDERS, '!' .. waiter)
 if away_ms and in_line then
   now = now_ms()
   redis.call('ZREM', K_PRESENT, waiter)
