@@ -85,8 +85,14 @@ class SemaphoreKeys:
     @functools.cached_property
     def encoded(self) -> list[bytes]:
         """``ordered`` as bytes, encoded once: redis-py then passes them through untouched, which
-        matters on the hot path (eight keys per call)."""
+        matters on the hot path."""
         return [key.encode() for key in self.ordered]
+
+    @functools.cached_property
+    def line_keys(self) -> list[bytes]:
+        """KEYS[1..8], for the scripts (and acquires without a run id) that never touch the run
+        records: every key a script touches is declared, and no more is sent than that."""
+        return self.encoded[:8]
 
     def wake_channel(self, process_id: str) -> str:
         """The channel a process's waiters on this semaphore are told on: inside the hash tag,
@@ -161,12 +167,17 @@ class Scripts:
         run: str = "",
         remember_ms: int = 0,
     ) -> AcquireReply:
-        reply = self._scripts["acquire"](
-            keys=keys.encoded,
-            args=[token, waiter, _number(default_limit), _number(lease_ms), _number(patience_ms),
-                  b"1" if enqueue else b"0", b"1" if fresh else b"0", label,
-                  b"" if ticket is None else _number(int(ticket)), wake, run, _number(remember_ms)],
-        )
+        args: list[Any] = [token, waiter, _number(default_limit), _number(lease_ms), _number(patience_ms),
+                           b"1" if enqueue else b"0", b"1" if fresh else b"0", label]
+        # trailing arguments that are empty are not sent (the script reads them as ""): the
+        # uncontended acquire of a blocked caller or a one-shot try sends eight
+        if run:
+            args += [b"" if ticket is None else _number(int(ticket)), wake, run, _number(remember_ms)]
+        elif wake:
+            args += [b"" if ticket is None else _number(int(ticket)), wake]
+        elif ticket is not None:
+            args.append(_number(int(ticket)))
+        reply = self._scripts["acquire"](keys=keys.encoded if run else keys.line_keys, args=args)
         if not isinstance(reply, list):
             return _BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
         outcome, position, free, limit, hold_ms, ticket_text, turn = reply
@@ -182,7 +193,7 @@ class Scripts:
         )
 
     def release(self, keys: SemaphoreKeys, *, token: str, default_limit: int) -> bool:
-        return bool(self._scripts["release"](keys=keys.encoded, args=[token, _number(default_limit)]))
+        return bool(self._scripts["release"](keys=keys.line_keys, args=[token, _number(default_limit)]))
 
     def renew(
         self, keys: SemaphoreKeys, *, lease_ms: int, default_limit: int, reclaim: bool, holders: list[tuple[str, str]]
@@ -190,17 +201,17 @@ class Scripts:
         args: list[Any] = [lease_ms, default_limit, int(reclaim)]
         for token, label in holders:
             args += [token, label]
-        return [int(code) for code in self._scripts["renew"](keys=keys.encoded, args=args)]
+        return [int(code) for code in self._scripts["renew"](keys=keys.line_keys, args=args)]
 
     def leave(
         self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int, wake: str = ""
     ) -> bool:
         args = [waiter, "" if away_ms is None else away_ms, default_limit, wake]
-        return bool(self._scripts["leave"](keys=keys.encoded, args=args))
+        return bool(self._scripts["leave"](keys=keys.line_keys, args=args))
 
     def status(self, keys: SemaphoreKeys, *, listed: int) -> StatusReply:
         now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters = self._scripts["status"](
-            keys=keys.encoded, args=[listed]
+            keys=keys.line_keys, args=[listed]
         )
         listed_holders = []
         for i in range(0, len(holders), 3):
@@ -238,10 +249,10 @@ class Scripts:
 
     def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, default_limit: int) -> int:
         args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, default_limit]
-        return int(self._scripts["set_limit"](keys=keys.encoded, args=args))
+        return int(self._scripts["set_limit"](keys=keys.line_keys, args=args))
 
     def reset(self, keys: SemaphoreKeys) -> int:
-        return int(self._scripts["reset"](keys=keys.encoded, args=[]))
+        return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()

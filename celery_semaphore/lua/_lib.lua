@@ -2,8 +2,9 @@
 -- runs as one EVALSHA: one round trip, atomic, no lock around it. Nothing here runs by itself:
 -- it only defines locals.
 --
--- Key schema (the same KEYS positions in every script; all keys of one semaphore share one
--- Redis Cluster hash tag, "{prefix}:{<key>}:..."):
+-- Key schema (the same KEYS positions in every script; KEYS[9] and KEYS[10] are passed only to
+-- the scripts that touch them: acquire with a run id, and reset. All keys of one semaphore share
+-- one Redis Cluster hash tag, "{prefix}:{<key>}:..."):
 --   KEYS[1] holders      ZSET   holder token -> lease deadline (server ms), and offers:
 --                               "!<waiter>" -> minus its claim deadline (server ms). An offer
 --                               is a slot handed to a waiter that has not claimed it yet; it

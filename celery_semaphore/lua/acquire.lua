@@ -18,6 +18,7 @@
 --   ARGV[11] run         "" or the run id of this copy of a wait: if another copy of the run was
 --                        granted within the last ARGV[12] ms, this try is answered DUPLICATE
 --   ARGV[12] remember_ms how long a granted run is remembered (counted from its grant)
+--   ARGV[9..12] may be left out when empty (read as ""); KEYS[9..10] are passed only with a run
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns, when granted, the bare integer outcome (1 or 2: the common answer stays short to parse);
@@ -36,8 +37,8 @@
 local GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 local token, waiter = ARGV[1], ARGV[2]
 local lease_ms, patience_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-local enqueue, fresh, label, wake = ARGV[6] == '1', ARGV[7] == '1', ARGV[8], ARGV[10]
-local run, remember_ms = ARGV[11], tonumber(ARGV[12])
+local enqueue, fresh, label, wake = ARGV[6] == '1', ARGV[7] == '1', ARGV[8], ARGV[10] or ''
+local run, remember_ms = ARGV[11] or '', tonumber(ARGV[12])
 
 local now = now_ms()
 local limit = current_limit(tonumber(ARGV[3]))
