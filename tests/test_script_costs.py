@@ -88,7 +88,7 @@ def test_a_contended_cycle_stays_bounded(redis_client: redis.Redis) -> None:
     claimed.lease.release()
     assert refused <= 32, refused  # the first refusal also gives four new keys their expiry
     assert release <= 22, release
-    assert claim <= 24, claim
+    assert claim <= 18, claim
 
 
 def test_status_and_purge_stay_cheap_at_100000_waiters(redis_client: redis.Redis) -> None:

@@ -41,7 +41,6 @@ local enqueue, fresh, label, wake = ARGV[6] == '1', ARGV[7] == '1', ARGV[8], ARG
 local run, remember_ms = ARGV[11] or '', tonumber(ARGV[12])
 
 local now = now_ms()
-local limit = current_limit(tonumber(ARGV[3]))
 
 if run ~= '' then
   local previous = redis.call('HGET', K_RUNS, run)
@@ -72,8 +71,10 @@ local function granted(code)
   return code
 end
 
+local limit
 if fresh then
   -- the fast path: a newcomer, nobody present to pass, a slot free
+  limit = current_limit(tonumber(ARGV[3]))
   local size = redis.call('ZCARD', K_HOLDERS)
   if size < limit and redis.call('ZCARD', K_PRESENT) == 0 then
     hold(token, now, lease_ms, label, size == 0)
@@ -81,18 +82,20 @@ if fresh then
   end
 end
 
+if not fresh and redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
+  -- a release offered this waiter a slot: take it (the entry counted already, so nothing
+  -- else needs looking at: the woken waiter's one round trip stays short)
+  hold(token, now, lease_ms, label, false)
+  drop_waiter(waiter)
+  return granted(CLAIMED)
+end
+limit = limit or current_limit(tonumber(ARGV[3]))
 purge(now)
 if redis.call('ZSCORE', K_HOLDERS, token) then
   -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
   redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
   extend(K_HOLDERS, lease_ms + GRACE_MS, false)
   return granted(GRANTED)
-end
-if redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
-  -- a release offered this waiter a slot: take it (the entry counted already)
-  hold(token, now, lease_ms, label, false)
-  drop_waiter(waiter)
-  return granted(CLAIMED)
 end
 
 local size = redis.call('ZCARD', K_HOLDERS)
