@@ -23,8 +23,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ._scripts import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
 from .errors import SemaphoreError
@@ -166,10 +166,10 @@ def forget(lease: Lease) -> None:
     _renewer.forget(lease)
 
 
-@contextlib.contextmanager
-def cycle_lock() -> Iterator[None]:
-    with _renewer.cycle:
-        yield
+def cycle_lock() -> contextlib.AbstractContextManager[Any]:
+    """The lock a renewal round holds: ``with cycle_lock(): ...`` (the lock itself, so the
+    release path pays no generator-based context manager)."""
+    return _renewer.cycle
 
 
 def add_listener(listener: LeaseListener) -> None:
