@@ -45,8 +45,9 @@ IDLE_CHANNEL_S = 60.0
 # The listener blocks this long per read at most, then drops idle channels (and exits when
 # it has nothing left to listen for).
 READ_TIMEOUT_S = 5.0
-# After the connection failed, try again this soon.
+# After the connection failed, try again this soon, backing off to RECONNECT_MAX_S.
 RECONNECT_AFTER_S = 0.5
+RECONNECT_MAX_S = 5.0
 # A payload waiters never have (waiter ids are never empty): "check your subscriptions".
 _POKE = b""
 
@@ -226,6 +227,7 @@ class WakeUps:
     def _run(self) -> None:
         subscription: Subscription | None = None
         failing = False
+        pause = RECONNECT_AFTER_S
         while True:
             try:
                 if subscription is None:
@@ -234,6 +236,7 @@ class WakeUps:
                     if failing:
                         logger.warning("wake-up subscription is back")
                         failing = False
+                        pause = RECONNECT_AFTER_S
                         self._wake_everyone()
                 if not self._sync(subscription):
                     subscription.close()
@@ -254,7 +257,26 @@ class WakeUps:
                 if subscription is not None:
                     subscription.close()
                 subscription = None
-                time.sleep(RECONNECT_AFTER_S)
+                if not self._keep_going():
+                    return  # nobody waits any more: no reason to keep knocking on a dead server
+                time.sleep(pause)
+                pause = min(pause * 2, RECONNECT_MAX_S)
+
+    def _keep_going(self) -> bool:
+        """Drop channels idle for long; False (and the thread is forgotten) when nothing is
+        left to listen for."""
+        now = time.monotonic()
+        with self._lock:
+            for name in [
+                name for name, entry in self._channels.items()
+                if entry.users == 0 and now - entry.idle_since > IDLE_CHANNEL_S
+            ]:
+                del self._channels[name]
+            if not self._channels and not self._signals:
+                self._thread = None
+                self._listening.clear()
+                return False
+        return True
 
     def _sync(self, subscription: Subscription) -> bool:
         """Subscribe to new channels and drop idle ones; False when there is nothing left to

@@ -292,3 +292,33 @@ def test_a_parked_waiter_is_offered_its_turn_and_told_on_its_address(redis_clien
     assert isinstance(semaphore.try_acquire(waiter="task-9"), Granted)
     semaphore.release_holders_with_prefix("")
     semaphore.reset()
+
+
+def test_blocked_callers_ask_again_at_once_after_a_redis_restart(own_redis: RedisServer) -> None:
+    """Redis restarted empty while a caller is blocked (offers published meanwhile would be
+    lost): the wake-up listener reconnects, resubscribes and makes its waiters ask at once, not at
+    their next keep-alive (10 s here). The empty Redis has a free slot, so the waiter gets it
+    (the holder registers again at its next renewal: the documented restart case)."""
+    client = own_redis.client()
+    semaphore = FairSemaphore(client, "restart", 1, lease=30, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            with semaphore.acquire(timeout=60):
+                outcome.append("granted")
+        except Exception as error:  # reported below
+            outcome.append(error)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    wait_until(lambda: semaphore.status(listed=0).waiter_count == 1, what="the waiter in line")
+    time.sleep(0.3)  # its post-subscription ask
+    restarted_at = time.monotonic()
+    own_redis.restart()
+    thread.join(timeout=15)
+    assert outcome == ["granted"]
+    assert time.monotonic() - restarted_at < 5
+    holder.release()
+    client.close()
