@@ -10,7 +10,17 @@ each client count:
   try (``enqueue=False``) and as a queued waiter that keeps its place across tries;
 * the fair semaphore of "Redis in Action" 6.3.2 (counter, owner ZSET, ZINTERSTORE, MULTI
   pipelines) and the same under the SETNX lock of 6.3.4, uncontended and contended: reference
-  baselines only, written here from the book's description.
+  baselines only, written here from the book's description;
+* a bare 2 x EVALSHA cycle (what any one-script acquire + release costs at least) and a minimal
+  one-script fair semaphore (ticket line, no hand-off, no expiries): the ratios issue 8 targets,
+  per round of the same run, with their spread;
+* ``acquire(timeout=10)`` uncontended next to ``try_acquire``.
+
+Then (``--scenarios``): the Redis calls of one release at N = 1, 10, 50, 200 blocked callers
+(``release-cost``); the hand-off latency from a release to the next blocked caller's return at
+``--waiters`` threads on one client (``handoff``, p50/p99 per repeat); and a crowd of
+``--crowd-processes`` processes looping acquire / hold 5 ms / release on one key of limit 5
+(``crowd``: acquires/s against the ideal 1,000, and the true maximum of concurrent holders).
 
 Every figure is ops/s and its ratio to the baseline measured in the same run with the same client
 count: its inverse is how many baseline calls one cycle costs, a figure that travels between
