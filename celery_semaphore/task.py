@@ -7,11 +7,17 @@ process outright (SIGKILL, OOM, a hard time limit) runs no ``finally``: the work
 process then releases by task id (see ``worker.py``), and the lease is the last resort.
 
 A task that finds no free slot is not run. It either waits a moment in-process for a release
-(when its turn is near) or is re-sent with a countdown under the same task id, keeping its
-ticket and so its place in line. Waiting is not retrying: ``request.retries`` and the task's
-``max_retries`` are left alone; the wait's history travels in message headers, tagged with the
-retry it belongs to, so that the task's own retry (which inherits the headers) starts a fresh
-wait instead of counting the earlier one, its run and its retry delay against the max wait.
+(when its turn is near) or leaves the worker: it is re-sent with a countdown under the same task
+id (the backstop copy, keeping its ticket and so its place in line) and *parks*, so that the
+release that makes its turn sends it again at once (the wake copy, see ``_parking.py``). Of the
+copies of one wait, exactly one runs: the first to get the slot records the run in Redis, and a
+copy that finds the run recorded (finished, or still running under a live lease) is dropped
+with ``Ignore``: not run, not recorded as a failure.
+
+Waiting is not retrying: ``request.retries`` and the task's ``max_retries`` are left alone; the
+wait's history travels in message headers, tagged with the retry it belongs to, so that the
+task's own retry (which inherits the headers) starts a fresh wait instead of counting the
+earlier one, its run and its retry delay against the max wait.
 """
 
 from __future__ import annotations
@@ -20,18 +26,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from celery import Task
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 
 from . import metrics, policy
 from ._keys import KeyFunction
-from ._options import FROM_SETTINGS, MARKER, check_task_options, template_of, wait_options
+from ._options import FROM_SETTINGS, MARKER, WaitOptions, check_task_options, template_of, wait_options
+from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from .catalogue import semaphore_for_call
-from .config import config_for
+from .config import SemaphoreConfig, config_for
 from .errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from .semaphore import FairSemaphore, Granted, Lease, Waiting, default_label, new_token
+from .semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, new_token
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -41,6 +48,13 @@ FIRST_REFUSED_HEADER = "semaphore_first_refused"
 TICKET_HEADER = "semaphore_ticket"
 # request.retries when the wait began: a run whose retries differ is the task's own retry
 WAIT_OF_RETRY_HEADER = "semaphore_wait_of_retry"
+# the queue the task first came from: its copies go back there (the wake copy to its wake queue)
+QUEUE_HEADER = "semaphore_queue"
+
+# A finished run is remembered this much longer than any copy of it can arrive late: the
+# backstop's countdown, or a Redis broker's redelivery of a dead worker's unacked copy
+# (visibility_timeout, plus kombu's restore sweep).
+REMEMBER_SLACK = 300.0
 
 # A waiter away on a countdown keeps its place this much longer than the countdown, to cover
 # the broker's delivery and a busy worker's delay in starting it.
@@ -116,13 +130,19 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request = self.request
         history = WaitHistory.of(request)
         token, waiter = f"{request.id}:{new_token()}", str(request.id)
+        # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
+        # copy runs; a first delivery has no twin
+        run = f"{request.id}#{request.retries or 0}" if history.waits else None
+        remember = _remember_for(options, config)
         family = template_of(self)
         try:
-            attempt = semaphore.try_acquire(token=token, waiter=waiter, label=self._label(), ticket=history.ticket)
+            attempt = semaphore.try_acquire(
+                token=token, waiter=waiter, label=self._label(), ticket=history.ticket, run=run, remember=remember
+            )
             if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, options.inline_wait):
                 attempt = semaphore.wait_for_slot(
                     token=token, waiter=waiter, timeout=options.inline_wait, label=self._label(),
-                    ticket=attempt.ticket,
+                    ticket=attempt.ticket, run=run, remember=remember,
                 )
             outages.back(semaphore)
         except RedisUnavailable as error:
@@ -132,6 +152,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 return None
             outages.down(semaphore, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
+        if isinstance(attempt, Duplicate):
+            logger.info("%s[%s]: another copy of this wait %s; this copy is dropped", self.name, request.id,
+                        "is running" if attempt.running else "has run")
+            raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
             metrics.acquired(family, waited, attempt.lease)
@@ -145,25 +169,75 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         )
         if options.max_wait is not None:
             countdown = max(1, min(countdown, round(options.max_wait - waited + 0.5)))
-        # Step away while asleep in the broker: a waiter that is not asking must not hold up
-        # those behind it. It keeps its place (and shows in status); should the place lapse, its
-        # ticket travels in the headers and puts it back where it was.
-        _leave_quietly(semaphore, waiter, away_for=countdown + AWAY_SLACK)
+        self._wait_outside(semaphore, attempt, history, args, kwargs, countdown)
+
+    def _wait_outside(
+        self, semaphore: FairSemaphore, attempt: Waiting, history: WaitHistory, args: tuple[Any, ...],
+        kwargs: dict[str, Any], countdown: int,
+    ) -> NoReturn:
+        """Leave the worker: send the backstop copy (countdown) and park the wake copy, then
+        raise Retry. While away the task holds up nobody who is present before its turn."""
+        request = self.request
+        waiter = str(request.id)
+        origin = _header(request, QUEUE_HEADER) or _queue_of(self.app, request)
         headers = {
             **(request.headers or {}),
             **history.next(attempt.ticket, retries=request.retries or 0),
+            **({QUEUE_HEADER: origin} if origin else {}),
         }
-        signature = self.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
+        # back where it came from: a copy that came through the wake queue goes to its origin
+        came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
+        backstop = self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,
+                                               countdown=countdown, headers=headers)
+        away_for = countdown + AWAY_SLACK
+        address = ""
+        if origin is not None and not outages.is_down(semaphore):
+            wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
+            try:
+                address = parking().park(semaphore, waiter, wake_copy, away_for=away_for)
+            except Exception as error:  # no wake-up then: the backstop copy still comes
+                logger.warning("%s[%s] waits for its countdown only (could not listen for its turn): %s",
+                               self.name, request.id, error)
+        # Step away, parked: a parked waiter is offered its turn like a present one and woken
+        # through this process; should its place lapse, its ticket travels in the headers and
+        # puts it back where it was.
+        _leave_quietly(semaphore, waiter, away_for=away_for, wake=address)
         try:
-            signature.apply_async()
+            backstop.apply_async()
         except Exception as error:
+            _leave_quietly(semaphore, waiter)  # no copy will come: give the place up
             raise SemaphoreError(f"could not re-send {self.name}[{request.id}] to wait for {semaphore.name!r}: "
                                  f"{error}", key=semaphore.name) from error
         raise Retry(
             f"waiting for a slot of {semaphore.name!r}: place {attempt.position} in line, retry in {countdown} s",
             when=countdown,
-            sig=signature,
+            sig=backstop,
         )
+
+
+def _routing_key(request: Any) -> str | None:
+    routing_key = (request.delivery_info or {}).get("routing_key")
+    return routing_key if isinstance(routing_key, str) and routing_key else None
+
+
+def _queue_of(app: Any, request: Any) -> str | None:
+    """The name of the queue a request came from, when it can be told: Celery's routing by
+    queue name (the routing key names the queue). A task routed otherwise (a topic exchange,
+    say) gets no wake copy, whose queue the workers would not consume: its countdown copy
+    brings it back, as before."""
+    routing_key = _routing_key(request)
+    if routing_key is None:
+        return None
+    name = routing_key.removesuffix(WAKE_QUEUE_SUFFIX)
+    exchange = (request.delivery_info or {}).get("exchange")
+    if name in app.amqp.queues or exchange in ("", None, name):
+        return name
+    return None
+
+
+def _remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
+    """How long a finished run of a waited task is remembered, to drop its late copies."""
+    return max(options.countdown[1] + AWAY_SLACK, config.visibility_timeout or 0.0) + REMEMBER_SLACK
 
 
 # the marker lets modules that must not import this one recognise a semaphore task
@@ -244,9 +318,9 @@ class _Outages:
 outages = _Outages()
 
 
-def _leave_quietly(semaphore: FairSemaphore, waiter: str, *, away_for: float | None = None) -> None:
+def _leave_quietly(semaphore: FairSemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:
     try:
-        semaphore.leave(waiter, away_for=away_for)
+        semaphore.leave(waiter, away_for=away_for, wake=wake)
     except SemaphoreError as error:
         if not outages.is_down(semaphore):  # during an outage, the outage line says it all
             logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)

@@ -5,6 +5,9 @@
   naming the setting or the task: a silent unlimited run is the one outcome we never allow.
   Also warn where countdowns could outlast the Redis broker's visibility timeout (the broker
   would then deliver a waiting task twice) and where Redis may evict lease keys.
+* In the consumer: consume, next to each of the worker's queues, its wake queue, where a waiting
+  task is sent again the moment a release hands it a slot (so it does not queue behind a backlog
+  of fresh tasks in the queue it came from).
 * In the parent process: a child killed by ``revoke(terminate=True)``, a hard time limit or a
   crash runs no ``finally``; the parent gives its slot back by task id as a best effort (the lease
   is the guarantee). Celery may report such a failure twice, so this is idempotent.
@@ -22,6 +25,7 @@ from . import metrics
 from ._backend import BackendSpec, client_for
 from ._keys import sample_key
 from ._options import is_semaphore_task, key_option, template_of, wait_options
+from ._parking import WAKE_QUEUE_SUFFIX, wake_queue
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
@@ -42,12 +46,26 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         check_app(worker.app)
 
 
+class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumes the wake queue of every queue the worker consumes."""
+
+    label = "Semaphore wake queues"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, consumer: Any) -> None:
+        names = [queue.name for queue in consumer.task_consumer.queues]
+        for name in names:
+            if not name.endswith(WAKE_QUEUE_SUFFIX):
+                consumer.add_task_queue(wake_queue(name))
+
+
 def install(app: Any) -> None:
     """Hook the semaphore into ``app``'s workers (once per app)."""
     if getattr(app, _INSTALLED_FLAG, False):
         return
     setattr(app, _INSTALLED_FLAG, True)
     app.steps["worker"].add(SemaphoreStep)
+    app.steps["consumer"].add(WakeQueueStep)
 
 
 def check_app(app: Any) -> None:

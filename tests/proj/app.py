@@ -169,3 +169,19 @@ def hard_limited(self: Any) -> str:
     """Overruns its hard time limit: the pool child is killed, no finally runs."""
     _held("proj.hard_limited", 30, self.request.id)
     return "not reached"
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=5,
+          name="proj.handoff", bind=True)
+def handoff(self: Any, seconds: float, key: str = "proj.handoff") -> str:
+    """Waits outside the worker (countdown 5 s): a release must bring it back long before that."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=1,
+          name="proj.handoff_twin", bind=True)
+def handoff_twin(self: Any, seconds: float, key: str = "proj.handoff_twin") -> str:
+    """Its countdown copy (1 s) arrives while its woken copy still runs."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
