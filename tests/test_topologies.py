@@ -195,6 +195,34 @@ def test_sentinel_failover_keeps_the_client_working(own_redis_sentinel_set: Redi
     assert wait_until(lambda: client.set("k", "3") and client.get("k") == b"3", 30, "writes after a crash")
 
 
+def test_sentinel_client_leaves_a_demoted_master_within_the_check_interval(
+    own_redis_sentinel_set: RedisSentinelSet,
+) -> None:
+    """After SENTINEL FAILOVER the old master accepts writes until a Sentinel demotes it (~10 s);
+    a client_for client with a connection open to it moves to the new master within about
+    SENTINEL_CHECK_INTERVAL instead, so its writes are not lost with the old master's data."""
+    from celery_semaphore._backend import SENTINEL_CHECK_INTERVAL
+
+    assert SENTINEL_CHECK_INTERVAL <= 1.0
+    sentinel_set = own_redis_sentinel_set
+    client = client_for(sentinel_set.url)
+    client.set("k", "before")  # a connection to the old master is now open in the pool
+    old = sentinel_set.master()
+    with sentinel_set.sentinels[0].client() as sentinel:
+        sentinel.execute_command("SENTINEL", "FAILOVER", sentinel_set.service_name)
+    new = sentinel_set.wait_for_new_master(old)
+    moved_at = time.monotonic()
+    with new.client() as direct:
+
+        def written_to_new_master() -> bool:
+            client.set("k", "after")
+            return direct.get("k") == b"after"
+
+        wait_until(written_to_new_master, 5, "writes reaching the new master")
+    # redis-py alone keeps writing to the old master until it is demoted, ~10 s after this
+    assert time.monotonic() - moved_at < 3.0
+
+
 def test_malformed_sentinel_url_never_reaches_a_server() -> None:
     """A Sentinel URL without a service name fails in parsing, before any connection."""
     with pytest.raises(ConfigurationError, match="no service name"):
