@@ -565,7 +565,8 @@ class RedisSentinelSet:
 
     ``password`` protects the data servers (the Sentinels get it as ``auth-pass``);
     ``sentinel_password`` protects the Sentinels themselves. ``down_after`` (ms) is short, so a
-    killed master is replaced within a few seconds.
+    killed master is replaced within a few seconds. ``server_options`` are extra command-line
+    options of the master and replicas (``["--min-replicas-to-write", "1"]``).
     """
 
     def __init__(
@@ -579,8 +580,10 @@ class RedisSentinelSet:
         sentinel_password: str | None = None,
         down_after: int = 1000,
         failover_timeout: int = 10000,
+        server_options: list[str] | None = None,
     ) -> None:
         self.service_name = service_name
+        self.server_options = list(server_options or [])
         self.binary = binary or any_binary()
         self.password = password
         self.sentinel_password = sentinel_password
@@ -607,11 +610,13 @@ class RedisSentinelSet:
         """Start the master, its replicas (synced) and the Sentinels; return once every Sentinel
         sees the master, every replica and every other Sentinel."""
         try:
-            master = RedisServer(self.binary, password=self.password).start()
+            master = RedisServer(self.binary, password=self.password, extra=self.server_options).start()
             self.servers.append(master)
             for _ in range(self.replicas_wanted):
                 replica = RedisServer(
-                    self.binary, password=self.password, extra=["--replicaof", LOOPBACK, str(master.port)]
+                    self.binary,
+                    password=self.password,
+                    extra=[*self.server_options, "--replicaof", LOOPBACK, str(master.port)],
                 ).start()
                 self.servers.append(replica)
             for replica in self.servers[1:]:
