@@ -192,7 +192,12 @@ class Scripts:
             turn=int(turn),
         )
 
-    def release(self, keys: SemaphoreKeys, *, token: str, default_limit: int) -> bool:
+    def release(
+        self, keys: SemaphoreKeys, *, token: str, default_limit: int, run: str = "", remember_ms: int = 0
+    ) -> bool:
+        if run:
+            return bool(self._scripts["release"](
+                keys=keys.encoded, args=[token, _number(default_limit), run, _number(remember_ms)]))
         return bool(self._scripts["release"](keys=keys.line_keys, args=[token, _number(default_limit)]))
 
     def renew(

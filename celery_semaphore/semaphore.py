@@ -154,10 +154,15 @@ class Lease:
     on exit. ``lost`` turns true when a renewal found the slot gone and could not take it back:
     from then on the holder no longer counts against the limit."""
 
-    def __init__(self, semaphore: FairSemaphore, token: str, *, label: str) -> None:
+    def __init__(
+        self, semaphore: FairSemaphore, token: str, *, label: str, run: str | None = None, remember_ms: int = 0
+    ) -> None:
         self.semaphore = semaphore
         self.token = token
         self.label = label
+        # the run this slot was granted to, if any: its release marks the run finished
+        self.run = run
+        self.remember_ms = remember_ms
         self.acquired_at = time.monotonic()
         self.lost = False
         self.released = False
@@ -185,7 +190,7 @@ class Lease:
             # this token, so the release below cannot be undone by a renewal in flight.
             self.released = True
             renewer.forget(self)
-        return self.semaphore.release(self.token)
+        return self.semaphore.release(self.token, run=self.run, remember_ms=self.remember_ms)
 
     def __enter__(self) -> Lease:
         return self
@@ -387,7 +392,7 @@ class FairSemaphore:
                 remember_ms=remember_ms,
             )
         if reply.outcome in (GRANTED, CLAIMED):
-            lease = Lease(self, token, label=label)
+            lease = Lease(self, token, label=label, run=run or None, remember_ms=remember_ms)
             renewer.track(lease)
             return Granted(lease)
         if reply.outcome == WAIT:
@@ -421,11 +426,14 @@ class FairSemaphore:
 
     # -- holding ---------------------------------------------------------------------------
 
-    def release(self, token: str) -> bool:
+    def release(self, token: str, *, run: str | None = None, remember_ms: int = 0) -> bool:
         """Give a slot back by its token. True if the token held it; False if its lease had
-        already gone. Safe to repeat. Prefer ``Lease.release``, which also stops renewal."""
+        already gone. Safe to repeat. Prefer ``Lease.release``, which also stops renewal and
+        marks the lease's run (if any) finished, so that a later copy of the run is dropped."""
         with self._redis_errors("release"):
-            return self._scripts.release(self.keys, token=token, default_limit=self.limit)
+            return self._scripts.release(
+                self.keys, token=token, default_limit=self.limit, run=run or "", remember_ms=remember_ms
+            )
 
     def release_holders_with_prefix(self, prefix: str) -> int:
         """Release every holder whose token starts with ``prefix``; how many were released.

@@ -340,7 +340,7 @@ def give_back(lease: Lease) -> None:
         for attempt in range(RELEASE_TRIES):
             time.sleep(RELEASE_PAUSE * (attempt + 1))
             try:
-                lease.semaphore.release(lease.token)
+                lease.semaphore.release(lease.token, run=lease.run, remember_ms=lease.remember_ms)
                 return
             except RedisUnavailable:
                 continue

@@ -22,11 +22,15 @@
 --                               "hold" -> moving average of hold times (ms)
 --   KEYS[7] ticket       STRING counter for tickets taken in the same millisecond (INCR)
 --   KEYS[8] limit        STRING runtime limit override, if any (no expiry unless set with one)
---   KEYS[9] runs         HASH   run id -> the token it was granted under: a waiter that may
+--   KEYS[9] runs         HASH   run id -> the token it was granted under, or "" once a holder
+--                               of it released normally (the run finished): a waiter that may
 --                               exist in several copies (a Celery wait re-sent twice) names its
 --                               run, and a copy asking after another copy got the slot is told
---                               so (running, or done) instead of taking a second slot
---   KEYS[10] run_expiry  ZSET   run id -> when its record is forgotten (server ms)
+--                               so (running, or done) instead of taking a second slot; a copy
+--                               whose twin's lease is gone without that release (its process was
+--                               killed) takes the run over
+--   KEYS[10] run_expiry  ZSET   run id -> when its record is forgotten (server ms), counted from
+--                               its grant and again from its release
 -- No ARGV is shared: each script documents its own.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.

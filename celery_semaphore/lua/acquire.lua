@@ -16,7 +16,8 @@
 --                        its old place
 --   ARGV[10] wake        the waiter's wake address (a channel) or "": where an offer is told
 --   ARGV[11] run         "" or the run id of this copy of a wait: if another copy of the run was
---                        granted within the last ARGV[12] ms, this try is answered DUPLICATE
+--                        granted within the last ARGV[12] ms and still holds its slot, or
+--                        released it normally, this try is answered RUNNING or RAN
 --   ARGV[12] remember_ms how long a granted run is remembered (counted from its grant)
 --   ARGV[9..12] may be left out when empty (read as ""); KEYS[9..10] are passed only with a run
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
@@ -47,10 +48,14 @@ if run ~= '' then
   if previous and previous ~= token then
     local forget_at = tonumber(redis.call('ZSCORE', K_RUN_EXPIRY, run))
     if forget_at and forget_at > now then
+      if previous == '' then
+        return RAN
+      end
       if redis.call('ZSCORE', K_HOLDERS, previous) then
         return RUNNING
       end
-      return RAN
+      -- the other copy's lease went without a release: its process was killed mid-run, and
+      -- this copy (a redelivery, say) runs it after all
     end
   end
 end

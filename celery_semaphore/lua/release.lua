@@ -2,6 +2,10 @@
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] token
 --   ARGV[2] limit  the limit to apply when no runtime override is stored (for the hand-off)
+--   ARGV[3] run          "" or the run id the slot was granted to (see acquire): a release
+--                        marks it finished, so that a later copy of it is dropped
+--   ARGV[4] remember_ms  with a run: how long the finished run is remembered
+--   ARGV[3..4] may be left out when empty; KEYS[9..10] are passed only with a run
 -- Returns 1 if token held a slot and now does not; 0 if its lease was already gone (expired,
 -- released before, or never granted). Safe to repeat.
 -- When no line exists (KEYS[6] does not) this is three calls (ZREM, EXISTS, HDEL): no TIME, no
@@ -11,6 +15,15 @@
 -- known to the next line; it goes with the last holder.)
 
 local token = ARGV[1]
+local run, remember_ms = ARGV[3] or '', tonumber(ARGV[4])
+if run ~= '' then
+  -- the run finished (also when its lease had lapsed meanwhile): a later copy is told RAN
+  local now = now_ms()
+  redis.call('HSET', K_RUNS, run, '')
+  redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
+  extend(K_RUNS, remember_ms + GRACE_MS, false)
+  extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+end
 if redis.call('ZREM', K_HOLDERS, token) == 0 then
   return 0
 end

@@ -1,0 +1,63 @@
+"""Run ids: of several copies of one wait, exactly one runs, and a killed copy is taken over.
+
+A Celery wait exists in two copies (the countdown backstop and the wake copy); both ask under
+the same run id. These tests drive FairSemaphore directly against a real Redis.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from celery_semaphore import FairSemaphore, Granted
+from celery_semaphore.semaphore import Duplicate
+
+
+def test_a_second_copy_is_told_running_then_done(redis_client: redis.Redis) -> None:
+    """While one copy of a run holds the slot, another is told it is running; once the first
+    released normally, it is told the run is done; neither takes a slot."""
+    semaphore = FairSemaphore(redis_client, "runs-a", 2)
+    first = semaphore.try_acquire(token="t1:a", waiter="t1", run="t1#0", remember=60)
+    assert isinstance(first, Granted)
+    second = semaphore.try_acquire(token="t1:b", waiter="t1", run="t1#0", remember=60)
+    assert second == Duplicate(running=True)
+    assert semaphore.status().holder_count == 1
+    first.lease.release()
+    third = semaphore.try_acquire(token="t1:c", waiter="t1", run="t1#0", remember=60)
+    assert third == Duplicate(running=False)
+    assert semaphore.status().holder_count == 0
+
+
+def test_a_copy_takes_over_a_run_whose_holder_was_killed(redis_client: redis.Redis) -> None:
+    """A holder released by task id from outside (the worker's parent after its child was
+    killed) did not finish its run: a later copy (an acks_late redelivery) runs it."""
+    semaphore = FairSemaphore(redis_client, "runs-b", 1)
+    first = semaphore.try_acquire(token="t2:a", waiter="t2", run="t2#0", remember=60)
+    assert isinstance(first, Granted)
+    assert semaphore.release_holders_with_prefix("t2:") == 1  # as the worker's parent does
+    again = semaphore.try_acquire(token="t2:b", waiter="t2", run="t2#0", remember=60)
+    assert isinstance(again, Granted)
+    again.lease.release()
+    first.lease.released = True  # the killed process never releases; keep the renewer off it
+
+
+def test_a_run_whose_lease_lapsed_before_a_normal_release_still_counts_as_done(redis_client: redis.Redis) -> None:
+    """The body finished (its release ran) even though its lease had gone meanwhile: a later
+    copy must not run it again."""
+    semaphore = FairSemaphore(redis_client, "runs-c", 1)
+    first = semaphore.try_acquire(token="t3:a", waiter="t3", run="t3#0", remember=60)
+    assert isinstance(first, Granted)
+    semaphore.reset()  # the lease is gone from Redis (a restart, a stall) while the body runs
+    assert first.lease.release() is False  # nothing was held any more...
+    late = semaphore.try_acquire(token="t3:b", waiter="t3", run="t3#0", remember=60)
+    assert late == Duplicate(running=False)  # ...but the run is known to be done
+
+
+def test_another_run_of_the_same_task_is_not_a_duplicate(redis_client: redis.Redis) -> None:
+    """The task's own retry is another run (``<id>#1``): it gets a slot of its own."""
+    semaphore = FairSemaphore(redis_client, "runs-d", 1)
+    first = semaphore.try_acquire(token="t4:a", waiter="t4", run="t4#0", remember=60)
+    assert isinstance(first, Granted)
+    first.lease.release()
+    retry = semaphore.try_acquire(token="t4:b", waiter="t4", run="t4#1", remember=60)
+    assert isinstance(retry, Granted)
+    retry.lease.release()
