@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +23,7 @@ from celery_semaphore._backend import (
 )
 from celery_semaphore.errors import ConfigurationError
 
-from .redis_server import RedisServer, wait_until
+from .redis_server import RedisServer, free_port, system_binary, wait_until
 
 SETTING = "semaphore_backend_url"
 SECRET = "s3cr3t-Pw"
@@ -457,3 +461,76 @@ def test_documented_acl_rules_suffice_for_the_semaphore(redis_server: RedisServe
     finally:
         with redis_server.client() as admin:
             admin.execute_command("ACL", "DELUSER", user)
+
+
+# --- TLS (rediss://) against a real TLS server ---------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _certificates(directory: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-days", "1", "-subj", "/CN=celery-semaphore test CA", cwd=directory)  # fmt: skip
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=directory)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf", cwd=directory)  # fmt: skip
+    return {name: directory / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, dict[str, Path]]]:
+    """A Redis (the one on PATH, if built with TLS) with a plain port and a TLS port that
+    requires a client certificate signed by the test CA."""
+    binary = system_binary()
+    if binary is None or shutil.which("openssl") is None:
+        pytest.skip("needs redis-server on PATH and openssl")
+    files = _certificates(tmp_path_factory.mktemp("tls"))
+    tls_port = free_port()
+    server = RedisServer(binary, extra=[
+        "--tls-port", str(tls_port), "--tls-cert-file", str(files["server.pem"]),
+        "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.pem"]),
+        "--tls-auth-clients", "yes",
+    ])  # fmt: skip
+    try:
+        server.start()
+    except RuntimeError:
+        server.close()
+        pytest.skip("redis-server on PATH is built without TLS")
+    yield tls_port, files
+    server.close()
+
+
+def test_rediss_url_with_ca_and_client_certificate(tls_server: tuple[int, dict[str, Path]]) -> None:
+    """rediss:// with ssl_ca_certs, ssl_certfile and ssl_keyfile in the query talks TLS."""
+    port, files = tls_server
+    url = (f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={files['ca.pem']}"
+           f"&ssl_certfile={files['client.pem']}&ssl_keyfile={files['client.key']}")  # fmt: skip
+    client = client_for(url)
+    client.set("over-tls", "yes")
+    assert client.get("over-tls") == b"yes"
+
+
+def test_rediss_url_without_trusted_ca_is_refused(tls_server: tuple[int, dict[str, Path]]) -> None:
+    """Without the CA, the server's certificate is not trusted: a ConnectionError at first use."""
+    port, files = tls_server
+    client = client_for(
+        f"rediss://127.0.0.1:{port}/0?ssl_certfile={files['client.pem']}&ssl_keyfile={files['client.key']}"
+    )
+    with pytest.raises(redis.ConnectionError, match=r"(?i)certificate"):
+        client.ping()
+
+
+def test_rediss_url_without_client_certificate_is_refused(
+    tls_server: tuple[int, dict[str, Path]],
+) -> None:
+    """A server that requires client certificates refuses a client without one."""
+    port, files = tls_server
+    client = client_for(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={files['ca.pem']}&socket_timeout=5")
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
