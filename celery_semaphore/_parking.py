@@ -11,6 +11,11 @@ acquire script's run record drops the other one (see ``task.py``).
 If this process dies before the offer comes, nobody sends the wake copy: the offer lapses after
 its claim window, the slot goes on to the next waiter, and the backstop copy rejoins the line at
 its old ticket when its countdown ends. A delay, never a loss.
+
+The other way round, this process is the sweep for a lost backstop copy (on the Redis broker, a
+message popped by the pending ``BRPOP`` of a worker being killed is gone): when a parked task's
+time is up (its countdown plus slack) and no copy of its wait has asked meanwhile (its place in
+line lapsed and its run was never granted), this process sends the wake copy anyway.
 """
 
 from __future__ import annotations
@@ -39,11 +44,18 @@ def wake_queue(queue_name: str) -> str:
     return queue_name if queue_name.endswith(WAKE_QUEUE_SUFFIX) else queue_name + WAKE_QUEUE_SUFFIX
 
 
+# How often the sender thread looks for parked tasks whose time is up.
+SWEEP_EVERY_S = 1.0
+
+
 @dataclass
 class _Parked:
     handle: WakeHandle
     wake_copy: Any  # the Celery signature to send when the offer comes
-    expires: float  # monotonic: by then the backstop copy has taken over
+    expires: float  # monotonic: by then a copy of the wait should have asked again
+    semaphore: FairSemaphore
+    waiter: str
+    run: str  # the run id every copy of this wait asks under
     name: str = field(default="")
 
 
@@ -57,9 +69,10 @@ class Parking:
         self._to_send: queue.SimpleQueue[_Parked | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
 
-    def park(self, semaphore: FairSemaphore, waiter: str, wake_copy: Any, *, away_for: float) -> str:
+    def park(self, semaphore: FairSemaphore, waiter: str, wake_copy: Any, *, away_for: float, run: str) -> str:
         """Register ``wake_copy`` to be sent when ``waiter`` is offered a slot of ``semaphore``
-        (within ``away_for`` seconds); returns the wake address to park the waiter under."""
+        (within ``away_for`` seconds), or when that time is up and no copy of the wait (run
+        ``run``) has asked; returns the wake address to park the waiter under."""
         wake_ups = wake_ups_for(semaphore.client)
         channel = semaphore.keys.wake_channel(wake_ups.process_id)
         key = (id(semaphore.client), f"{channel}\n{waiter}")
@@ -72,7 +85,7 @@ class Parking:
                 self._to_send.put(parked)
 
         handle = wake_ups.on_wake(channel, waiter, woken)
-        entry = _Parked(handle, wake_copy, time.monotonic() + away_for, name=semaphore.name)
+        entry = _Parked(handle, wake_copy, time.monotonic() + away_for, semaphore, waiter, run, name=semaphore.name)
         with self._lock:
             old = self._parked.pop(key, None)
             self._parked[key] = entry
@@ -80,7 +93,6 @@ class Parking:
         if old is not None:
             old.handle.close()
         handle.subscribe(SUBSCRIBE_WAIT_S)
-        self._expire()
         return channel
 
     def _start(self) -> None:
@@ -88,26 +100,44 @@ class Parking:
             self._sender = threading.Thread(target=self._run, name="celery-semaphore-wake-sender", daemon=True)
             self._sender.start()
 
-    def _expire(self) -> None:
-        """Forget parked tasks whose backstop copy has taken over (cheap: few are parked)."""
+    def _sweep(self) -> None:
+        """Parked tasks whose time is up: forgotten when a copy of their wait asked meanwhile,
+        else sent again (their backstop copy was lost)."""
         now = time.monotonic()
         with self._lock:
-            stale = [key for key, parked in self._parked.items() if parked.expires < now]
-            gone = [self._parked.pop(key) for key in stale]
+            due = [key for key, parked in self._parked.items() if parked.expires < now]
+            gone = [self._parked.pop(key) for key in due]
         for parked in gone:
             parked.handle.close()
+            try:
+                if copy_asked(parked.semaphore, parked.waiter, parked.run):
+                    continue
+            except Exception as error:  # Redis down: the backstop copy is the better bet
+                logger.debug("sweep of %r could not read the line: %s", parked.name, error)
+                continue
+            logger.warning("no copy of a task waiting for %r asked in time (its countdown copy was lost?): "
+                           "sending it again", parked.name)
+            self._send(parked)
 
     def _run(self) -> None:
         while True:
-            parked = self._to_send.get()
+            try:
+                parked = self._to_send.get(timeout=SWEEP_EVERY_S)
+            except queue.Empty:
+                self._sweep()
+                continue
             if parked is None:
                 return
             parked.handle.close()
-            try:
-                parked.wake_copy.apply_async()
-            except Exception as error:  # the backstop copy still comes, at its countdown
-                logger.warning("could not send the wake copy of a task waiting for %r (its countdown copy "
-                               "still comes): %s", parked.name, error)
+            self._send(parked)
+
+    @staticmethod
+    def _send(parked: _Parked) -> None:
+        try:
+            parked.wake_copy.apply_async()
+        except Exception as error:  # the backstop copy still comes, at its countdown
+            logger.warning("could not send the wake copy of a task waiting for %r (its countdown copy "
+                           "still comes): %s", parked.name, error)
 
     def parked_count(self) -> int:
         with self._lock:
@@ -115,6 +145,19 @@ class Parking:
 
 
 _parking = Parking()
+
+
+def copy_asked(semaphore: FairSemaphore, waiter: str, run: str) -> bool:
+    """Whether some copy of a parked wait asked again: the waiter still has a place whose
+    must-ask-by deadline is ahead (a copy asked, or it is still parked), or its run was granted."""
+    keys = semaphore.keys
+    pipe = semaphore.client.pipeline(transaction=False)
+    pipe.time()
+    pipe.zscore(keys.deadlines, waiter)
+    pipe.hexists(keys.runs, run)
+    (seconds, micros), deadline_ms, granted = pipe.execute()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return bool(granted) or (deadline_ms is not None and float(deadline_ms) > now_ms)
 
 
 def parking() -> Parking:

@@ -194,7 +194,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         if origin is not None and not outages.is_down(semaphore):
             wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
             try:
-                address = parking().park(semaphore, waiter, wake_copy, away_for=away_for)
+                address = parking().park(semaphore, waiter, wake_copy, away_for=away_for,
+                                         run=f"{request.id}#{request.retries or 0}")
             except Exception as error:  # no wake-up then: the backstop copy still comes
                 logger.warning("%s[%s] waits for its countdown only (could not listen for its turn): %s",
                                self.name, request.id, error)
