@@ -323,7 +323,7 @@ def plan(clients: int) -> list[tuple[str, int]]:
 # -- running one case -------------------------------------------------------------------------------
 
 
-def run_client(kind: str, port: int, limit: int, seconds: float, barrier: Any) -> tuple[int, int, float]:
+def run_client(kind: str, port: int, limit: int, seconds: float, barrier: Any) -> tuple[int, int, float, float]:
     """One client: its own connection, one warm-up iteration, then ops until ``seconds`` pass."""
     client = redis.Redis(host="127.0.0.1", port=port)
     try:
@@ -331,13 +331,14 @@ def run_client(kind: str, port: int, limit: int, seconds: float, barrier: Any) -
         op()  # connect, load scripts, start the renewer thread: not measured
         barrier.wait(timeout=60)
         tries = grants = 0
+        cpu_started = time.process_time()  # this process, every thread (renewer, listener) included
         started = time.perf_counter()
         deadline = started + seconds
         while time.perf_counter() < deadline:
             t, g = op()
             tries += t
             grants += g
-        return tries, grants, time.perf_counter() - started
+        return tries, grants, time.perf_counter() - started, time.process_time() - cpu_started
     finally:
         client.close()
 
@@ -395,6 +396,7 @@ class Sample:
     grants: int
     seconds: float  # mean wall time the clients ran
     server_cpu_s: float  # redis-server CPU (user + sys) spent meanwhile, warm-ups included
+    client_cpu_s: float = 0.0  # the clients' own CPU (processes only: threads share one clock)
 
     def __add__(self, other: Sample) -> Sample:
         return Sample(
@@ -402,6 +404,7 @@ class Sample:
             self.grants + other.grants,
             self.seconds + other.seconds,
             self.server_cpu_s + other.server_cpu_s,
+            self.client_cpu_s + other.client_cpu_s,
         )
 
 
@@ -418,6 +421,7 @@ class Result:
     grants_per_s: float
     round_trips: str
     server_us_per_try: float  # redis-server CPU time (user + sys) per try
+    client_us_per_try: float  # client CPU per try (processes only; 0 with threads)
     server_cpu_percent: float  # redis-server CPU time over the wall time: 100 = one core busy
     tries_vs_baseline: float
     grants_vs_baseline: float
@@ -448,6 +452,7 @@ def measure(kind: str, server: RedisServer, limit: int, clients: int, seconds: f
         grants=sum(o[1] for o in outcomes),
         seconds=sum(o[2] for o in outcomes) / len(outcomes),
         server_cpu_s=server_cpu_s,
+        client_cpu_s=sum(o[3] for o in outcomes) if workers == "processes" else 0.0,
     )
 
 
@@ -492,6 +497,7 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
                 grants_per_s=grants_per_s,
                 round_trips=KINDS[kind].round_trips,
                 server_us_per_try=total.server_cpu_s * 1e6 / max(total.tries, 1),
+                client_us_per_try=total.client_cpu_s * 1e6 / max(total.tries, 1),
                 server_cpu_percent=total.server_cpu_s * 100 / total.seconds,
                 tries_vs_baseline=tries_per_s / base,
                 grants_vs_baseline=grants_per_s / base,
@@ -729,6 +735,7 @@ def table(results: list[Result]) -> str:
         "tries/base",
         "srv us/try",
         "srv CPU%",
+        "cli us/try",
         "vs 2xEVALSHA (min-max)",
         "vs minimal (min-max)",
     )
@@ -744,6 +751,7 @@ def table(results: list[Result]) -> str:
             f"{r.tries_vs_baseline:.3f}",
             f"{r.server_us_per_try:.0f}",
             f"{r.server_cpu_percent:.0f}",
+            f"{r.client_us_per_try:.0f}" if r.client_us_per_try else "",
             _ratio(r.vs_cycle),
             _ratio(r.vs_minimal),
         )
@@ -834,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
             "RTT/try: round trips per try when granted (refused) without lock contention.\n"
             "x/base: ops/s divided by the baseline's calls/s with the same client count in this run.\n"
             "srv us/try, srv CPU%: redis-server CPU (user + sys, from INFO cpu) per try, and over the wall time.\n"
+            "cli us/try: the client processes' own CPU per try (every thread), with --workers processes.\n"
             "vs 2xEVALSHA, vs minimal: grants/s over those cases' in this run (lowest-highest of the rounds)."
         )
         for r in results:

@@ -104,6 +104,31 @@ class _Channel:
         self.idle_since = time.monotonic()
 
 
+class Flag:
+    """A one-bit event for one waiter, cheaper to make than ``threading.Event`` (which builds a
+    Condition): a lock held while the flag is down. ``wait`` takes the flag down again."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # raised when the flag is already up
+            self._lock.release()
+
+    def clear(self) -> None:
+        self._lock.acquire(blocking=False)
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the flag; True if it was up (it is down again now)."""
+        return self._lock.acquire(timeout=max(timeout, 0.0))
+
+
 class WakeHandle:
     """One waiter's registration with the listener: ``callback`` runs (on the listener thread:
     keep it short) when a wake-up names the waiter. For a blocked caller the callback sets
@@ -115,7 +140,7 @@ class WakeHandle:
         self.wake_ups = wake_ups
         self.channel = channel
         self.waiter = waiter
-        self.event = threading.Event()
+        self.event = Flag()
         self.callback = self.event.set if callback is None else callback
         # a blocked caller asks again after a reconnect (wake-ups may have been lost meanwhile);
         # a callback fires only for a real wake-up

@@ -25,7 +25,6 @@ import os
 import re
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -47,7 +46,7 @@ from ._scripts import (
     SemaphoreKeys,
     scripts_for,
 )
-from ._wakeups import wake_ups_for
+from ._wakeups import WakeUps, wake_ups_for
 from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .validation import check_limit, check_name, check_prefix, check_seconds, check_token, to_ms
 
@@ -70,8 +69,9 @@ def default_label() -> str:
 
 
 def new_token() -> str:
-    """A random holder token: nobody can guess it, so only its holder can release it."""
-    return uuid.uuid4().hex
+    """A random holder token: nobody can guess it, so only its holder can release it. (128 random
+    bits as hex, like ``uuid4().hex`` without building a UUID on every acquire.)"""
+    return os.urandom(16).hex()
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,7 @@ class FairSemaphore:
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._scripts: Scripts = scripts_for(client)
+        self._wake_cache: tuple[int, WakeUps, str] | None = None
 
     def __repr__(self) -> str:
         return f"<FairSemaphore {self.name!r} limit={self.limit} lease={self.lease}>"
@@ -304,15 +305,14 @@ class FairSemaphore:
         started = time.monotonic()
         patience_s = self.patience if patience is None else check_seconds("patience", patience)
         pause = patience_s / 3
-        wake_ups = wake_ups_for(self.client)
-        channel = self.keys.wake_channel(wake_ups.process_id)
+        wake_ups, channel = self._wake_ups()
         with wake_ups.signal(channel, waiter) as signal:
             subscribed = signal.ready()
             while True:
                 signal.event.clear()  # a wake-up from here on is kept for the wait below
                 with wake_ups.gate:  # blocked threads never take the whole connection pool
                     attempt = self.try_acquire(
-                        token=token, waiter=waiter, patience=patience_s, label=label, ticket=ticket, fresh=fresh,
+                        token=token, waiter=waiter, patience=patience, label=label, ticket=ticket, fresh=fresh,
                         wake=channel, run=run, remember=remember,
                     )
                 fresh = False
@@ -535,6 +535,16 @@ class FairSemaphore:
 
     def _redis_errors(self, operation: str) -> _RedisErrors:
         return _RedisErrors(self.name, operation)
+
+    def _wake_ups(self) -> tuple[WakeUps, str]:
+        """This process's wake-up listener for the client, and this semaphore's channel on it;
+        looked up once per process (a fork makes a new listener with a new channel)."""
+        pid = os.getpid()
+        cached = self._wake_cache
+        if cached is None or cached[0] != pid:
+            wake_ups = wake_ups_for(self.client)
+            cached = self._wake_cache = (pid, wake_ups, self.keys.wake_channel(wake_ups.process_id))
+        return cached[1], cached[2]
 
     def _leave_quietly(self, waiter: str) -> None:
         try:
