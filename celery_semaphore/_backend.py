@@ -22,7 +22,9 @@ them for rate limits writes the same here:
     ``user`` and ``password`` authenticate to that master (an ACL user or ``requirepass``);
     query options that start with ``sentinel_`` configure the connections to the Sentinels
     themselves, prefix removed: ``sentinel_password=...``, ``sentinel_username=...``,
-    ``sentinel_socket_timeout=...``. A Sentinel port defaults to 26379.
+    ``sentinel_socket_timeout=...``. A Sentinel port defaults to 26379. The client asks the
+    Sentinels where the master is at least every :data:`SENTINEL_CHECK_INTERVAL` seconds, so
+    after a planned failover it stops writing to the demoted master within about that time.
 ``rediss+sentinel://...``
     The same with TLS to the master and to the Sentinels (``sentinel_ssl=false`` if only the
     master speaks TLS).
@@ -64,6 +66,7 @@ from .errors import ConfigurationError
 
 __all__ = [
     "SCHEMES",
+    "SENTINEL_CHECK_INTERVAL",
     "BackendSpec",
     "Client",
     "backend_from_broker",
