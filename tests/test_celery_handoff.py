@@ -114,3 +114,105 @@ def test_tasks_sent_one_at_a_time_start_in_that_order(proj: Any) -> None:
     for result in results:
         result.get(timeout=60)
     assert [task_id for task_id, _ in starts(proj, key)] == [r.id for r in results]
+
+
+def inversions(order: list[str], reference: list[str]) -> int:
+    """Pairs of tasks that started in the opposite order to ``reference``."""
+    place = {task_id: i for i, task_id in enumerate(reference)}
+    ranks = [place[task_id] for task_id in order]
+    return sum(1 for i in range(len(ranks)) for j in range(i + 1, len(ranks)) if ranks[i] > ranks[j])
+
+
+def test_a_backlog_across_two_workers_starts_in_first_ask_order(proj: Any) -> None:
+    """24 tasks sent at once to two workers, limit 1, all waiting outside the worker: they start
+    in the order they first asked (at most 1% of pairs inverted), each once, never two at once."""
+    key = "handoff-backlog"
+    results = [send(proj.handoff, 0.05, key) for _ in range(24)]
+    for result in results:
+        result.get(timeout=120)
+    ids = {r.id for r in results}
+    asks = [entry.split()[0].decode() for entry in proj.probe("proj.handoff").client.lrange(
+        "probe:proj.handoff:asks", 0, -1)]
+    first_asks = [task_id for task_id in dict.fromkeys(asks) if task_id in ids]
+    started = [task_id for task_id, _ in starts(proj, key)]
+    assert sorted(started) == sorted(ids), "each ran once"
+    pairs = len(started) * (len(started) - 1) // 2
+    assert inversions(started, first_asks) <= pairs // 100
+    assert proj.probe(key).maximum == 1
+
+
+FAULT_CONF = {
+    "task_acks_late": True,
+    # redeliver a dead worker's unacked messages after 4 s, sweeping every second
+    "broker_transport_options": {"visibility_timeout": 4, "unacked_restore_interval": 1, "unacked_restore_throttle": 1},
+}
+
+
+def _ended_once(proj: Any, key: str, results: list[AsyncResult]) -> None:
+    ends = [entry.split()[0].decode() for entry in proj.probe(key).client.lrange(f"probe:{key}:ends", 0, -1)]
+    assert sorted(ends) == sorted(r.id for r in results), "every task finished exactly once"
+
+
+@pytest.mark.slow
+def test_a_worker_sigkilled_while_it_holds_parked_tasks_loses_none(celery_stack: CeleryStack) -> None:
+    """A whole worker SIGKILLed while its processes have parked waiting tasks (and it holds
+    countdown copies unacked): every task still finishes, exactly once."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "handoff-kill"}
+    victim = Worker(env, name="kill-victim", concurrency=3, conf=FAULT_CONF).start()
+    survivor = Worker(env, name="kill-survivor", concurrency=3, conf=FAULT_CONF).start()
+    key = "handoff-kill"
+    try:
+        results = [proj.handoff_faults.apply_async((0.3, key), queue="handoff-kill") for _ in range(12)]
+        wait_until(lambda: "retry: waiting for a slot" in victim.log(), timeout=30, what="the victim parked a task")
+        victim.kill()
+        for result in results:
+            assert result.get(timeout=120) == result.id
+        _ended_once(proj, key, results)
+        assert proj.probe(key).maximum == 1
+    finally:
+        victim.kill()
+        survivor.stop()
+
+
+@pytest.mark.slow
+def test_the_semaphore_redis_restarted_while_tasks_wait_loses_none(celery_stack: CeleryStack, proj: Any) -> None:
+    """The semaphore's Redis restarts empty while tasks are parked: places, offers and run
+    records are gone, yet every task finishes, exactly once (copies come back with their tickets)."""
+    key = "handoff-restart"
+    results = [send(proj.handoff_faults, 0.3, key) for _ in range(8)]
+    wait_until(lambda: proj.probe(key).entries >= 2, timeout=60, what="some tasks ran")
+    celery_stack.semaphore.restart()
+    for result in results:
+        assert result.get(timeout=120) == result.id
+    _ended_once(proj, key, results)
+
+
+@pytest.mark.slow
+def test_the_releasing_worker_killed_right_after_its_release_delays_nobody(celery_stack: CeleryStack) -> None:
+    """The release hands the slot over and tells the waiter in one script: a releasing worker
+    SIGKILLed right after it does not delay the next task, which starts long before its countdown."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "handoff-releaser"}
+    releaser = Worker(env, name="releaser", concurrency=1, conf=FAULT_CONF).start()
+    waiter_env = {**celery_stack.env, "PROJ_QUEUE": "handoff-waiter"}
+    waiter = Worker(waiter_env, name="waiter", concurrency=1, conf=FAULT_CONF).start()
+    key = "handoff-releaser"
+    semaphore = semaphore_for(proj.app, "proj.handoff_faults")
+    try:
+        first = proj.handoff_faults.apply_async((1.0, key), queue="handoff-releaser")
+        wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the first task holding")
+        second = proj.handoff_faults.apply_async((0.1, key), queue="handoff-waiter")
+        wait_until(lambda: parked(proj, "proj.handoff_faults", second.id), timeout=30, what="the second parked")
+        wait_until(lambda: first.state == "SUCCESS", timeout=30, interval=0.002, what="the first released")
+        released_at = time.time()
+        releaser.kill()
+        assert second.get(timeout=30) == second.id
+        started_at = dict(starts(proj, key))[second.id]
+        assert started_at - released_at < 2.5, "woken by the release, not by its 4 s countdown"
+        wait_until(lambda: semaphore.status().holder_count == 0, timeout=10, what="no slot held")
+    finally:
+        releaser.kill()
+        waiter.stop()

@@ -185,3 +185,11 @@ def handoff_twin(self: Any, seconds: float, key: str = "proj.handoff_twin") -> s
     """Its countdown copy (1 s) arrives while its woken copy still runs."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=4, semaphore_lease=2,
+          name="proj.handoff_faults", bind=True, acks_late=True)
+def handoff_faults(self: Any, seconds: float, key: str = "proj.handoff_faults") -> str:
+    """For the fault tests: waits outside the worker, short lease, acks late."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
