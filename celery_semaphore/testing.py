@@ -19,6 +19,7 @@ Its fixtures start nothing until a test asks for them:
 
         def test_report_runs(semaphore_redis_url):
             app.conf.semaphore_backend_url = semaphore_redis_url
+            app.conf.task_always_eager = True  # or run a worker (celery.contrib.pytest)
             assert build_report.delay().get(timeout=10) == "done"
 
 ``semaphore_redis``
