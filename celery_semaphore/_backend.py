@@ -27,7 +27,8 @@ them for rate limits writes the same here:
     after a planned failover it stops writing to the demoted master within about that time.
 ``rediss+sentinel://...``
     The same with TLS to the master and to the Sentinels (``sentinel_ssl=false`` if only the
-    master speaks TLS).
+    master speaks TLS). The ``ssl_*`` options apply to both; a ``sentinel_ssl_*`` option
+    overrides one for the Sentinels.
 
 Every other query option is a redis-py connection option (``socket_timeout``,
 ``socket_connect_timeout``, ``health_check_interval``, ``protocol``, ``ssl_*``, ...). A
@@ -500,6 +501,12 @@ def _parse_sentinel(
         raise _Invalid("sentinel_ssl=true needs the rediss+sentinel:// scheme")
     sentinel_password = sentinel_raw.pop("password", None)
     sentinel_username = sentinel_raw.pop("username", None)
+    if sentinel_tls:
+        # One TLS deployment, one set of certificates: the ssl_* options of the master apply to
+        # the Sentinels too, unless a sentinel_ssl_* option says otherwise.
+        for name, value in data_raw.items():
+            if name.startswith("ssl_"):
+                sentinel_raw.setdefault(name, value)
     try:
         sentinel_options = _typed_options(sentinel_raw, tls=sentinel_tls)
     except _Invalid as error:

@@ -90,6 +90,17 @@ def parse(url: str) -> BackendSpec:
         ("redis+sentinel://s1/my%20master", {"service_name": "my master"}),
         ("rediss+sentinel://s1/m", {"tls": True, "sentinel_options": {"ssl": True}}),
         ("rediss+sentinel://s1/m?sentinel_ssl=false", {"tls": True, "sentinel_options": {}}),
+        (
+            "rediss+sentinel://s1/m?ssl_ca_certs=/ca.pem&sentinel_ssl_cert_reqs=none",
+            {
+                "options": {"ssl_ca_certs": "/ca.pem"},
+                "sentinel_options": {"ssl": True, "ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": "none"},
+            },
+        ),
+        (
+            "rediss+sentinel://s1/m?ssl_ca_certs=/ca.pem&sentinel_ssl=false",
+            {"options": {"ssl_ca_certs": "/ca.pem"}, "sentinel_options": {}},
+        ),
         ("REDIS+CLUSTER://h1:7000", {"kind": "cluster"}),
     ],
 )
