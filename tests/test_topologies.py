@@ -3,7 +3,9 @@ they talk to the deployment, run hash-tagged Lua, and find the data again after 
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -12,8 +14,9 @@ import redis.cluster
 from celery_semaphore import FairSemaphore
 from celery_semaphore._backend import backend_from_broker, client_for, parse_backend_url
 from celery_semaphore.errors import ConfigurationError
+from celery_semaphore.testing import TlsFiles, make_test_certificates
 
-from .redis_server import RedisClusterSet, RedisSentinelSet, wait_until
+from .redis_server import RedisClusterSet, RedisSentinelSet, RedisServer, system_binary, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -221,6 +224,33 @@ def test_sentinel_client_leaves_a_demoted_master_within_the_check_interval(
         wait_until(written_to_new_master, 5, "writes reaching the new master")
     # redis-py alone keeps writing to the old master until it is demoted, ~10 s after this
     assert time.monotonic() - moved_at < 3.0
+
+
+def _tls_binary_or_skip(tmp_path: Path) -> tuple[str, TlsFiles]:
+    binary = system_binary()
+    if binary is None or shutil.which("openssl") is None:
+        pytest.skip("needs redis-server on PATH and openssl")
+    files = make_test_certificates(tmp_path / "tls")
+    try:
+        RedisServer(binary, tls=files).start().close()
+    except RuntimeError:
+        pytest.skip("redis-server on PATH is built without TLS")
+    return binary, files
+
+
+def test_sentinel_over_tls(tmp_path: Path) -> None:
+    """rediss+sentinel:// with ssl_ca_certs reaches TLS Sentinels and a TLS master (the CA
+    verifies both), and follows a failover to the new master's TLS port."""
+    binary, files = _tls_binary_or_skip(tmp_path)
+    with RedisSentinelSet(binary=binary, tls=files, password="pw") as sentinel_set:
+        assert sentinel_set.url.startswith("rediss+sentinel://")
+        client = client_for(sentinel_set.url)
+        _round_trip_and_script(client, "tls")
+        new = sentinel_set.failover()
+        assert sentinel_set.master_address()[1] == new.tls_port
+        assert wait_until(lambda: client.set("k", "v") and client.get("k") == b"v", 10, "writes after failover")
+        with new.client() as direct:
+            assert direct.get("k") == b"v"
 
 
 def test_malformed_sentinel_url_never_reaches_a_server() -> None:
