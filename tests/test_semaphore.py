@@ -446,3 +446,22 @@ def test_the_hold_time_average_is_reported_to_waiters(redis_client: redis.Redis)
     keeper.release()
     claimed.lease.release()
     semaphore.leave("w2")
+
+
+def test_a_short_lease_never_shortens_the_expiry_of_a_long_one(redis_client: redis.Redis) -> None:
+    """Holders with different lease lengths share the holders key: a 0.5 s lease granted after a
+    30 s one leaves the keys' expiry covering the 30 s lease (PEXPIRE GT on Redis 7, a PTTL
+    comparison on 6.2), and a waiter's short patience does not shorten it either."""
+    long_lived = FairSemaphore(redis_client, "mixed", 3, lease=30)
+    short_lived = FairSemaphore(redis_client, "mixed", 3, lease=0.5, patience=0.3)
+    first = long_lived.acquire(timeout=0)
+    second = short_lived.acquire(timeout=0)
+    third = short_lived.acquire(timeout=0)
+    assert isinstance(short_lived.try_acquire(waiter="w"), Waiting)
+    for key in (long_lived.keys.holders, long_lived.keys.holder_info):
+        assert redis_client.pttl(key) > 29_000, key
+    for lease in (second, third):
+        renewer.forget(lease)
+    wait_until(lambda: long_lived.status(listed=0).holder_count == 1, timeout=5, what="the short leases to lapse")
+    assert redis_client.pttl(long_lived.keys.holders) > 25_000
+    first.release()
