@@ -649,6 +649,30 @@ def release_cost(server: RedisServer, waiters: int) -> dict[str, Any]:
     }
 
 
+def cpu_per_cycle(server: RedisServer, repeats: int, ops: int = 2000) -> dict[str, float]:
+    """Client CPU (process time, this process) per op of each uncontended case, the lowest of
+    ``repeats`` interleaved runs: on a shared host the throughput ratios swing with other load,
+    while the least CPU an op needed is steady. What ``--workers processes`` throughput tends
+    to when the clients' CPU is the bottleneck."""
+    kinds = ["baseline-2x", "fair-cycle", "fair-blocking", "fair-try-oneshot", "minimal-fair"]
+    client = server.client()
+    with server.client() as admin:
+        admin.flushall()
+    made = {kind: KINDS[kind].make(client, 1_000) for kind in kinds}
+    best = dict.fromkeys(kinds, math.inf)
+    for op in made.values():
+        for _ in range(200):
+            op()
+    for _ in range(repeats):
+        for kind, op in made.items():
+            started = time.process_time()
+            for _ in range(ops):
+                op()
+            best[kind] = min(best[kind], (time.process_time() - started) * 1e6 / ops)
+    client.close()
+    return best
+
+
 def _crowd_member(port: int, seconds: float, hold: float, limit: int, barrier: Any, results: Any) -> None:
     """One process of the crowd. Each hold is recorded as a (start, end) pair of CLOCK_MONOTONIC
     times, which every process on the host shares: the maximum overlap is computed afterwards,
@@ -796,8 +820,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
         "--scenarios",
-        default="throughput,release-cost,handoff,crowd",
-        help="comma-separated: throughput (the table), release-cost (Redis calls per release at N blocked "
+        default="throughput,cpu,release-cost,handoff,crowd",
+        help="comma-separated: throughput (the table), cpu (least client CPU per uncontended cycle), "
+        "release-cost (Redis calls per release at N blocked "
         "waiters), handoff (blocked-caller hand-off latency), crowd (many processes on one key); default all",
     )
     parser.add_argument("--waiters", type=int, default=200, help="blocked threads for the hand-off latency")
@@ -830,6 +855,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {clients} client(s): baseline calls/s by round: {rounds}", flush=True)
             results += block
         extra: dict[str, Any] = {}
+        if "cpu" in scenarios:
+            extra["cpu_us_per_cycle"] = cpu_per_cycle(server, max(args.repeats, 5))
         if "release-cost" in scenarios:
             extra["release_cost"] = [
                 release_cost(server, n) for n in (1, 10, 50, 200) for _ in range(args.repeats)
@@ -860,6 +887,12 @@ def main(argv: list[str] | None = None) -> int:
                     ratios = [b / t for b, t in zip(r.per_round, try_case.per_round, strict=True)]
                     print(f"uncontended acquire(timeout=10) vs try_acquire, {r.clients} client(s): "
                           f"{r.grants_per_s / try_case.grants_per_s:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    if "cpu_us_per_cycle" in extra:
+        cpu = extra["cpu_us_per_cycle"]
+        print("\nLeast client CPU per uncontended cycle (one process, best of the repeats):")
+        for kind, micros in cpu.items():
+            print(f"  {KINDS[kind].title:<50} {micros:6.0f} us   2xEVALSHA/this {cpu['baseline-2x'] / micros:.2f}   "
+                  f"minimal/this {cpu['minimal-fair'] / micros:.2f}")
     if "release_cost" in extra:
         print("\nOne release with N blocked callers (the release script + the woken waiter's claim):")
         for n in (1, 10, 50, 200):
