@@ -600,15 +600,18 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
     elif isinstance(spec, Handoff):
         head = (f"{spec.name}: {spec.title}: {spec.chains} chains x {spec.links} links, hold {spec.hold} s, "
                 f"limit 1 per chain, {WORKERS} workers x {CHILDREN}")
-        rows = [["", "samples", "cross-worker", "p50 ms", "p90 ms", "p99 ms", "max ms", "runs/waiter"]]
+        rows = [["", "samples", "cross-worker", "not waiting", "p50 ms", "p90 ms", "p99 ms", "max ms",
+                 "runs/waiter"]]
         for result in outcome.rounds.get("semaphore", []):
             rows.append([f"round {result['round']}", str(result["samples"]), str(result["cross_worker"]),
+                         str(result["not_waiting"]),
                          *(f"{result[k]:.1f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
                          f"{result['runs_per_waiter']:.2f}"])
         pooled = [s for r in outcome.rounds.get("semaphore", []) for s in r["samples_ms"]]
         if pooled:
-            rows.append(["all rounds", str(len(pooled)), str(sum(int(r["cross_worker"]) for r in
-                                                                  outcome.rounds["semaphore"])),
+            rows.append(["all rounds", str(len(pooled)),
+                         *(str(sum(int(r[name]) for r in outcome.rounds["semaphore"]))
+                           for name in ("cross_worker", "not_waiting")),
                          *(f"{percentile(pooled, q):.1f}" for q in (50, 90, 99, 100)),
                          show(figures(outcome, "semaphore", "runs_per_waiter"), 2)])
     else:
@@ -734,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--only {args.only}: no such scenario")
     began = time.monotonic()
     meta: dict[str, Any] = {
-        "commit": git("log", "--oneline", "-1"),
+        "commit": git("log", "--oneline", "-1") or "unknown (not a git checkout)",
         "library_changes_not_committed": git("status", "--porcelain", "--", "celery_semaphore").splitlines(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "load_at_start": os.getloadavg(),
