@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .catalogue import semaphore_for
     from .decorators import limit_concurrency
     from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
+    from .multi import MultiSemaphore
     from .semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
     from .task import SemaphoreTask
 
@@ -27,6 +28,7 @@ _HOMES = {
     "Granted": ".semaphore",
     "Lease": ".semaphore",
     "LeaseLost": ".errors",
+    "MultiSemaphore": ".multi",
     "RedisUnavailable": ".errors",
     "SemaphoreError": ".errors",
     "SemaphoreStatus": ".semaphore",
@@ -43,6 +45,7 @@ __all__ = [
     "Granted",
     "Lease",
     "LeaseLost",
+    "MultiSemaphore",
     "RedisUnavailable",
     "SemaphoreError",
     "SemaphoreStatus",

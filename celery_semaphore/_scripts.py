@@ -23,7 +23,8 @@ from typing import Any
 
 from redis.commands.core import Script
 
-_NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset")
+_NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset",
+          "acquire_many", "release_many", "renew_many", "leave_many")
 
 # acquire outcomes
 GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
@@ -31,6 +32,8 @@ GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 RENEW_LOST, RENEW_RENEWED, RENEW_REGISTERED_AGAIN = 0, 1, 2
 # waiter states in a status listing
 AWAY, PRESENT, OFFERED = 0, 1, 2
+# acquire_many: the weight is above a limit in force (the try would wait forever)
+TOO_HEAVY = 5
 
 
 @functools.cache
@@ -61,8 +64,9 @@ class SemaphoreKeys:
     base: str  # "{prefix}:{<name>}", the common start of every key and channel (not a key)
 
     @classmethod
-    def of(cls, prefix: str, name: str) -> SemaphoreKeys:
-        base = f"{prefix}:{{{name}}}"
+    def of(cls, prefix: str, name: str, hash_tag: str | None = None) -> SemaphoreKeys:
+        # with a hash tag, semaphores of one family share a cluster slot: "{prefix}:{<tag>}:<name>"
+        base = f"{prefix}:{{{name}}}" if hash_tag is None else f"{prefix}:{{{hash_tag}}}:{name}"
         return cls(
             holders=f"{base}:holders",
             holder_info=f"{base}:holder_info",
@@ -113,6 +117,16 @@ class AcquireReply:
 
 # A grant or a duplicate is answered with its bare code; its other fields mean nothing then.
 _BARE_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED, RUNNING, RAN)}
+
+
+@dataclass(frozen=True)
+class ManyReply:
+    outcome: int  # GRANTED, WAIT or TOO_HEAVY
+    position: int  # the most waiters ahead of it in any line
+    free: int  # the fewest free slots of any semaphore
+    limit: int  # the limit of the semaphore named by ``index``
+    index: int  # WAIT: the first semaphore holding the try back; TOO_HEAVY: the one too small
+    ticket: int | None
 
 
 @dataclass(frozen=True)
@@ -252,6 +266,52 @@ class Scripts:
             waiters=listed_waiters,
         )
 
+    # -- several semaphores in one script (8 keys each; one hash slot on a cluster) ----------
+
+    def acquire_many(
+        self,
+        keys: list[SemaphoreKeys],
+        *,
+        token: str,
+        waiter: str,
+        default_limits: list[int],
+        lease_ms: int,
+        patience_ms: int,
+        enqueue: bool,
+        label: str,
+        ticket: int | None,
+        wake: str,
+    ) -> ManyReply:
+        args: list[Any] = [token, waiter, _number(lease_ms), _number(patience_ms), b"1" if enqueue else b"0", label,
+                           b"" if ticket is None else _number(int(ticket)), wake, _number(len(keys)),
+                           *(_number(limit) for limit in default_limits)]
+        reply = self._scripts["acquire_many"](keys=_many_keys(keys), args=args)
+        if not isinstance(reply, list):
+            return ManyReply(int(reply), 0, 0, 0, 0, None)
+        if int(reply[0]) == TOO_HEAVY:
+            return ManyReply(TOO_HEAVY, 0, 0, int(reply[2]), int(reply[1]), None)
+        outcome, position, free, limit, index, ticket_text = reply
+        text = _text(ticket_text)
+        return ManyReply(int(outcome), int(position), int(free), int(limit), int(index),
+                         int(float(text)) if text else None)
+
+    def release_many(self, keys: list[SemaphoreKeys], *, token: str, default_limits: list[int]) -> bool:
+        args: list[Any] = [token, _number(len(keys)), *(_number(limit) for limit in default_limits)]
+        return bool(self._scripts["release_many"](keys=_many_keys(keys), args=args))
+
+    def renew_many(
+        self, keys: list[SemaphoreKeys], *, lease_ms: int, default_limits: list[int], reclaim: bool,
+        holders: list[tuple[str, str]],
+    ) -> list[int]:
+        args: list[Any] = [lease_ms, int(reclaim), len(keys), *default_limits]
+        for token, label in holders:
+            args += [token, label]
+        return [int(code) for code in self._scripts["renew_many"](keys=_many_keys(keys), args=args)]
+
+    def leave_many(self, keys: list[SemaphoreKeys], *, waiter: str, default_limits: list[int]) -> bool:
+        args: list[Any] = [waiter, _number(len(keys)), *(_number(limit) for limit in default_limits)]
+        return bool(self._scripts["leave_many"](keys=_many_keys(keys), args=args))
+
     def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, default_limit: int) -> int:
         args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, default_limit]
         return int(self._scripts["set_limit"](keys=keys.line_keys, args=args))
@@ -274,6 +334,10 @@ def scripts_for(client: Any) -> Scripts:
         if client not in _registered:
             _registered[client] = Scripts(client)
         return _registered[client]
+
+
+def _many_keys(keys: list[SemaphoreKeys]) -> list[bytes]:
+    return [key for semaphore in keys for key in semaphore.line_keys]
 
 
 @functools.lru_cache(maxsize=4096)

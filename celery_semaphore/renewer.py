@@ -103,7 +103,7 @@ class _Renewer:
         by_semaphore: dict[tuple[int, str, float], tuple[FairSemaphore, list[Lease]]] = {}
         for lease in leases:
             semaphore = lease.semaphore
-            same = (id(semaphore.client), semaphore.keys.holders, semaphore.lease)
+            same = (id(semaphore.client), semaphore.renewal_key, semaphore.lease)
             by_semaphore.setdefault(same, (semaphore, []))[1].append(lease)
         for semaphore, group in by_semaphore.values():
             with self.cycle:

@@ -123,6 +123,7 @@ class HolderInfo:
     label: str
     held_for: float  # seconds since the slot was granted (server time)
     expires_in: float  # seconds of lease left
+    weight: int = 1  # slots this holder takes (a MultiSemaphore acquire with a weight)
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,11 @@ class FairSemaphore:
     in the background every ``lease / 3`` seconds. ``patience`` is how long a waiter that stops
     asking keeps its place in line. ``limit`` applies unless a runtime override is stored in
     Redis (``set_limit``).
+
+    ``hash_tag``: on a Redis Cluster every key of a semaphore lives in the slot of its name;
+    semaphores given the same ``hash_tag`` share one slot instead, so that a ``MultiSemaphore``
+    can take slots of all of them in one atomic script. The cost: that whole family is served by
+    one master. Every user of a semaphore must give it the same tag (the tag is part of its keys).
     """
 
     def __init__(
@@ -227,6 +233,7 @@ class FairSemaphore:
         lease: float = 60.0,
         prefix: str = "semaphore",
         patience: float = 5.0,
+        hash_tag: str | None = None,
     ) -> None:
         if not isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
             raise ConfigurationError(
@@ -238,7 +245,8 @@ class FairSemaphore:
         self.lease = check_seconds("lease", lease)
         self.prefix = check_prefix("prefix", prefix)
         self.patience = check_seconds("patience", patience)
-        self.keys = SemaphoreKeys.of(self.prefix, self.name)
+        self.hash_tag = None if hash_tag is None else check_name("hash_tag", hash_tag)
+        self.keys = SemaphoreKeys.of(self.prefix, self.name, self.hash_tag)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._scripts: Scripts = scripts_for(client)
@@ -246,6 +254,11 @@ class FairSemaphore:
 
     def __repr__(self) -> str:
         return f"<FairSemaphore {self.name!r} limit={self.limit} lease={self.lease}>"
+
+    @property
+    def renewal_key(self) -> str:
+        """Leases with equal renewal keys (and lease lengths, on one client) renew in one call."""
+        return self.keys.holders
 
     # -- acquiring -------------------------------------------------------------------------
 
@@ -472,14 +485,18 @@ class FairSemaphore:
         with self._redis_errors("status"):
             reply = self._scripts.status(self.keys, listed=max(0, int(listed)))
         now = reply.now_ms
+        # a weighted holder's extra slots ("<token>#2".."<token>#w") show as its weight
+        weights = {holder.token: len(_slot_members(holder.token)) for holder in reply.holders}
         holders = [
             HolderInfo(
                 token=holder.token,
                 label=holder.label,
                 held_for=(now - (holder.granted_ms if holder.granted_ms is not None else now)) / 1000,
                 expires_in=(holder.deadline_ms - now) / 1000,
+                weight=weights[holder.token],
             )
             for holder in reply.holders
+            if not _EXTRA_SLOT.match(holder.token)
         ]
         waiters = [
             WaiterInfo(
@@ -584,6 +601,17 @@ class _RedisErrors:
         ):
             raise RedisUnavailable(self.name, operation, error) from error
         raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
+
+
+# "<token>*<w>" holds w slots: the token and "<token>#2" .. "<token>#w" (lua/_lib.lua, slot_members)
+_WEIGHT = re.compile(r".*\*(\d+)$")
+_EXTRA_SLOT = re.compile(r".*\*\d+#\d+$")
+
+
+def _slot_members(token: str) -> list[str]:
+    match = _WEIGHT.match(token)
+    weight = int(match.group(1)) if match else 1
+    return [token] + [f"{token}#{k}" for k in range(2, weight + 1)]
 
 
 def _limit_of(attempt: Attempt, default: int) -> int:

@@ -41,6 +41,36 @@ local K_HOLDERS, K_HOLDER_INFO, K_QUEUE, K_PRESENT, K_DEADLINES, K_WAITER_INFO, 
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_RUNS, K_RUN_EXPIRY = KEYS[9], KEYS[10]
 
+-- The scripts over several semaphores (acquire_many, release_many, renew_many, leave_many) pass
+-- 8 keys per semaphore, in the order above, semaphore after semaphore. use_semaphore(i) points
+-- every helper below at the i-th of them (1-based): the helpers read these locals, so one
+-- script reuses them for each semaphore in turn. The single-semaphore scripts never call it.
+local function use_semaphore(i)
+  local b = (i - 1) * 8
+  K_HOLDERS, K_HOLDER_INFO, K_QUEUE, K_PRESENT, K_DEADLINES, K_WAITER_INFO, K_TICKET, K_LIMIT =
+    KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5], KEYS[b + 6], KEYS[b + 7], KEYS[b + 8]
+end
+
+-- A waiter of acquire_many (several semaphores, or a weight) has an id "*<weight>*<rest>". It is
+-- never offered a slot: it takes all its slots at once, in its own script, when it heads the line
+-- of every one of its semaphores. Until then it blocks the line behind it (strict first-ask
+-- order: a heavy waiter at the head is not passed by light ones).
+local function multi_weight(waiter)
+  return tonumber(string.match(waiter, '^%*(%d+)%*'))
+end
+
+-- A holder of several slots (acquire_many with a weight w > 1) has a token ending in "*<w>" and
+-- holds w entries in KEYS[1]: the token, then "<token>#2" .. "<token>#w", so that ZCARD still
+-- counts slots. Returns the entries of a token (just the token for an ordinary holder).
+local function slot_members(token)
+  local weight = tonumber(string.match(token, '%*(%d+)$')) or 1
+  local members = {token}
+  for k = 2, weight do
+    members[k] = token .. '#' .. k
+  end
+  return members
+end
+
 -- keys outlive the last deadline they hold by this much, so a reader right at a deadline sees
 -- a consistent set instead of half-expired keys
 local GRACE_MS = 1000
@@ -179,6 +209,16 @@ local function hand_off(now, limit, except)
   local first = redis.call('ZRANGE', K_PRESENT, 0, free - 1)
   local latest, chosen, offered = 0, false, 0
   for i = 1, #first do
+    local weight = multi_weight(first[i])
+    if weight then
+      -- a waiter of several slots or semaphores heads the rest of the line: it is told when
+      -- its weight fits here, and nobody behind it is served before it
+      if free >= weight then
+        notify(wake_address(first[i]), first[i])
+      end
+      free = 0
+      break
+    end
     if first[i] == except then
       chosen = true
     else

@@ -1,0 +1,149 @@
+-- acquire_many: one all-or-nothing try for w slots of each of several semaphores.
+--   KEYS    8 per semaphore, semaphore after semaphore (see _lib.lua, use_semaphore); all in
+--           one hash slot on a cluster
+--   ARGV[1] token        the holder token; a weight w > 1 is written in it ("<random>*<w>"), and
+--                        the slots are held as w entries (see slot_members)
+--   ARGV[2] waiter       "*<w>*<random>": keeps its place in every line across tries
+--   ARGV[3] lease_ms     lease length of the granted slots
+--   ARGV[4] patience_ms  how long a refused waiter keeps its places without asking again
+--   ARGV[5] enqueue      "1": a new waiter takes a ticket in every line; "0": a one-shot try,
+--                        granted only if it passes nobody present in any line
+--   ARGV[6] label        free text shown by status for this holder
+--   ARGV[7] ticket       "" for a new waiter, or the ticket it had before (to come back to it)
+--   ARGV[8] wake         the waiter's wake address (a channel), or ""
+--   ARGV[9] n            the number of semaphores
+--   ARGV[10..9+n]        each semaphore's limit when no runtime override is stored
+-- One ticket for all lines: every line orders its waiters by (ticket, waiter id), so any two
+-- waiters stand in the same order in every line they share, and nobody waits for someone who
+-- waits for them (no deadlock). A waiter holds nothing while it waits (no hoarding): it takes
+-- its w slots of every semaphore in the one script that finds it at the head of every line
+-- (nobody present ahead of it) with w slots free in each. Until then the lines it heads wait
+-- for it: strict first-ask order per semaphore, so a heavy waiter is never starved by light ones.
+-- Returns the bare integer 1 when granted (also for a repeat of a granted token); when refused
+-- {0, position, free, limit, blocking, ticket}: the most waiters ahead of it in any line, the
+-- fewest free slots of any semaphore, that semaphore's limit, the 0-based index of the first
+-- semaphore that holds it back, and the ticket as a decimal string ("" if not queued);
+-- {5, index, limit} when w is above the limit in force of semaphore <index> (0-based): such a
+-- try would wait forever, so it is refused and the waiter leaves every line.
+
+local GRANTED, WAIT, TOO_HEAVY = 1, 0, 5
+local token, waiter = ARGV[1], ARGV[2]
+local lease_ms, patience_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
+local enqueue, label, wake = ARGV[5] == '1', ARGV[6], ARGV[8]
+local n = tonumber(ARGV[9])
+local members = slot_members(token)
+local weight = #members
+local now = now_ms()
+
+local function hold_all(i, deadline, was_empty)
+  local entries = {}
+  for k = 1, weight do
+    entries[#entries + 1] = deadline
+    entries[#entries + 1] = members[k]
+  end
+  redis.call('ZADD', K_HOLDERS, unpack(entries))
+  extend(K_HOLDERS, lease_ms + GRACE_MS, was_empty)
+end
+
+use_semaphore(1)
+if redis.call('ZSCORE', K_HOLDERS, token) then
+  -- a repeat of a granted try: extend, take nothing twice
+  for i = 1, n do
+    use_semaphore(i)
+    redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, unpack(members))
+    extend(K_HOLDERS, lease_ms + GRACE_MS, false)
+  end
+  return GRANTED
+end
+
+local limits, sizes = {}, {}
+local fits, short, short_free = true, nil, nil
+for i = 1, n do
+  use_semaphore(i)
+  purge(now)
+  limits[i] = current_limit(tonumber(ARGV[9 + i]))
+  if weight > limits[i] then
+    for j = 1, n do
+      use_semaphore(j)
+      drop_waiter(waiter)
+    end
+    return {TOO_HEAVY, i - 1, limits[i]}
+  end
+  sizes[i] = redis.call('ZCARD', K_HOLDERS)
+  local free = limits[i] - sizes[i]
+  if free < weight and fits then
+    fits, short = false, i
+  end
+  if short_free == nil or free < short_free then
+    short_free = free
+  end
+end
+
+-- the ticket: the one it holds in some line, else the one it brings, else a new one
+local ticket = nil
+if enqueue then
+  for i = 1, n do
+    use_semaphore(i)
+    ticket = redis.call('ZSCORE', K_QUEUE, waiter)
+    if ticket then
+      ticket = tonumber(ticket)
+      break
+    end
+  end
+  ticket = ticket or tonumber(ARGV[7])
+  if not ticket then
+    use_semaphore(1)
+    local counter = redis.call('INCR', K_TICKET)
+    if counter == 1 then
+      redis.call('PEXPIRE', K_TICKET, TICKET_TTL_MS)
+    end
+    ticket = now * 1024 + counter % 1024
+  end
+end
+
+local position, blocking = 0, short
+for i = 1, n do
+  use_semaphore(i)
+  local ahead
+  if enqueue then
+    if not redis.call('ZSCORE', K_QUEUE, waiter) then
+      redis.call('ZADD', K_QUEUE, ticket, waiter)
+      redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, now .. '|' .. wake)
+    end
+    redis.call('ZADD', K_PRESENT, ticket, waiter)
+    redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
+    ahead = redis.call('ZRANK', K_PRESENT, waiter)
+  else
+    ahead = redis.call('ZCARD', K_PRESENT)
+  end
+  if ahead > 0 and blocking == nil then
+    blocking = i
+  end
+  position = math.max(position, ahead)
+end
+
+if fits and position == 0 then
+  for i = 1, n do
+    use_semaphore(i)
+    if enqueue then
+      drop_waiter(waiter)
+    end
+    hold_all(i, now + lease_ms, sizes[i] == 0)
+    redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+    extend(K_HOLDER_INFO, lease_ms + GRACE_MS, sizes[i] == 0)
+    -- this waiter headed the line: slots it left free go on to those behind it
+    if enqueue and redis.call('ZCARD', K_PRESENT) > 0 then
+      hand_off(now, limits[i], nil)
+    end
+  end
+  return GRANTED
+end
+
+if enqueue then
+  for i = 1, n do
+    use_semaphore(i)
+    extend_line(patience_ms + GRACE_MS)
+  end
+end
+return {WAIT, position, short_free, limits[blocking or 1], (blocking or 1) - 1,
+        ticket and string.format('%.0f', ticket) or ''}

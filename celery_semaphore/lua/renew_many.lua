@@ -1,0 +1,68 @@
+-- renew_many: extend the leases of acquire_many grants on every one of their semaphores.
+--   KEYS    8 per semaphore (see acquire_many)
+--   ARGV[1] lease_ms  new lease length, counted from now
+--   ARGV[2] reclaim   "1": a grant found missing on some semaphore (Redis restarted empty, or
+--                     the lease ran out in a stall) is registered again if every semaphore has
+--                     room for its weight; "0": never
+--   ARGV[3] n         the number of semaphores
+--   ARGV[4..3+n]      each semaphore's limit when no runtime override is stored
+--   then pairs of (token, label)
+-- Returns one code per token, in order: 1 renewed, 2 registered again, 0 lost.
+
+local lease_ms = tonumber(ARGV[1])
+local reclaim = ARGV[2] == '1'
+local n = tonumber(ARGV[3])
+local now = now_ms()
+local limits = {}
+for i = 1, n do
+  use_semaphore(i)
+  purge(now)
+  limits[i] = current_limit(tonumber(ARGV[3 + i]))
+end
+local codes = {}
+for p = 4 + n, #ARGV, 2 do
+  local token, label = ARGV[p], ARGV[p + 1]
+  local members = slot_members(token)
+  local held, room = true, true
+  for i = 1, n do
+    use_semaphore(i)
+    if not redis.call('ZSCORE', K_HOLDERS, token) then
+      held = false
+      if redis.call('ZCARD', K_HOLDERS) + #members > limits[i] then
+        room = false
+      end
+    end
+  end
+  local code = 0
+  if held then
+    code = 1
+  elseif reclaim and room then
+    code = 2
+  end
+  if code > 0 then
+    for i = 1, n do
+      use_semaphore(i)
+      local entries = {}
+      for k = 1, #members do
+        entries[#entries + 1] = now + lease_ms
+        entries[#entries + 1] = members[k]
+      end
+      -- GT never shortens a longer lease; a missing entry is added
+      redis.call('ZADD', K_HOLDERS, 'GT', unpack(entries))
+      if code == 2 then
+        redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+      end
+      extend(K_HOLDERS, lease_ms + GRACE_MS, false)
+      extend(K_HOLDER_INFO, lease_ms + GRACE_MS, false)
+    end
+  end
+  codes[#codes + 1] = code
+end
+-- the purge above may have freed slots: hand them on
+for i = 1, n do
+  use_semaphore(i)
+  if redis.call('ZCARD', K_PRESENT) > 0 then
+    hand_off(now, limits[i], nil)
+  end
+end
+return codes
