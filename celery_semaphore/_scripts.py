@@ -281,11 +281,15 @@ class Scripts:
         label: str,
         ticket: int | None,
         wake: str,
+        run: str = "",
+        remember_ms: int = 0,
     ) -> ManyReply:
         args: list[Any] = [token, waiter, _number(lease_ms), _number(patience_ms), b"1" if enqueue else b"0", label,
                            b"" if ticket is None else _number(int(ticket)), wake, _number(len(keys)),
                            *(_number(limit) for limit in default_limits)]
-        reply = self._scripts["acquire_many"](keys=_many_keys(keys), args=args)
+        if run:
+            args += [run, _number(remember_ms)]
+        reply = self._scripts["acquire_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args)
         if not isinstance(reply, list):
             return ManyReply(int(reply), 0, 0, 0, 0, None)
         if int(reply[0]) == TOO_HEAVY:
@@ -295,9 +299,13 @@ class Scripts:
         return ManyReply(int(outcome), int(position), int(free), int(limit), int(index),
                          int(float(text)) if text else None)
 
-    def release_many(self, keys: list[SemaphoreKeys], *, token: str, default_limits: list[int]) -> bool:
+    def release_many(
+        self, keys: list[SemaphoreKeys], *, token: str, default_limits: list[int], run: str = "", remember_ms: int = 0
+    ) -> bool:
         args: list[Any] = [token, _number(len(keys)), *(_number(limit) for limit in default_limits)]
-        return bool(self._scripts["release_many"](keys=_many_keys(keys), args=args))
+        if run:
+            args += [run, _number(remember_ms)]
+        return bool(self._scripts["release_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args))
 
     def renew_many(
         self, keys: list[SemaphoreKeys], *, lease_ms: int, default_limits: list[int], reclaim: bool,
@@ -308,8 +316,13 @@ class Scripts:
             args += [token, label]
         return [int(code) for code in self._scripts["renew_many"](keys=_many_keys(keys), args=args)]
 
-    def leave_many(self, keys: list[SemaphoreKeys], *, waiter: str, default_limits: list[int]) -> bool:
+    def leave_many(
+        self, keys: list[SemaphoreKeys], *, waiter: str, default_limits: list[int], away_ms: int | None = None,
+        wake: str = "",
+    ) -> bool:
         args: list[Any] = [waiter, _number(len(keys)), *(_number(limit) for limit in default_limits)]
+        if away_ms is not None:
+            args += [_number(away_ms), wake]
         return bool(self._scripts["leave_many"](keys=_many_keys(keys), args=args))
 
     def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, default_limit: int) -> int:
@@ -336,8 +349,10 @@ def scripts_for(client: Any) -> Scripts:
         return _registered[client]
 
 
-def _many_keys(keys: list[SemaphoreKeys]) -> list[bytes]:
-    return [key for semaphore in keys for key in semaphore.line_keys]
+def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[bytes]:
+    """8 keys per semaphore; with a run id, then the first semaphore's run records."""
+    flat = [key for semaphore in keys for key in semaphore.line_keys]
+    return flat + keys[0].encoded[8:10] if with_runs else flat
 
 
 @functools.lru_cache(maxsize=4096)
@@ -349,3 +364,10 @@ def _number(value: int) -> bytes:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def preload(client: Any) -> None:
+    """Load every script into the server's script cache now (on a cluster, into every master),
+    so that a process's first acquire is one EVALSHA, not NOSCRIPT, SCRIPT LOAD and a retry."""
+    for name in _NAMES:
+        client.script_load(script_source(name))

@@ -116,28 +116,43 @@ def test_tasks_sent_one_at_a_time_start_in_that_order(proj: Any) -> None:
     assert [task_id for task_id, _ in starts(proj, key)] == [r.id for r in results]
 
 
-def inversions(order: list[str], reference: list[str]) -> int:
-    """Pairs of tasks that started in the opposite order to ``reference``."""
-    place = {task_id: i for i, task_id in enumerate(reference)}
-    ranks = [place[task_id] for task_id in order]
-    return sum(1 for i in range(len(ranks)) for j in range(i + 1, len(ranks)) if ranks[i] > ranks[j])
+# First asks are recorded by a task_prerun signal, a moment before the acquire script gives the
+# ticket that decides the order; on a loaded machine that moment can reach some milliseconds.
+# Asks closer than this are not told apart.
+ASK_RESOLUTION = 0.05
+
+
+def first_asks(proj: Any, semaphore_key: str, ids: set[str]) -> dict[str, float]:
+    """When each of ``ids`` first asked for a slot of ``semaphore_key`` (its first delivery)."""
+    asked: dict[str, float] = {}
+    for entry in proj.probe(semaphore_key).client.lrange(f"probe:{semaphore_key}:asks", 0, -1):
+        task_id, at = entry.decode().split()
+        if task_id in ids:
+            asked.setdefault(task_id, float(at))
+    return asked
+
+
+def inversions(
+    started: list[str], asked: dict[str, float], resolution: float = ASK_RESOLUTION
+) -> list[tuple[str, str]]:
+    """Pairs that started in the opposite order to their first asks, the asks more than
+    ``resolution`` seconds apart."""
+    return [(started[i], started[j]) for i in range(len(started)) for j in range(i + 1, len(started))
+            if asked[started[i]] - asked[started[j]] > resolution]
 
 
 def test_a_backlog_across_two_workers_starts_in_first_ask_order(proj: Any) -> None:
     """24 tasks sent at once to two workers, limit 1, all waiting outside the worker: they start
-    in the order they first asked (at most 1% of pairs inverted), each once, never two at once."""
+    in the order they first asked (asks 50 ms apart or more never inverted), each once, never
+    two at once."""
     key = "handoff-backlog"
     results = [send(proj.handoff, 0.05, key) for _ in range(24)]
     for result in results:
         result.get(timeout=120)
     ids = {r.id for r in results}
-    asks = [entry.split()[0].decode() for entry in proj.probe("proj.handoff").client.lrange(
-        "probe:proj.handoff:asks", 0, -1)]
-    first_asks = [task_id for task_id in dict.fromkeys(asks) if task_id in ids]
     started = [task_id for task_id, _ in starts(proj, key)]
     assert sorted(started) == sorted(ids), "each ran once"
-    pairs = len(started) * (len(started) - 1) // 2
-    assert inversions(started, first_asks) <= pairs // 100
+    assert inversions(started, first_asks(proj, "proj.handoff", ids)) == []
     assert proj.probe(key).maximum == 1
 
 
