@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -102,6 +103,25 @@ class _Channel:
         self.ready = threading.Event()  # the listener's SUBSCRIBE was confirmed
         self.requested = False  # the listener sent SUBSCRIBE on its current connection
         self.idle_since = time.monotonic()
+
+
+class Gate:
+    """A counting semaphore for ``with``, built on ``queue.SimpleQueue`` (C code: a put and a get
+    per use, against a dozen Python calls for ``threading.BoundedSemaphore``), since every try
+    of a blocked caller passes through it."""
+
+    __slots__ = ("_permits",)
+
+    def __init__(self, permits: int) -> None:
+        self._permits: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(permits):
+            self._permits.put(None)
+
+    def __enter__(self) -> None:
+        self._permits.get()
+
+    def __exit__(self, *exc: object) -> None:
+        self._permits.put(None)
 
 
 class Flag:
@@ -184,7 +204,7 @@ class WakeUps:
         most = getattr(pool, "max_connections", 100)
         # Waiters' asks take at most half the pool, so that releases, renewals and everyone
         # else using this client always find a connection, however many threads are blocked.
-        self.gate = threading.BoundedSemaphore(max(1, min(most, 2**16) // 2))
+        self.gate = Gate(max(1, min(most, 2**16) // 2))
 
     # -- the waiter's side ----------------------------------------------------------------------
 
