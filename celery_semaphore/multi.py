@@ -28,41 +28,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.cluster
 from redis.crc import key_slot
 
 from . import renewer
-from ._scripts import GRANTED, TOO_HEAVY, WAIT, SemaphoreKeys
+from ._scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys
 from .errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
-from .semaphore import FairSemaphore, Lease, default_label, logger, new_token
+from .semaphore import Attempt, Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, logger, new_token
 from .validation import check_limit, check_seconds, to_ms
 
 
-@dataclass(frozen=True)
-class MultiWaiting:
-    """A try that got no slots. The waiter keeps its places for ``patience`` seconds."""
-
-    position: int  # the most waiters ahead of it in any of its lines
-    free: int  # the fewest free slots of any of its semaphores
-    limit: int  # the limit of ``blocking``
-    blocking: str  # the name of the first semaphore that held the try back
-    ticket: int | None = None
-
-    @property
-    def granted(self) -> bool:
-        return False
-
-
 class MultiSemaphore:
-    """Hold a slot (``weight`` slots) of each of ``semaphores`` at once, or wait holding none.
+    """Hold ``weight`` slots of each of ``semaphores`` at once, or wait holding none.
 
-    ``with MultiSemaphore([per_host, total]).acquire(timeout=10): ...``; the semaphores must
-    share one Redis client. The lease is the shortest of theirs, the patience the longest."""
+    ``with MultiSemaphore([per_host, total]).acquire(timeout=10): ...``; ``acquire(weight=3)``
+    takes three slots of each. The semaphores must share one Redis client. The lease is the
+    shortest of theirs, the patience the longest. The methods mirror FairSemaphore's (tries give
+    Granted, Waiting or Duplicate), so the Celery hook drives either the same way."""
 
-    def __init__(self, semaphores: Sequence[FairSemaphore]) -> None:
+    def __init__(self, semaphores: Sequence[FairSemaphore], *, weight: int = 1) -> None:
         semaphores = list(semaphores)
         if not semaphores:
             raise ConfigurationError("semaphores", semaphores, "expected at least one FairSemaphore")
@@ -88,22 +74,30 @@ class MultiSemaphore:
         self.name = "+".join(semaphore.name for semaphore in semaphores)
         self.lease = min(semaphore.lease for semaphore in semaphores)
         self.patience = max(semaphore.patience for semaphore in semaphores)
-        self.keys: list[SemaphoreKeys] = [semaphore.keys for semaphore in semaphores]
+        # the first semaphore's keys: its wake channel, and its run records for runs of waits
+        self.keys = semaphores[0].keys
+        self.all_keys: list[SemaphoreKeys] = [semaphore.keys for semaphore in semaphores]
+        self.weight = self.check_weight(weight)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._scripts = semaphores[0]._scripts
 
     def __repr__(self) -> str:
-        return f"<MultiSemaphore {self.name!r}>"
+        return f"<MultiSemaphore {self.name!r} weight={self.weight}>"
 
     @property
     def renewal_key(self) -> str:
-        return "\n".join(key.holders for key in self.keys)
+        return "\n".join(key.holders for key in self.all_keys)
 
     @property
     def limits(self) -> list[int]:
         """The limits given in code (a runtime override stored in Redis wins over each)."""
         return [semaphore.limit for semaphore in self.semaphores]
+
+    @property
+    def limit(self) -> int:
+        """The smallest limit given in code (for messages)."""
+        return min(self.limits)
 
     def check_weight(self, weight: int) -> int:
         """``weight`` if it fits every limit given in code; ConfigurationError if not."""
@@ -114,55 +108,63 @@ class MultiSemaphore:
                                          "such an acquire would wait forever")
         return weight
 
+    def waiter_id(self, unique: str | None = None) -> str:
+        """The id a waiter of this weight stands in line under: "*<weight>*<unique>" (the lines
+        read the weight from it)."""
+        return f"*{self.weight}*{unique or new_token()}"
+
+    def token_for(self, token: str | None = None) -> str:
+        """A holder token of this weight: a weight w > 1 is written in it ("...*<w>")."""
+        token = new_token() if token is None else token
+        return token + f"*{self.weight}" if self.weight > 1 and not token.endswith(f"*{self.weight}") else token
+
     # -- acquiring -------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None, *, weight: int = 1, label: str | None = None) -> Lease:
-        """Wait for ``weight`` slots of every semaphore: up to ``timeout`` seconds (None: as long
-        as it takes; 0: one try that never queues). Raises SemaphoreUnavailable when time runs
-        out, ConfigurationError when ``weight`` is above a limit in force."""
-        self.check_weight(weight)
+    def acquire(self, timeout: float | None = None, *, weight: int | None = None, label: str | None = None) -> Lease:
+        """Wait for ``weight`` (default: this object's) slots of every semaphore: up to
+        ``timeout`` seconds (None: as long as it takes; 0: one try that never queues). Raises
+        SemaphoreUnavailable when time runs out, ConfigurationError when the weight is above a
+        limit in force."""
+        if weight is not None and weight != self.weight:
+            return MultiSemaphore(self.semaphores, weight=weight).acquire(timeout, label=label)
         if timeout is not None:
             timeout = check_seconds("timeout", timeout, allow_zero=True)
         started = time.monotonic()
-        token = new_token() + (f"*{weight}" if weight > 1 else "")
+        token = self.token_for()
         if timeout == 0:
-            attempt = self.try_acquire(token=token, weight=weight, enqueue=False, label=label)
-            if isinstance(attempt, Lease):
-                return attempt
-            raise SemaphoreUnavailable(attempt.blocking, attempt.limit, time.monotonic() - started)
-        waiter = self.new_waiter(weight)
+            attempt = self.try_acquire(token=token, enqueue=False, label=label)
+            if isinstance(attempt, Granted):
+                return attempt.lease
+            raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
+        waiter = self.waiter_id()
         try:
-            attempt = self.wait_for_slots(token=token, waiter=waiter, weight=weight, timeout=timeout, label=label)
+            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label)
         except BaseException:
             self._leave_quietly(waiter)
             raise
-        if isinstance(attempt, Lease):
-            return attempt
+        if isinstance(attempt, Granted):
+            return attempt.lease
         self._leave_quietly(waiter)
-        raise SemaphoreUnavailable(attempt.blocking, attempt.limit, time.monotonic() - started)
+        raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
 
-    @staticmethod
-    def new_waiter(weight: int, unique: str | None = None) -> str:
-        """A waiter id for these scripts: "*<weight>*<unique>" (the lines read the weight from it)."""
-        return f"*{weight}*{unique or new_token()}"
-
-    def wait_for_slots(
-        self, *, token: str, waiter: str, weight: int, timeout: float | None, label: str | None = None,
-        ticket: int | None = None,
-    ) -> Lease | MultiWaiting:
+    def wait_for_slot(
+        self, *, token: str, waiter: str, timeout: float | None, patience: float | None = None,
+        label: str | None = None, ticket: int | None = None, fresh: bool = False, run: str | None = None,
+        remember: float | None = None,
+    ) -> Attempt:
         """Try; while refused, sleep until a line tells this waiter that its turn may have come
         (or ``patience / 3`` seconds pass), then try again; until granted or ``timeout``."""
         started = time.monotonic()
-        pause = self.patience / 3
+        pause = (self.patience if patience is None else check_seconds("patience", patience)) / 3
         wake_ups, channel = self.semaphores[0]._wake_ups()
         with wake_ups.signal(channel, waiter) as signal:
             subscribed = signal.ready()
             while True:
                 signal.event.clear()
                 with wake_ups.gate:
-                    attempt = self.try_acquire(token=token, waiter=waiter, weight=weight, label=label, ticket=ticket,
-                                               wake=channel)
-                if isinstance(attempt, Lease):
+                    attempt = self.try_acquire(token=token, waiter=waiter, patience=patience, label=label,
+                                               ticket=ticket, wake=channel, run=run, remember=remember)
+                if not isinstance(attempt, Waiting):
                     return attempt
                 ticket = attempt.ticket if attempt.ticket is not None else ticket
                 waited = time.monotonic() - started
@@ -175,58 +177,74 @@ class MultiSemaphore:
                 signal.event.wait(wait)
 
     def try_acquire(
-        self, *, token: str | None = None, waiter: str | None = None, weight: int = 1, enqueue: bool = True,
-        label: str | None = None, ticket: int | None = None, wake: str = "",
-    ) -> Lease | MultiWaiting:
-        """One try, one round trip: a held Lease, or MultiWaiting with the places in line.
-
-        ``token`` must end in ``*<weight>`` when ``weight`` > 1 (``acquire`` makes it so);
-        ``waiter`` must be ``new_waiter(weight, ...)`` (the same on every try keeps the places)."""
-        if token is None:
-            token = new_token() + (f"*{weight}" if weight > 1 else "")
-        if (weight > 1) != token.endswith(f"*{weight}"):
-            raise ConfigurationError("token", token, f"a token of weight {weight} ends in '*{weight}' (and only then)")
+        self, *, token: str | None = None, waiter: str | None = None, patience: float | None = None,
+        enqueue: bool = True, label: str | None = None, ticket: int | None = None, fresh: bool = False,
+        wake: str = "", run: str | None = None, remember: float | None = None,
+    ) -> Attempt:
+        """One try, one round trip: Granted, Waiting (``turn`` is ``position``: the most waiters
+        ahead in any line) or Duplicate, as ``FairSemaphore.try_acquire``. ``token`` gets the
+        weight written in it (``token_for``) and ``waiter`` the weight in front (``waiter_id``)
+        unless they have them; the same waiter on every try keeps the places in line."""
+        token = self.token_for(token)
         if waiter is None:
-            waiter, enqueue = self.new_waiter(weight), False
-        elif not waiter.startswith(f"*{weight}*"):
-            raise ConfigurationError("waiter", waiter, f"expected MultiSemaphore.new_waiter({weight}, ...)")
+            waiter, enqueue = self.waiter_id(), False
+        elif not waiter.startswith(f"*{self.weight}*"):
+            waiter = self.waiter_id(waiter)
         label = default_label() if label is None else label
+        patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
+        remember_ms = 0
+        if run:
+            remember_ms = to_ms(self.patience + self.lease if remember is None else check_seconds("remember", remember))
         with self.semaphores[0]._redis_errors("acquire"):
             reply = self._scripts.acquire_many(
-                self.keys, token=token, waiter=waiter, default_limits=self.limits, lease_ms=self._lease_ms,
-                patience_ms=self._patience_ms, enqueue=enqueue, label=label, ticket=ticket, wake=wake,
+                self.all_keys, token=token, waiter=waiter, default_limits=self.limits, lease_ms=self._lease_ms,
+                patience_ms=patience_ms, enqueue=enqueue, label=label, ticket=ticket, wake=wake, run=run or "",
+                remember_ms=remember_ms,
             )
         if reply.outcome == GRANTED:
-            lease = Lease(cast(Any, self), token, label=label)
+            lease = Lease(cast(Any, self), token, label=label, run=run or None, remember_ms=remember_ms)
             renewer.track(lease)
-            return lease
+            return Granted(lease)
         if reply.outcome == WAIT:
-            return MultiWaiting(reply.position, reply.free, reply.limit, self.semaphores[reply.index].name,
-                                reply.ticket)
+            return Waiting(reply.position, max(0, reply.free), reply.limit, ticket=reply.ticket, turn=reply.position)
+        if reply.outcome in (RUNNING, RAN):
+            return Duplicate(running=reply.outcome == RUNNING)
         if reply.outcome == TOO_HEAVY:
             semaphore = self.semaphores[reply.index]
-            raise ConfigurationError("weight", weight, f"above the limit {reply.limit} in force for "
+            raise ConfigurationError("weight", self.weight, f"above the limit {reply.limit} in force for "
                                      f"{semaphore.name!r}: such an acquire would wait forever")
         raise SemaphoreError(f"acquire_many on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
-    def leave(self, waiter: str) -> bool:
-        """Step out of every line at once, so those behind move up. True if it was in one."""
+    def leave(self, waiter: str, *, away_for: float | None = None, wake: str = "") -> bool:
+        """Step out of every line at once, so those behind move up. True if it was in one.
+        ``away_for``/``wake``: step away, or park, as ``FairSemaphore.leave``."""
+        if not waiter.startswith(f"*{self.weight}*"):
+            waiter = self.waiter_id(waiter)
+        away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with self.semaphores[0]._redis_errors("leave"):
-            return self._scripts.leave_many(self.keys, waiter=waiter, default_limits=self.limits)
+            return self._scripts.leave_many(self.all_keys, waiter=waiter, default_limits=self.limits,
+                                            away_ms=away_ms, wake=wake)
+
+    def release_holders_with_prefix(self, prefix: str) -> int:
+        """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
+        Celery child's task id); how many slot entries were released."""
+        return sum(semaphore.release_holders_with_prefix(prefix) for semaphore in self.semaphores)
 
     # -- holding (Lease and the renewer call these) ----------------------------------------
 
     def release(self, token: str, *, run: str | None = None, remember_ms: int = 0) -> bool:
-        """Give back every slot of a grant. True if it still held some. Safe to repeat."""
+        """Give back every slot of a grant (and mark its run, if any, finished). True if it
+        still held some. Safe to repeat."""
         with self.semaphores[0]._redis_errors("release"):
-            return self._scripts.release_many(self.keys, token=token, default_limits=self.limits)
+            return self._scripts.release_many(self.all_keys, token=token, default_limits=self.limits, run=run or "",
+                                              remember_ms=remember_ms)
 
     def renew(self, token: str) -> bool:
         return self.renew_many([(token, "")], reclaim=False)[0] != renewer.RENEW_LOST
 
     def renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         with self.semaphores[0]._redis_errors("renew"):
-            return self._scripts.renew_many(self.keys, lease_ms=self._lease_ms, default_limits=self.limits,
+            return self._scripts.renew_many(self.all_keys, lease_ms=self._lease_ms, default_limits=self.limits,
                                             reclaim=reclaim, holders=holders)
 
     def _leave_quietly(self, waiter: str) -> None:
@@ -236,4 +254,8 @@ class MultiSemaphore:
             logger.warning("could not leave the lines of %r; the places lapse by themselves", self.name)
 
 
-__all__ = ["MultiSemaphore", "MultiWaiting"]
+def _limit_of(attempt: Attempt, default: int) -> int:
+    return attempt.limit if isinstance(attempt, Waiting) else default
+
+
+__all__ = ["MultiSemaphore"]

@@ -15,9 +15,9 @@ import pytest
 import redis
 import redis.cluster
 
-from celery_semaphore import ConfigurationError, FairSemaphore, MultiSemaphore, SemaphoreUnavailable
+from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, SemaphoreUnavailable, Waiting
 from celery_semaphore._backend import client_for
-from celery_semaphore.multi import MultiWaiting
+from celery_semaphore.semaphore import Duplicate
 
 from .redis_server import RedisClusterSet, RedisServer
 from .waiting import wait_until
@@ -184,7 +184,7 @@ def test_a_waiter_holds_nothing_while_it_waits(redis_client: redis.Redis) -> Non
     thread.start()
     wait_until(lambda: b.status().waiter_count == 1, what="the waiter in line")
     assert a.status().holder_count == 0
-    assert isinstance(MultiSemaphore([a]).try_acquire(), MultiWaiting)  # a's line has it at its head
+    assert isinstance(MultiSemaphore([a]).try_acquire(), Waiting)  # a's line has it at its head
     holder.release()
     thread.join(10)
     assert (a.status().holder_count, b.status().holder_count) == (1, 1)
@@ -198,7 +198,7 @@ def test_a_weight_above_a_limit_fails_loudly(redis_client: redis.Redis) -> None:
     a = FairSemaphore(redis_client, "a", 4)
     b = FairSemaphore(redis_client, "b", 2)
     with pytest.raises(ConfigurationError, match="above the limit 2 of 'b'"):
-        MultiSemaphore([a, b]).acquire(timeout=1, weight=3)
+        MultiSemaphore([a, b], weight=3)
     a.set_limit(1)
     with pytest.raises(ConfigurationError, match="in force for 'a'"):
         MultiSemaphore([a, b]).acquire(timeout=5, weight=2)
@@ -246,7 +246,7 @@ def test_release_by_task_id_prefix_frees_every_weighted_slot(redis_client: redis
     """A worker's parent releases a killed child's slots by the task-id prefix of its token: all
     entries of a weighted grant match it."""
     a = FairSemaphore(redis_client, "a", 3)
-    MultiSemaphore([a]).try_acquire(token="task-1:abc*3", weight=3)
+    MultiSemaphore([a], weight=3).try_acquire(token="task-1:abc")
     assert a.status().holder_count == 3
     assert a.release_holders_with_prefix("task-1:") == 3
     assert a.status().holder_count == 0
@@ -308,3 +308,37 @@ def test_cluster_multi_acquire_with_a_shared_hash_tag(redis_cluster: RedisCluste
     heavy.release()
     MultiSemaphore([tagged[2], total]).acquire(timeout=5, weight=2).release()
     assert total.status().holder_count == 0
+
+
+def test_copies_of_one_run_take_the_slots_once(redis_client: redis.Redis) -> None:
+    """Two copies of one Celery wait (same run id) asking a multi acquire: the second is told
+    the first is running, and once it released, that the run is done."""
+    a = FairSemaphore(redis_client, "a", 2)
+    b = FairSemaphore(redis_client, "b", 2)
+    multi = MultiSemaphore([a, b], weight=2)
+    first = multi.try_acquire(token="t1:x", waiter="t1", run="t1#0", remember=30)
+    assert isinstance(first, Granted)
+    assert multi.try_acquire(token="t1:y", waiter="t1", run="t1#0", remember=30) == Duplicate(running=True)
+    first.lease.release()
+    assert multi.try_acquire(token="t1:z", waiter="t1", run="t1#0", remember=30) == Duplicate(running=False)
+    assert (a.status().holder_count, b.status().holder_count) == (0, 0)
+
+
+def test_a_parked_multi_waiter_keeps_heading_its_lines(redis_client: redis.Redis) -> None:
+    """A multi waiter that steps away parked keeps its places and holds back those behind it;
+    stepping away unparked lets them pass; leaving gives the places up."""
+    a = FairSemaphore(redis_client, "a", 1)
+    b = FairSemaphore(redis_client, "b", 1)
+    holder = b.acquire(timeout=0)
+    multi = MultiSemaphore([a, b])
+    assert isinstance(multi.try_acquire(waiter="w"), Waiting)
+    assert multi.leave("w", away_for=30, wake="some-channel")
+    assert isinstance(a.try_acquire(enqueue=False), Waiting)  # the parked waiter heads a's line
+    assert multi.leave("w", away_for=30)
+    lease = a.try_acquire(enqueue=False)
+    assert isinstance(lease, Granted)
+    lease.lease.release()
+    assert a.status().waiter_count == 1
+    assert multi.leave("w")
+    assert a.status().waiter_count == b.status().waiter_count == 0
+    holder.release()

@@ -13,6 +13,11 @@
 --   ARGV[8] wake         the waiter's wake address (a channel), or ""
 --   ARGV[9] n            the number of semaphores
 --   ARGV[10..9+n]        each semaphore's limit when no runtime override is stored
+--   ARGV[10+n] run       "" or the run id of this copy of a wait (see acquire.lua): then
+--                        KEYS[8n+1] and KEYS[8n+2] are the run records (runs, run_expiry) of
+--                        the first semaphore, and a copy of a run granted or finished within
+--                        ARGV[11+n] ms is answered 3 (running) or 4 (ran)
+--   ARGV[11+n] remember_ms
 -- One ticket for all lines: every line orders its waiters by (ticket, waiter id), so any two
 -- waiters stand in the same order in every line they share, and nobody waits for someone who
 -- waits for them (no deadlock). A waiter holds nothing while it waits (no hoarding): it takes
@@ -26,14 +31,49 @@
 -- {5, index, limit} when w is above the limit in force of semaphore <index> (0-based): such a
 -- try would wait forever, so it is refused and the waiter leaves every line.
 
-local GRANTED, WAIT, TOO_HEAVY = 1, 0, 5
+local GRANTED, WAIT, RUNNING, RAN, TOO_HEAVY = 1, 0, 3, 4, 5
 local token, waiter = ARGV[1], ARGV[2]
 local lease_ms, patience_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 local enqueue, label, wake = ARGV[5] == '1', ARGV[6], ARGV[8]
 local n = tonumber(ARGV[9])
+local run, remember_ms = ARGV[10 + n] or '', tonumber(ARGV[11 + n])
 local members = slot_members(token)
 local weight = #members
 local now = now_ms()
+
+if run ~= '' then
+  K_RUNS, K_RUN_EXPIRY = KEYS[8 * n + 1], KEYS[8 * n + 2]
+  local previous = redis.call('HGET', K_RUNS, run)
+  if previous and previous ~= token then
+    local forget_at = tonumber(redis.call('ZSCORE', K_RUN_EXPIRY, run))
+    if forget_at and forget_at > now then
+      if previous == '' then
+        return RAN
+      end
+      use_semaphore(1)
+      if redis.call('ZSCORE', K_HOLDERS, previous) then
+        return RUNNING
+      end
+      -- the other copy's lease went without a release (killed mid-run): this copy runs it
+    end
+  end
+end
+
+-- every grant goes through here: a run remembers the token it got the slots under
+local function granted()
+  if run ~= '' then
+    local old = redis.call('ZRANGEBYSCORE', K_RUN_EXPIRY, '-inf', now, 'LIMIT', 0, PURGE_STEP)
+    if #old > 0 then
+      redis.call('ZREM', K_RUN_EXPIRY, unpack(old))
+      redis.call('HDEL', K_RUNS, unpack(old))
+    end
+    redis.call('HSET', K_RUNS, run, token)
+    redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
+    extend(K_RUNS, remember_ms + GRACE_MS, false)
+    extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+  end
+  return GRANTED
+end
 
 local function hold_all(i, deadline, was_empty)
   local entries = {}
@@ -53,7 +93,7 @@ if redis.call('ZSCORE', K_HOLDERS, token) then
     redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, unpack(members))
     extend(K_HOLDERS, lease_ms + GRACE_MS, false)
   end
-  return GRANTED
+  return granted()
 end
 
 local limits, sizes = {}, {}
@@ -136,7 +176,7 @@ if fits and position == 0 then
       hand_off(now, limits[i], nil)
     end
   end
-  return GRANTED
+  return granted()
 end
 
 if enqueue then

@@ -4,6 +4,9 @@
 --   ARGV[1] token   as granted (its weight is written in it, see slot_members)
 --   ARGV[2] n       the number of semaphores
 --   ARGV[3..2+n]    each semaphore's limit when no runtime override is stored (for the hand-off)
+--   ARGV[3+n] run   "" or the run id the slots were granted to: the release marks it finished
+--                   (KEYS[8n+1], KEYS[8n+2]: the first semaphore's run records, see acquire_many)
+--   ARGV[4+n] remember_ms  with a run: how long the finished run is remembered
 -- Returns 1 if the token held slots of some semaphore and now holds none; 0 if they were
 -- already gone everywhere. Safe to repeat.
 
@@ -12,6 +15,15 @@ local n = tonumber(ARGV[2])
 local members = slot_members(token)
 local released = 0
 local now = nil
+local run, remember_ms = ARGV[3 + n] or '', tonumber(ARGV[4 + n])
+if run ~= '' then
+  K_RUNS, K_RUN_EXPIRY = KEYS[8 * n + 1], KEYS[8 * n + 2]
+  now = now_ms()
+  redis.call('HSET', K_RUNS, run, '')
+  redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
+  extend(K_RUNS, remember_ms + GRACE_MS, false)
+  extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+end
 for i = 1, n do
   use_semaphore(i)
   if redis.call('ZREM', K_HOLDERS, unpack(members)) > 0 then
