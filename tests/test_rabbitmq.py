@@ -46,6 +46,7 @@ def amqp_queue(amqp_url: str) -> Iterator[str]:
     with Connection(amqp_url) as connection:
         channel = connection.channel()
         channel.queue_delete(queue)
+        channel.queue_delete(f"{queue}.semaphore-wake")
 
 
 @pytest.mark.rabbitmq
@@ -66,6 +67,39 @@ def test_the_limit_holds_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_ur
         assert proj.probe(key).maximum == 3
         assert proj.probe(key).entries == 24
         assert proj.probe("proj.no_retries").maximum == 1
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.mark.rabbitmq
+def test_hand_off_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str, amqp_queue: str) -> None:
+    """Over RabbitMQ, tasks waiting outside the worker (countdown 5 s) are woken through the wake
+    queue: sent one at a time, they start in that order, each once, and the whole line of six
+    0.1 s tasks takes far less than one countdown per task."""
+    import tests.proj.app as proj
+
+    from .test_celery_handoff import starts
+    from .waiting import wait_until
+
+    env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
+    workers = [Worker(env, name=f"amqp-handoff{i}", concurrency=3).start() for i in (1, 2)]
+    try:
+        sender = Celery("sender", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+        key = "amqp-handoff"
+        asks = proj.probe("proj.handoff")
+        asked_before = asks.client.llen("probe:proj.handoff:asks")
+        results = []
+        for _ in range(6):
+            results.append(sender.send_task("proj.handoff", (0.1, key), queue=amqp_queue))
+            wait_until(lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
+                       timeout=30, what="the task to ask")
+        for result in results:
+            result.get(timeout=120)
+        runs = starts(proj, key)
+        assert [task_id for task_id, _ in runs] == [r.id for r in results]
+        assert runs[-1][1] - runs[0][1] < 5.0, "woken by releases, not by 5 s countdowns"
+        assert "semaphore-wake" in "".join(worker.log() for worker in workers)
     finally:
         for worker in workers:
             worker.stop()
