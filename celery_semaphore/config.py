@@ -117,7 +117,7 @@ def parse_config(app: Any) -> SemaphoreConfig:
         if broker is None:
             raise ConfigurationError(
                 "semaphore_backend_url", None,
-                f"not set, and the broker URL {_backend.mask_url(str(conf.broker_url))!r} is not a Redis to default to",
+                f"not set, and the broker URL {_backend.mask_url(_joined(conf.broker_url))!r} is not a Redis to default to",
             )
         backend = broker
     else:
@@ -159,3 +159,8 @@ def config_for(app: Any) -> SemaphoreConfig:
 def forget_config(app: Any) -> None:
     """Drop the cached settings (tests and long-lived shells that change ``app.conf``)."""
     _configs.pop(app, None)
+
+
+def _joined(broker_url: Any) -> str:
+    """A broker setting (a URL, a ``;``-joined string or a list) as one string, for messages."""
+    return ";".join(str(url) for url in broker_url) if isinstance(broker_url, (list, tuple)) else str(broker_url)

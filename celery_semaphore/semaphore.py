@@ -48,7 +48,7 @@ from ._scripts import (
 )
 from ._wakeups import WakeUps, wake_ups_for
 from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from .validation import check_limit, check_name, check_prefix, check_seconds, check_token, to_ms
+from .validation import check_limit, check_name, check_prefix, check_seconds, check_semaphore_name, check_token, to_ms
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -240,7 +240,7 @@ class FairSemaphore:
                 "client", client, "expected a redis.Redis or redis.cluster.RedisCluster client"
             )
         self.client = client
-        self.name = check_name("name", name)
+        self.name = check_semaphore_name("name", name)
         self.limit = check_limit("limit", limit)
         self.lease = check_seconds("lease", lease)
         self.prefix = check_prefix("prefix", prefix)
@@ -572,6 +572,9 @@ class FairSemaphore:
 
 # Answers that mean "not now" rather than "wrong": the caller should wait and try again.
 _NOT_NOW = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+_CLUSTER_NOT_NOW = (
+    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.RedisClusterException,
+)
 
 
 class _RedisErrors:
@@ -589,10 +592,12 @@ class _RedisErrors:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        if error is None or not isinstance(error, redis.RedisError):
+        if error is None or not isinstance(error, (redis.RedisError, redis.exceptions.RedisClusterException)):
             return
         operation = self.operation
-        if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
+        # a cluster between owners of a slot (failover, resharding) or unreachable is "not now"
+        # too; RedisClusterException (no node for a slot, say) is not even a RedisError
+        if isinstance(error, (redis.ConnectionError, redis.TimeoutError, *_CLUSTER_NOT_NOW)):
             raise RedisUnavailable(self.name, operation, error) from error
         # a full Redis (maxmemory with noeviction) or one still loading its data set is
         # unavailable for now, like an unreachable one: callers wait, they do not fail

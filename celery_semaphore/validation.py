@@ -41,6 +41,17 @@ def check_name(setting: str, value: Any) -> str:
     return value
 
 
+def check_semaphore_name(setting: str, value: Any) -> str:
+    """A semaphore's name is its keys' Redis Cluster hash tag, ``{<name>}``. One that starts with
+    ``}`` makes the empty tag ``{}``, which Redis ignores: the keys would hash whole, land in
+    different slots, and every script on a cluster would fail. (Braces elsewhere are fine: the
+    tag ends at the first ``}``, the same for all the semaphore's keys.)"""
+    check_name(setting, value)
+    if value.startswith("}"):
+        raise ConfigurationError(setting, value, "a semaphore name must not start with '}' (an empty hash tag)")
+    return str(value)
+
+
 def check_prefix(setting: str, value: Any) -> str:
     """A key prefix must not contain braces: the hash tag that keeps one semaphore's keys in one
     Redis Cluster slot is the first ``{...}`` of each key, and it must be the semaphore's name."""

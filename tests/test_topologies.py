@@ -83,11 +83,14 @@ def test_fair_semaphore_on_a_cluster_client(redis_cluster: RedisClusterSet, name
     assert client.zcard(semaphore.keys.holders) == 0
 
 
-@pytest.mark.xfail(reason="a name starting with '}' makes an empty hash tag: its keys land in different slots")
-def test_fair_semaphore_name_starting_with_closing_brace_on_a_cluster(redis_cluster: RedisClusterSet) -> None:
-    """A semaphore name that starts with '}' works on a cluster (not yet: known limitation)."""
-    semaphore = FairSemaphore(client_for(redis_cluster.url), "}lead", 1, lease=5)
-    semaphore.acquire(timeout=5).release()
+def test_a_semaphore_name_starting_with_closing_brace_is_refused() -> None:
+    """A name starting with '}' would make the empty hash tag '{}', scattering the semaphore's keys
+    over a cluster's slots: it is a ConfigurationError at once, naming the value."""
+    client = redis.Redis(host="127.0.0.1", port=1)  # never used: the name is refused first
+    with pytest.raises(ConfigurationError) as caught:
+        FairSemaphore(client, "}lead", 1, lease=5)
+    assert caught.value.setting == "name"
+    assert caught.value.value == "}lead"
 
 
 def test_cluster_with_a_password() -> None:
@@ -273,3 +276,19 @@ def test_malformed_sentinel_url_never_reaches_a_server() -> None:
     """A Sentinel URL without a service name fails in parsing, before any connection."""
     with pytest.raises(ConfigurationError, match="no service name"):
         parse_backend_url("semaphore_backend_url", "redis+sentinel://127.0.0.1:1")
+
+
+@pytest.mark.slow
+def test_a_cluster_whose_master_died_is_unavailable_not_an_error() -> None:
+    """With the master of a semaphore's slot dead and no replica to take over, every try is
+    RedisUnavailable (callers wait, fail closed), whatever redis-py raises on the way (a dropped
+    connection, CLUSTERDOWN, no node for the slot), never a plain SemaphoreError."""
+    from celery_semaphore import RedisUnavailable
+
+    with RedisClusterSet(replicas=0, node_timeout=500) as cluster:
+        semaphore = FairSemaphore(client_for(cluster.url), "orphan", 1, lease=5)
+        semaphore.acquire(timeout=5).release()
+        cluster.kill(cluster.node_for_key("{orphan}:x"))
+        for _ in range(3):
+            with pytest.raises(RedisUnavailable):
+                semaphore.try_acquire()
