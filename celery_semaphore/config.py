@@ -117,7 +117,8 @@ def parse_config(app: Any) -> SemaphoreConfig:
         if broker is None:
             raise ConfigurationError(
                 "semaphore_backend_url", None,
-                f"not set, and the broker URL {_backend.mask_url(_joined(conf.broker_url))!r} is not a Redis to default to",
+                f"not set, and the broker URL {_backend.mask_url(_joined(conf.broker_url))!r} "
+                "is not a Redis to default to",
             )
         backend = broker
     else:
