@@ -181,10 +181,11 @@ class Scripts:
         run: str = "",
         remember_ms: int = 0,
     ) -> AcquireReply:
-        args: list[Any] = [token, waiter, _number(default_limit), _number(lease_ms), _number(patience_ms),
-                           b"1" if enqueue else b"0", b"1" if fresh else b"0", label]
+        args: list[Any] = [
+            token.encode(), waiter.encode(), _settings(default_limit, lease_ms, patience_ms, enqueue, fresh, label)
+        ]
         # trailing arguments that are empty are not sent (the script reads them as ""): the
-        # uncontended acquire of a blocked caller or a one-shot try sends eight
+        # uncontended acquire of a blocked caller or a one-shot try sends three
         if run:
             args += [b"" if ticket is None else _number(int(ticket)), wake, run, _number(remember_ms)]
         elif wake:
@@ -353,6 +354,13 @@ def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[by
     """8 keys per semaphore; with a run id, then the first semaphore's run records."""
     flat = [key for semaphore in keys for key in semaphore.line_keys]
     return flat + keys[0].encoded[8:10] if with_runs else flat
+
+
+@functools.lru_cache(maxsize=1024)
+def _settings(limit: int, lease_ms: int, patience_ms: int, enqueue: bool, fresh: bool, label: str) -> bytes:
+    """acquire's ARGV[3]: the arguments that rarely change between calls, packed once (see
+    lua/acquire.lua): every argument sent costs the client a trip through redis-py's encoder."""
+    return f"{limit}|{lease_ms}|{patience_ms}|{int(enqueue)}{int(fresh)}|{label}".encode()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -2,24 +2,28 @@
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] token        the holder token this try would hold the slot under
 --   ARGV[2] waiter       the waiter id that keeps its place in line across tries (a task id)
---   ARGV[3] limit        the limit to apply when no runtime override is stored
---   ARGV[4] lease_ms     lease length for a granted slot
---   ARGV[5] patience_ms  how long a refused waiter keeps its place without asking again
---   ARGV[6] enqueue      "1": a new waiter takes a ticket; "0": a one-shot try that never
---                        queues and is granted only if it passes no present waiter
---   ARGV[7] fresh        "1": the caller knows this waiter never asked before, so when nobody
---                        is present and a slot is free the grant skips the line entirely (the
---                        uncontended fast path: no purge, no queue keys touched)
---   ARGV[8] label        free text shown by status for this holder (host, pid, task id)
---   ARGV[9] ticket       "" for a new waiter; or the ticket it was given before, so a waiter
+--   ARGV[3] settings     "<limit>|<lease_ms>|<patience_ms>|<enqueue><fresh>|<label>", packed in one
+--                        argument because a client pays for every argument it sends (redis-py
+--                        encodes each one in Python), and these rarely change between calls:
+--     limit        the limit to apply when no runtime override is stored
+--     lease_ms     lease length for a granted slot
+--     patience_ms  how long a refused waiter keeps its place without asking again
+--     enqueue      "1": a new waiter takes a ticket; "0": a one-shot try that never queues and
+--                  is granted only if it passes no present waiter
+--     fresh        "1": the caller knows this waiter never asked before, so when nobody is
+--                  present and a slot is free the grant skips the line entirely (the
+--                  uncontended fast path: no purge, no queue keys touched)
+--     label        free text shown by status for this holder (host, pid, task id); the rest
+--                  of the argument, so it may contain "|"
+--   ARGV[4] ticket       "" for a new waiter; or the ticket it was given before, so a waiter
 --                        that left the line (a Celery countdown, a lapsed offer) comes back to
 --                        its old place
---   ARGV[10] wake        the waiter's wake address (a channel) or "": where an offer is told
---   ARGV[11] run         "" or the run id of this copy of a wait: if another copy of the run was
---                        granted within the last ARGV[12] ms and still holds its slot, or
+--   ARGV[5] wake         the waiter's wake address (a channel) or "": where an offer is told
+--   ARGV[6] run          "" or the run id of this copy of a wait: if another copy of the run was
+--                        granted within the last ARGV[7] ms and still holds its slot, or
 --                        released it normally, this try is answered RUNNING or RAN
---   ARGV[12] remember_ms how long a granted run is remembered (counted from its grant)
---   ARGV[9..12] may be left out when empty (read as ""); KEYS[9..10] are passed only with a run
+--   ARGV[7] remember_ms  how long a granted run is remembered (counted from its grant)
+--   ARGV[4..7] may be left out when empty (read as ""); KEYS[9..10] are passed only with a run
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns, when granted, the bare integer outcome (1 or 2: the common answer stays short to parse);
@@ -30,16 +34,18 @@
 --            claiming the offer a release made to this waiter; 0 = wait
 --   position the waiter's 0-based place in line, away waiters included (0 when granted)
 --   free     free slots after this call (offers count as taken)
---   limit    the limit in force (override or ARGV[3])
+--   limit    the limit in force (override or the settings' limit)
 --   hold     moving average of recent hold times in ms, or -1 while none is known (or granted)
 --   ticket   the waiter's ticket as a decimal string ("" when granted or not queued)
 --   turn     the waiter's 0-based place among present waiters: slots are offered by this
 
 local GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 local token, waiter = ARGV[1], ARGV[2]
-local lease_ms, patience_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-local enqueue, fresh, label, wake = ARGV[6] == '1', ARGV[7] == '1', ARGV[8], ARGV[10] or ''
-local run, remember_ms = ARGV[11] or '', tonumber(ARGV[12])
+local default_limit, lease_ms, patience_ms, enqueue, fresh, label =
+  string.match(ARGV[3], '^(%d+)|(%d+)|(%d+)|([01])([01])|(.*)$')
+default_limit, lease_ms, patience_ms = tonumber(default_limit), tonumber(lease_ms), tonumber(patience_ms)
+enqueue, fresh = enqueue == '1', fresh == '1'
+local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 
 local now = now_ms()
 
@@ -79,7 +85,7 @@ end
 local limit
 if fresh then
   -- the fast path: a newcomer, nobody present to pass, a slot free
-  limit = current_limit(tonumber(ARGV[3]))
+  limit = current_limit(default_limit)
   local size = redis.call('ZCARD', K_HOLDERS)
   if size < limit and redis.call('ZCARD', K_PRESENT) == 0 then
     hold(token, now, lease_ms, label, size == 0)
@@ -94,7 +100,7 @@ if not fresh and redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
   drop_waiter(waiter)
   return granted(CLAIMED)
 end
-limit = limit or current_limit(tonumber(ARGV[3]))
+limit = limit or current_limit(default_limit)
 purge(now)
 if redis.call('ZSCORE', K_HOLDERS, token) then
   -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
@@ -126,7 +132,7 @@ if ticket then
     end
   end
 else
-  ticket = tonumber(ARGV[9])
+  ticket = tonumber(ARGV[4])
   if not ticket then
     local counter = redis.call('INCR', K_TICKET)
     if counter == 1 then
