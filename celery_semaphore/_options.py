@@ -9,8 +9,9 @@ checked in one place, at declaration: a bad value never waits for the first task
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from ._keys import KeyFunction, check_template
 from .config import SemaphoreConfig, parse_countdown
@@ -20,6 +21,11 @@ from .validation import check_limit, check_seconds
 # Set on SemaphoreTask: how code that must not import the Celery hook (the catalogue, the
 # worker's parent-side release) recognises a semaphore task.
 MARKER = "__semaphore_task__"
+
+# ``semaphore_key``: one key (a template or a key function) or a list of them
+KeyOption: TypeAlias = str | KeyFunction | list[str | KeyFunction]
+# ``semaphore_weight``: slots one execution takes of each of its keys
+WeightFunction = Callable[[tuple[Any, ...], dict[str, Any]], int]
 
 
 class _FromSettings:
@@ -36,19 +42,47 @@ def is_semaphore_task(task: Any) -> bool:
     return bool(getattr(type(task), MARKER, False))
 
 
-def key_option(cls: type) -> str | KeyFunction | None:
+def _unbound(value: Any) -> Any:
+    return value.__func__ if isinstance(value, staticmethod) else value
+
+
+def key_option(cls: type) -> KeyOption | None:
     """The ``semaphore_key`` option as declared: a function stored on a class would otherwise
-    come back bound, as a method of the task."""
-    key = inspect.getattr_static(cls, "semaphore_key", None)
-    if isinstance(key, staticmethod):
-        key = key.__func__
+    come back bound, as a method of the task. A tuple comes back as a list."""
+    key = _unbound(inspect.getattr_static(cls, "semaphore_key", None))
+    if isinstance(key, (list, tuple)):
+        return [_unbound(item) for item in key]
     return key  # type: ignore[no-any-return]
+
+
+def key_list(cls: type) -> list[str | KeyFunction] | None:
+    """The keys of a task that holds several (``semaphore_key`` a list), else None."""
+    key = key_option(cls)
+    return key if isinstance(key, list) else None
+
+
+def weight_option(cls: type) -> int | WeightFunction | None:
+    """The ``semaphore_weight`` option as declared (None: one slot)."""
+    return _unbound(inspect.getattr_static(cls, "semaphore_weight", None))  # type: ignore[no-any-return]
+
+
+def weight_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The slots one call takes of each of its keys; ConfigurationError for a bad answer."""
+    weight = weight_option(type(task))
+    if weight is None:
+        return 1
+    if callable(weight):
+        weight = weight(args, kwargs)
+    return check_limit(f"{task.name}.semaphore_weight", weight)
 
 
 def template_of(task: Any) -> str:
     """The task's key as a template: its ``semaphore_key`` string, else its name. A key
-    function has no template; the task name stands for it (metrics, status)."""
+    function has no template; the task name stands for it (metrics, status). Several keys:
+    their templates joined by "+"."""
     key = key_option(type(task))
+    if isinstance(key, list):
+        return "+".join(item if isinstance(item, str) else str(task.name) for item in key)
     return key if isinstance(key, str) else str(task.name)
 
 
@@ -75,15 +109,29 @@ def check_task_options(cls: type) -> None:
         check_seconds(f"{name}.semaphore_max_wait", options["semaphore_max_wait"])
     if options.get("semaphore_countdown") is not None:
         parse_countdown(f"{name}.semaphore_countdown", options["semaphore_countdown"])
+    weight = options.get("semaphore_weight")
+    if weight is not None and not callable(weight) and not isinstance(weight, staticmethod):
+        check_limit(f"{name}.semaphore_weight", weight)
+        limit = options.get("semaphore_limit")
+        if limit is not None and weight > limit:
+            raise ConfigurationError(f"{name}.semaphore_weight", weight,
+                                     f"above the task's semaphore_limit {limit}: it would wait forever")
     # the key may be inherited from a base class: check it against every class that has a run
     key = key_option(cls)
-    if key is None or callable(key):
-        return
-    if not isinstance(key, str) or not key:
-        raise ConfigurationError(f"{name}.semaphore_key", key, "expected a format string or a callable (args, kwargs)")
+    keys = key if isinstance(key, list) else [key]
+    if isinstance(key, list) and not key:
+        raise ConfigurationError(f"{name}.semaphore_key", key, "an empty list of keys")
     parameters = _run_parameters(cls)
-    if parameters is not None:
-        check_template(f"{name}.semaphore_key", key, parameters)
+    for item in keys:
+        if item is None or callable(item):
+            if item is None and isinstance(key, list):
+                raise ConfigurationError(f"{name}.semaphore_key", key, "None in a list of keys")
+            continue
+        if not isinstance(item, str) or not item:
+            raise ConfigurationError(f"{name}.semaphore_key", item,
+                                     "expected a format string or a callable (args, kwargs), or a list of these")
+        if parameters is not None:
+            check_template(f"{name}.semaphore_key", item, parameters)
 
 
 @dataclass(frozen=True)

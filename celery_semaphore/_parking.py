@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._wakeups import WakeHandle, wake_ups_for
+from .multi import MultiSemaphore
 from .semaphore import FairSemaphore
 
 logger = logging.getLogger("celery_semaphore")
@@ -53,7 +54,7 @@ class _Parked:
     handle: WakeHandle
     wake_copy: Any  # the Celery signature to send when the offer comes
     expires: float  # monotonic: by then a copy of the wait should have asked again
-    semaphore: FairSemaphore
+    semaphore: FairSemaphore | MultiSemaphore  # a MultiSemaphore parks on its first semaphore's keys
     waiter: str
     run: str  # the run id every copy of this wait asks under
     name: str = field(default="")
@@ -69,7 +70,9 @@ class Parking:
         self._to_send: queue.SimpleQueue[_Parked | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
 
-    def park(self, semaphore: FairSemaphore, waiter: str, wake_copy: Any, *, away_for: float, run: str) -> str:
+    def park(
+        self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, wake_copy: Any, *, away_for: float, run: str
+    ) -> str:
         """Register ``wake_copy`` to be sent when ``waiter`` is offered a slot of ``semaphore``
         (within ``away_for`` seconds), or when that time is up and no copy of the wait (run
         ``run``) has asked; returns the wake address to park the waiter under."""
@@ -147,7 +150,7 @@ class Parking:
 _parking = Parking()
 
 
-def copy_asked(semaphore: FairSemaphore, waiter: str, run: str) -> bool:
+def copy_asked(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> bool:
     """Whether some copy of a parked wait asked again: the waiter still has a place whose
     must-ask-by deadline is ahead (a copy asked, or it is still parked), or its run was granted."""
     keys = semaphore.keys

@@ -19,9 +19,10 @@ import redis
 
 from ._backend import client_for
 from ._keys import call_key, is_fixed, literal_length, template_pattern
-from ._options import is_semaphore_task, key_option, template_of, wait_options
+from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
 from .config import LimitRule, SemaphoreConfig, config_for
 from .errors import ConfigurationError, SemaphoreError
+from .multi import MultiSemaphore
 from .semaphore import FairSemaphore
 
 # The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,
@@ -44,20 +45,34 @@ def no_limit_error(task_name: str, key: str) -> ConfigurationError:
     )
 
 
-def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FairSemaphore:
+def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FairSemaphore | MultiSemaphore:
     """The semaphore one call of ``task`` must hold; ConfigurationError if no limit applies.
+
+    A task with several keys (``semaphore_key`` a list) or a weight gets a MultiSemaphore over
+    its keys' semaphores, each key's limit resolved as for a single key; a weight above one of
+    them is a ConfigurationError here, when the task asks (never a wait that cannot end).
 
     Cheap enough for every call: the settings are parsed once per app and the client is
     shared per URL; no index of the app's tasks is built."""
     config = config_for(task.app)
     key_setting = f"{task.name}.semaphore_key"
     key_option_value = key_option(type(task))
-    key = str(task.name) if key_option_value is None else call_key(
-        key_setting, key_option_value, task.run, args, kwargs)
-    rule = config.limit_for(key, str(task.name), task.semaphore_limit)
-    if rule is None:
-        raise no_limit_error(str(task.name), key)
-    return _semaphore(config, key, rule.limit, wait_options(task, config).lease)
+    lease = wait_options(task, config).lease
+    if key_option_value is None:
+        keys = [str(task.name)]
+    elif isinstance(key_option_value, list):
+        keys = [call_key(key_setting, item, task.run, args, kwargs) for item in key_option_value]
+    else:
+        keys = [call_key(key_setting, key_option_value, task.run, args, kwargs)]
+    semaphores = []
+    for key in keys:
+        rule = config.limit_for(key, str(task.name), task.semaphore_limit)
+        if rule is None:
+            raise no_limit_error(str(task.name), key)
+        semaphores.append(_semaphore(config, key, rule.limit, lease))
+    if len(semaphores) == 1 and weight_option(type(task)) is None:
+        return semaphores[0]
+    return MultiSemaphore(semaphores, weight=weight_of_call(task, args, kwargs))
 
 
 def _semaphore(config: SemaphoreConfig, key: str, limit: int, lease: float) -> FairSemaphore:
@@ -69,6 +84,7 @@ class _Template:
     pattern: re.Pattern[str]
     literal_length: int  # the more literal text a template has, the more specific its match
     task: Any
+    template: str = ""
 
 
 class Catalogue:
@@ -82,14 +98,17 @@ class Catalogue:
         self.config: SemaphoreConfig = config_for(app)
         self.fixed: dict[str, Any] = {}
         templates: list[_Template] = []
+        self.families: dict[str, str] = {}  # fixed key or template -> its family, for list keys
         for task in semaphore_tasks(app):
-            key = key_option(type(task))
-            if key is None:
-                self.fixed.setdefault(str(task.name), task)
-            elif isinstance(key, str) and is_fixed(key):
-                self.fixed.setdefault(key.format(), task)
-            elif isinstance(key, str):
-                templates.append(_Template(template_pattern(key), literal_length(key), task))
+            option = key_option(type(task))
+            for key in option if isinstance(option, list) else [option]:
+                if key is None:
+                    self.fixed.setdefault(str(task.name), task)
+                elif isinstance(key, str) and is_fixed(key):
+                    self.fixed.setdefault(key.format(), task)
+                    self.families.setdefault(key.format(), key)
+                elif isinstance(key, str):
+                    templates.append(_Template(template_pattern(key), literal_length(key), task, key))
         # most specific first: "crawl:{host}" must win over "{anything}" for "crawl:example.com"
         self.templates = sorted(templates, key=lambda template: -template.literal_length)
 
@@ -114,9 +133,18 @@ class Catalogue:
         return None
 
     def family_for(self, key: str) -> str:
-        """The bounded name metrics use for ``key``: the task's key template or name."""
+        """The bounded name metrics use for ``key``: the task's key template or name (for a
+        task of several keys, the one of its templates that ``key`` matches)."""
         task = self.task_for(key)
-        return template_of(task) if task is not None else OTHER_FAMILY
+        if task is None:
+            return OTHER_FAMILY
+        if isinstance(key_option(type(task)), list):
+            if key in self.fixed:
+                return self.families.get(key, key)
+            for template in self.templates:
+                if template.pattern.fullmatch(key):
+                    return template.template
+        return template_of(task)
 
     def configured_limit(self, key: str, task: Any | None = None) -> LimitRule | None:
         """The limit the settings and code give ``key`` (the runtime override aside)."""

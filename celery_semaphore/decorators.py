@@ -8,7 +8,8 @@ from typing import Any
 
 from celery import shared_task
 
-from ._keys import KeyFunction, check_template
+from ._keys import check_template
+from ._options import KeyOption
 from .task import SemaphoreTask
 from .validation import check_limit
 
@@ -16,7 +17,7 @@ from .validation import check_limit
 def limit_concurrency(
     limit: int | None = None,
     *,
-    key: str | KeyFunction | None = None,
+    key: KeyOption | None = None,
     app: Any = None,
     **task_options: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
@@ -24,20 +25,23 @@ def limit_concurrency(
 
     ``@limit_concurrency(3, key="crawl:{host}", app=app)`` is ``@app.task(base=SemaphoreTask,
     semaphore_limit=3, semaphore_key="crawl:{host}")``; without ``app`` it is a ``shared_task``.
-    ``limit=None`` takes the limit from ``semaphore_limits``. The limit and the key template are
-    checked here, at declaration: a template naming an argument the function lacks is an error
-    now, not when the first task runs.
+    ``limit=None`` takes the limit from ``semaphore_limits``. ``key`` may be a list
+    (``key=["crawl:{host}", "crawl-total"]``): the task then holds a slot of every key, each
+    with its own limit; ``semaphore_weight=3`` takes three slots of each. The limit and the key
+    templates are checked here, at declaration: a template naming an argument the function
+    lacks is an error now, not when the first task runs.
     """
     if limit is not None:
         check_limit("limit", limit)
 
     def decorate(function: Callable[..., Any]) -> Any:
         name = task_options.get("name") or f"{function.__module__}.{function.__qualname__}"
-        if isinstance(key, str):
-            parameters = list(inspect.signature(function).parameters.values())
-            if task_options.get("bind"):
-                parameters = parameters[1:]
-            check_template(f"{name}.semaphore_key", key, parameters)
+        parameters = list(inspect.signature(function).parameters.values())
+        if task_options.get("bind"):
+            parameters = parameters[1:]
+        for item in key if isinstance(key, (list, tuple)) else [key]:
+            if isinstance(item, str):
+                check_template(f"{name}.semaphore_key", item, parameters)
         options = {"base": SemaphoreTask, "semaphore_limit": limit, "semaphore_key": key, **task_options}
         if app is None:
             return shared_task(**options)(function)

@@ -32,13 +32,25 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 
 from . import metrics, policy
-from ._keys import KeyFunction
-from ._options import FROM_SETTINGS, MARKER, WaitOptions, check_task_options, template_of, wait_options
+from ._options import (
+    FROM_SETTINGS,
+    MARKER,
+    KeyOption,
+    WaitOptions,
+    WeightFunction,
+    check_task_options,
+    template_of,
+    wait_options,
+)
 from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from .catalogue import semaphore_for_call
 from .config import SemaphoreConfig, config_for
 from .errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
+from .multi import MultiSemaphore
 from .semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, new_token
+
+# What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
+AnySemaphore = FairSemaphore | MultiSemaphore
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -69,13 +81,15 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     """A task that runs only while it holds a slot of its semaphore.
 
     Options (class attributes, or ``app.task(base=SemaphoreTask, semaphore_limit=5, ...)``):
-    ``semaphore_limit``, ``semaphore_key``, ``semaphore_lease``, ``semaphore_countdown``,
-    ``semaphore_max_wait``, ``semaphore_inline_wait``; each one left unset takes the app's
-    ``semaphore_*`` setting.
+    ``semaphore_limit``, ``semaphore_key``, ``semaphore_weight``, ``semaphore_lease``,
+    ``semaphore_countdown``, ``semaphore_max_wait``, ``semaphore_inline_wait``; each one left
+    unset takes the app's ``semaphore_*`` setting. ``semaphore_key`` may be a list of keys: the
+    body then runs only while the task holds a slot (``semaphore_weight`` slots) of every one.
     """
 
     semaphore_limit: ClassVar[int | None] = None
-    semaphore_key: ClassVar[str | KeyFunction | None] = None
+    semaphore_key: ClassVar[KeyOption | None] = None
+    semaphore_weight: ClassVar[int | WeightFunction | None] = None
     semaphore_lease: ClassVar[float | None] = None
     semaphore_countdown: ClassVar[float | tuple[float, float] | None] = None
     semaphore_max_wait: ClassVar[float | None] = FROM_SETTINGS
@@ -113,7 +127,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     def _label(self) -> str:
         return f"{default_label()} {self.name}[{self.request.id}]"
 
-    def _acquire_eagerly(self, semaphore: FairSemaphore) -> Lease:
+    def _acquire_eagerly(self, semaphore: AnySemaphore) -> Lease:
         """Eager mode runs a retry at once and recursively, ignoring its countdown, so a refused
         eager task waits for its slot here instead (bounded by the max wait)."""
         started = time.monotonic()
@@ -123,13 +137,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         return lease
 
     def _acquire_in_worker(
-        self, semaphore: FairSemaphore, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, semaphore: AnySemaphore, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Lease | None:
         config = config_for(self.app)
         options = wait_options(self, config)
         request = self.request
         history = WaitHistory.of(request)
-        token, waiter = f"{request.id}:{new_token()}", str(request.id)
+        token, waiter = f"{request.id}:{new_token()}", _waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
         run = f"{request.id}#{request.retries or 0}" if history.waits else None
@@ -172,13 +186,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         self._wait_outside(semaphore, attempt, history, args, kwargs, countdown)
 
     def _wait_outside(
-        self, semaphore: FairSemaphore, attempt: Waiting, history: WaitHistory, args: tuple[Any, ...],
+        self, semaphore: AnySemaphore, attempt: Waiting, history: WaitHistory, args: tuple[Any, ...],
         kwargs: dict[str, Any], countdown: int,
     ) -> NoReturn:
         """Leave the worker: send the backstop copy (countdown) and park the wake copy, then
         raise Retry. While away the task holds up nobody who is present before its turn."""
         request = self.request
-        waiter = str(request.id)
+        waiter = _waiter_of(semaphore, request)
         origin = _header(request, QUEUE_HEADER) or _queue_of(self.app, request)
         headers = {
             **(request.headers or {}),
@@ -214,6 +228,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             when=countdown,
             sig=backstop,
         )
+
+
+def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:
+    """The id a task's wait stands in line under: its task id (with the weight in front for a
+    MultiSemaphore, whose lines read it from there)."""
+    return semaphore.waiter_id(str(request.id)) if isinstance(semaphore, MultiSemaphore) else str(request.id)
 
 
 def _routing_key(request: Any) -> str | None:
@@ -296,14 +316,14 @@ class _Outages:
         self._down: set[int] = set()  # id() of the clients known to be unreachable
         self._lock = threading.Lock()
 
-    def down(self, semaphore: FairSemaphore, error: Exception) -> None:
+    def down(self, semaphore: AnySemaphore, error: Exception) -> None:
         with self._lock:
             first = id(semaphore.client) not in self._down
             self._down.add(id(semaphore.client))
         if first:
             logger.warning("semaphore Redis unavailable: tasks wait (fail closed) until it is back: %s", error)
 
-    def back(self, semaphore: FairSemaphore) -> None:
+    def back(self, semaphore: AnySemaphore) -> None:
         if not self._down:  # the common case costs one truth test
             return
         with self._lock:
@@ -312,14 +332,14 @@ class _Outages:
         if was_down:
             logger.warning("semaphore Redis is back: waiting tasks take their slots again")
 
-    def is_down(self, semaphore: FairSemaphore) -> bool:
+    def is_down(self, semaphore: AnySemaphore) -> bool:
         return id(semaphore.client) in self._down
 
 
 outages = _Outages()
 
 
-def _leave_quietly(semaphore: FairSemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:
+def _leave_quietly(semaphore: AnySemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:
     try:
         semaphore.leave(waiter, away_for=away_for, wake=wake)
     except SemaphoreError as error:

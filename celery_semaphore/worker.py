@@ -24,11 +24,11 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from . import metrics
 from ._backend import BackendSpec, client_for
 from ._keys import sample_key
-from ._options import is_semaphore_task, key_option, template_of, wait_options
+from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from ._parking import WAKE_QUEUE_SUFFIX, wake_queue
 from ._scripts import preload
 from .catalogue import semaphore_for_call, semaphore_tasks
-from .config import config_for, forget_config
+from .config import SemaphoreConfig, config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
 from .policy import VISIBILITY_MARGIN
 
@@ -91,19 +91,10 @@ def check_app(app: Any) -> None:
     config = config_for(app)
     near_visibility_timeout = []
     for task in semaphore_tasks(app):
-        key = key_option(type(task))
         high = wait_options(task, config).countdown[1]
         if config.visibility_timeout is not None and high >= config.visibility_timeout * VISIBILITY_MARGIN:
             near_visibility_timeout.append(task.name)
-        if task.semaphore_limit is not None or callable(key):
-            continue  # a callable key is only known per call; a missing limit fails that call loudly
-        sample = sample_key(key) if isinstance(key, str) else task.name
-        if not config.could_limit(sample, task.name):
-            raise ConfigurationError(
-                f"{task.name}.semaphore_limit",
-                None,
-                "the task has no limit: set semaphore_limit on it or an entry in semaphore_limits",
-            )
+        check_limits(task, config)
     if near_visibility_timeout:
         logger.warning(
             "countdowns of %s may reach half the Redis broker's visibility_timeout (%s s), past which the broker "
@@ -111,6 +102,29 @@ def check_app(app: Any) -> None:
             ", ".join(sorted(near_visibility_timeout)), config.visibility_timeout,
         )
     _warn_about_eviction(config.backend)
+
+
+def check_limits(task: Any, config: SemaphoreConfig) -> None:
+    """Every key of ``task`` (each of a list) must have a limit somewhere, and a fixed weight
+    must fit each: ConfigurationError otherwise. A key function is only known per call; a
+    missing limit, or a weight above it, fails that call loudly."""
+    key = key_option(type(task))
+    weight = weight_option(type(task))
+    for item in key if isinstance(key, list) else [key]:
+        if callable(item):
+            continue
+        sample = sample_key(item) if isinstance(item, str) else task.name
+        rule = config.limit_for(sample, task.name, task.semaphore_limit)
+        if rule is None:
+            raise ConfigurationError(
+                f"{task.name}.semaphore_limit",
+                None,
+                "the task has no limit" + (f" for its key {item!r}" if isinstance(key, list) else "")
+                + ": set semaphore_limit on it or an entry in semaphore_limits",
+            )
+        if isinstance(weight, int) and weight > rule.limit:
+            raise ConfigurationError(f"{task.name}.semaphore_weight", weight,
+                                     f"above the limit {rule.limit} of {sample!r}: the task would wait forever")
 
 
 def may_evict(maxmemory: int, policy: str) -> bool:

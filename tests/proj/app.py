@@ -193,3 +193,51 @@ def handoff_faults(self: Any, seconds: float, key: str = "proj.handoff_faults") 
     """For the fault tests: waits outside the worker, short lease, acks late."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+# --- several keys and weights (issue 10) ---------------------------------------------------
+
+@limit_concurrency(3, key=["crawl:{host}", "crawl-all"], app=app, bind=True, name="proj.crawl_multi",
+                   semaphore_inline_wait=0, semaphore_countdown=5)
+def crawl_multi(self: Any, host: str, seconds: float) -> str:
+    """At most 2 per host ("crawl:*" in semaphore_limits) and 3 in all (its own limit); it waits
+    outside the worker (countdown 5 s), so hand-off must bring it back."""
+    total = probe("crawl-all")
+    total.enter()
+    try:
+        _held(f"crawl:{host}", seconds, self.request.id)
+    finally:
+        total.leave()
+    return host
+
+
+@limit_concurrency(1, key=["pair-x", "pair-y"], app=app, bind=True, name="proj.pair_xy")
+def pair_xy(self: Any, seconds: float) -> str:
+    _held("pair", seconds, self.request.id)
+    return "xy"
+
+
+@limit_concurrency(1, key=["pair-y", "pair-x"], app=app, bind=True, name="proj.pair_yx")
+def pair_yx(self: Any, seconds: float) -> str:
+    _held("pair", seconds, self.request.id)
+    return "yx"
+
+
+def _gpus(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    return int(kwargs["gpus"] if "gpus" in kwargs else args[0])
+
+
+@limit_concurrency(4, key="gpu", app=app, bind=True, name="proj.gpu", semaphore_weight=_gpus,
+                   semaphore_inline_wait=0, semaphore_countdown=5, acks_late=True)
+def gpu(self: Any, gpus: int, seconds: float, key: str = "gpu") -> str:
+    """Takes ``gpus`` of 4 GPUs; records each GPU it takes in the probe of ``key``."""
+    p = probe(key)
+    for _ in range(gpus):
+        p.enter()
+    p.client.rpush(f"probe:{key}:starts", f"{self.request.id} {time.time()} {gpus}")
+    try:
+        time.sleep(seconds)
+    finally:
+        for _ in range(gpus):
+            p.leave()
+    return str(self.request.id)

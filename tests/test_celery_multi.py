@@ -1,0 +1,194 @@
+"""Tasks with several semaphore keys and with weights, on real `celery worker` processes (prefork)
+and a Redis broker: every limit holds, nobody deadlocks, heavy tasks keep their turn, and a
+killed worker's slots all come back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_semaphore import ConfigurationError, FairSemaphore, semaphore_for
+from celery_semaphore._backend import client_for
+from celery_semaphore.catalogue import Catalogue, semaphore_for_call
+from celery_semaphore.multi import MultiSemaphore
+
+from .conftest import CeleryStack
+from .waiting import wait_until
+from .workers import Worker
+
+QUEUE = "multi"
+
+
+@pytest.fixture(scope="module")
+def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
+    env = {**celery_stack.env, "PROJ_QUEUE": QUEUE}
+    group = [Worker(env, name=f"m{i}", concurrency=4) for i in (1, 2)]
+    for worker in group:
+        worker.start()
+    yield group
+    for worker in group:
+        worker.stop()
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack, workers: list[Worker]) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def send(task: Any, *args: Any, **kwargs: Any) -> AsyncResult:
+    return task.apply_async(args, kwargs or None, queue=QUEUE)
+
+
+def holders(proj: Any, key: str) -> int:
+    return FairSemaphore(client_for(proj.app.conf.semaphore_backend_url), key, 1).status().holder_count
+
+
+def test_a_call_of_a_task_with_a_key_list_gets_one_semaphore_per_key(celery_stack: CeleryStack) -> None:
+    """Each key of the list resolves its own limit: "crawl:*" from semaphore_limits (2), the
+    total from the task's own semaphore_limit (3); the metrics family of each key is its template."""
+    import tests.proj.app as proj
+
+    semaphore = semaphore_for_call(proj.app.tasks["proj.crawl_multi"], ("h",), {"seconds": 0})
+    assert isinstance(semaphore, MultiSemaphore)
+    assert [(s.name, s.limit) for s in semaphore.semaphores] == [("crawl:h", 2), ("crawl-all", 3)]
+    catalogue = Catalogue(proj.app)
+    assert catalogue.family_for("crawl-all") == "crawl-all"
+    weighted = semaphore_for_call(proj.app.tasks["proj.gpu"], (3, 0.1), {})
+    assert isinstance(weighted, MultiSemaphore) and weighted.weight == 3
+    with pytest.raises(ConfigurationError, match="above the limit 4"):
+        semaphore_for_call(proj.app.tasks["proj.gpu"], (5, 0.1), {})
+
+
+def test_per_host_and_total_limits_hold_together(proj: Any) -> None:
+    """18 crawls over 3 hosts, at most 2 per host and 3 in all: neither peak passes its limit,
+    the total is reached, every task runs once, and no slot is left."""
+    hosts = ["mh1", "mh2", "mh3"]
+    results = [send(proj.crawl_multi, hosts[i % 3], 0.3) for i in range(18)]
+    assert sorted(r.get(timeout=120) for r in results) == sorted(hosts[i % 3] for i in range(18))
+    assert proj.probe("crawl-all").maximum == 3
+    for host in hosts:
+        assert 1 <= proj.probe(f"crawl:{host}").maximum <= 2
+    assert sum(proj.probe(f"crawl:{host}").entries for host in hosts) == 18
+    wait_until(lambda: all(holders(proj, key) == 0 for key in ["crawl-all", *(f"crawl:{h}" for h in hosts)]),
+               timeout=10, what="every slot released")
+
+
+def test_opposite_key_orders_under_load_all_finish_never_two_at_once(proj: Any) -> None:
+    """Tasks listing the same two keys (limit 1) in opposite orders, 30 of them at once: all
+    finish, and never two run together."""
+    results = [send(proj.pair_xy if i % 2 else proj.pair_yx, 0.05) for i in range(30)]
+    assert sorted(r.get(timeout=120) for r in results) == sorted("xy" if i % 2 else "yx" for i in range(30))
+    assert proj.probe("pair").maximum == 1
+    assert proj.probe("pair").entries == 30
+
+
+def _starts(proj: Any, key: str) -> list[tuple[str, int]]:
+    entries = proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)
+    return [(task_id.decode(), int(gpus)) for task_id, _, gpus in (entry.split() for entry in entries)]
+
+
+def test_weights_in_flight_never_pass_the_limit(proj: Any) -> None:
+    """GPU tasks of weight 1 to 3 on 4 GPUs: the GPUs in use never pass 4, and 4 are used."""
+    key = "gpu-mix"
+    weights = [3, 1, 2, 1, 1, 3, 2, 1, 1, 2, 3, 1]
+    results = [send(proj.gpu, w, 0.2, key=key) for w in weights]
+    for result in results:
+        result.get(timeout=120)
+    assert proj.probe(key).maximum == 4
+    assert sorted(w for _, w in _starts(proj, key)) == sorted(weights)
+    wait_until(lambda: holders(proj, "gpu") == 0, timeout=10, what="every GPU released")
+
+
+def test_a_heavy_task_sent_before_light_ones_starts_before_them(proj: Any) -> None:
+    """With all 4 GPUs taken, a weight-3 task is sent, then three weight-1 tasks: as the GPUs
+    free one by one, the light ones do not pass it; it starts first."""
+    key = "gpu-order"
+    semaphore = semaphore_for(proj.app, "gpu")
+    blocker = send(proj.gpu, 4, 1.5, key=key)
+    wait_until(lambda: semaphore.status().holder_count == 4, timeout=30, what="the blocker to hold 4")
+    heavy = send(proj.gpu, 3, 0.3, key=key)
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the heavy task in line")
+    lights = []
+    for n in range(3):
+        lights.append(send(proj.gpu, 1, 0.1, key=key))
+        wait_until(lambda n=n: semaphore.status().waiter_count == n + 2, timeout=30, what="a light task in line")
+    for result in [blocker, heavy, *lights]:
+        result.get(timeout=120)
+    order = [task_id for task_id, _ in _starts(proj, key)]
+    assert order[:2] == [blocker.id, heavy.id], order
+
+
+def test_a_sigkilled_workers_multi_key_slots_all_come_back(celery_stack: CeleryStack) -> None:
+    """A worker SIGKILLed while a task holds 2 slots of one key and... (weight 2 on "gpu"), and a
+    crawl holds a slot of its host and of the total: every slot comes back within the 2 s lease."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "multi-crash"}
+    victim = Worker(env, name="multi-victim", concurrency=2, conf={"semaphore_lease": 2}).start()
+    try:
+        proj.gpu.apply_async((2, 30), {"key": "gpu-crash"}, queue="multi-crash")
+        proj.crawl_multi.apply_async(("mkill", 30), queue="multi-crash")
+        wait_until(lambda: holders(proj, "gpu") == 2 and holders(proj, "crawl:mkill") == 1
+                   and holders(proj, "crawl-all") == 1, timeout=30, what="both tasks to hold their slots")
+        victim.kill()
+        killed_at = time.monotonic()
+        wait_until(lambda: holders(proj, "gpu") + holders(proj, "crawl:mkill") + holders(proj, "crawl-all") == 0,
+                   timeout=10, what="every slot to come back")
+        assert time.monotonic() - killed_at < 2 + 1.5
+    finally:
+        victim.kill()
+
+
+def test_the_worker_refuses_a_task_whose_key_has_no_limit() -> None:
+    """A task with a key list where one key has no limit anywhere fails the start check, naming
+    the key; a weight above a configured limit fails it too."""
+    from celery import Celery
+
+    from celery_semaphore import SemaphoreTask
+    from celery_semaphore.config import config_for, forget_config
+    from celery_semaphore.worker import check_limits
+
+    def check_app(app: Any) -> None:
+        forget_config(app)
+        for task in [app.tasks[name] for name in ("t.api", "t.heavy") if name in app.tasks]:
+            check_limits(task, config_for(app))
+
+    app = Celery("multi-check", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.semaphore_backend_url = "redis://127.0.0.1:1/1"
+    app.conf.semaphore_limits = {"tenant:*": 2}
+
+    @app.task(base=SemaphoreTask, semaphore_key=["tenant:{tenant}", "api-global"], name="t.api", shared=False)
+    def api(tenant: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="'api-global'"):
+        check_app(app)
+    app.conf.semaphore_limits = {"tenant:*": 2, "api-global": 10}
+    check_app(app)
+
+    @app.task(base=SemaphoreTask, semaphore_key="tenant:{tenant}", semaphore_weight=3, name="t.heavy", shared=False)
+    def heavy(tenant: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="above the limit 2"):
+        check_app(app)
+
+
+def test_a_weight_above_the_tasks_own_limit_is_refused_at_declaration() -> None:
+    """semaphore_weight=5 with semaphore_limit=4 fails when the task is declared."""
+    from celery import Celery
+
+    from celery_semaphore import limit_concurrency
+
+    app = Celery("multi-decl", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    def too_heavy() -> None: ...
+
+    decorate = limit_concurrency(4, key="gpu", app=app, semaphore_weight=5, name="t.too_heavy", shared=False,
+                                 lazy=False)
+    with pytest.raises(ConfigurationError, match="above the task's semaphore_limit 4"):
+        decorate(too_heavy)
