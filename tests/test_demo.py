@@ -283,3 +283,26 @@ def test_the_tasks_module_loads_none_of_the_demo_harness() -> None:
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["cluster", "sentinel"])
+def test_the_demo_runs_its_semaphore_on_a_cluster_or_sentinel(demo: DemoRun, topology: str) -> None:
+    """With REDIS_URL a ``redis+cluster://`` or ``redis+sentinel://`` URL, the semaphore lives
+    there (the broker on an embedded Redis), every check holds, and no key is left behind."""
+    from celery_semaphore.testing import RedisClusterSet, RedisSentinelSet
+
+    servers: RedisClusterSet | RedisSentinelSet = RedisClusterSet() if topology == "cluster" else RedisSentinelSet()
+    with servers:
+        demo.extra_env = {"REDIS_URL": servers.url}
+        code = demo.start("--quick", "--no-live").wait(timeout=RUN_TIMEOUT)
+        assert code == 0, demo.output
+        assert "(REDIS_URL) under celery-semaphore-demo:" in demo.output
+        _assert_checks_hold(demo.output)
+        if isinstance(servers, RedisClusterSet):
+            client = servers.client()
+            assert client.keys("celery-semaphore-demo:*") == []
+        else:
+            with servers.master().client() as master:
+                assert master.keys("celery-semaphore-demo:*") == []
+    _assert_nothing_left(demo)

@@ -43,6 +43,8 @@ from .settings import DemoSettings
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 # The contrast's name in the output: it has no semaphore key to go by.
 UNPROTECTED_LABEL = "paid-api (no semaphore)"
+# REDIS_URL forms that can carry the semaphore but not Celery's broker
+SCALE_OUT_SCHEMES = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 CHART_NAME = "demo-concurrency.png"
 # Set by tests: the demo appends the id of every process it starts (or causes to start) here.
 PIDFILE_ENV = "CELERY_SEMAPHORE_DEMO_PIDFILE"
@@ -150,10 +152,20 @@ class Demo:
             with open(target, "a") as out:
                 out.write(f"{pid}\n")
 
-    def start_redis(self) -> tuple[str, str, str, str, bool]:
-        """(broker, semaphore, results URL, key prefix, isolated): a Redis of the user's, shared
-        under a unique prefix, or an embedded one of our own with db 0, 1 and 2."""
+    def start_redis(self) -> tuple[str, str, str, str, bool, str]:
+        """(broker, semaphore, results URL, key prefix, isolated, records URL): a Redis of the
+        user's, shared under a unique prefix, or an embedded one of our own with db 0, 1 and 2.
+        A Redis Cluster or Sentinel URL carries the semaphore only: Celery's broker cannot use a
+        cluster, so the broker, the results and the demo's own records go to an embedded Redis."""
         url = os.environ.get("REDIS_URL")
+        if url and url.partition("://")[0] in SCALE_OUT_SCHEMES:
+            prefix = f"celery-semaphore-demo:{uuid.uuid4().hex[:8]}"
+            self.redis = _start_embedded_redis()
+            self.record_pid(self.redis.pid)
+            base = f"redis://127.0.0.1:{self.redis.port}"
+            self.say(f"Redis: semaphore on {_redact(url)} (REDIS_URL) under [bold]{prefix}:[/]; broker, results "
+                     f"and records on an embedded redis-server pid {self.redis.pid}")
+            return f"{base}/0", url, f"{base}/2", prefix, True, f"{base}/3"
         if url:
             prefix = f"celery-semaphore-demo:{uuid.uuid4().hex[:8]}"
             client = redis.Redis.from_url(url, socket_connect_timeout=5)
@@ -162,16 +174,16 @@ class Demo:
             finally:
                 client.close()
             self.say(f"Redis: {_redact(url)} (REDIS_URL), every key of this run under [bold]{prefix}:[/]")
-            return url, url, url, prefix, True
+            return url, url, url, prefix, True, ""
         self.redis = _start_embedded_redis()
         self.record_pid(self.redis.pid)
         self.say(f"Redis: embedded redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} "
                  "(broker db 0, semaphore db 1, results db 2)")
         base = f"redis://127.0.0.1:{self.redis.port}"
-        return f"{base}/0", f"{base}/1", f"{base}/2", "demo", False
+        return f"{base}/0", f"{base}/1", f"{base}/2", "demo", False, ""
 
     def start(self) -> None:
-        broker, semaphore, results, prefix, isolated = self.start_redis()
+        broker, semaphore, results, prefix, isolated, records_url = self.start_redis()
         scenario = self.scenario
         self.api = PaidApiServer(tasks.API_LIMIT, scenario.api_service)
         self.api.start()
@@ -181,6 +193,7 @@ class Demo:
                  f"sites {', '.join(self.sites.hosts)} on port {self.sites.port}")
         settings = self.settings = DemoSettings(
             broker_url=broker, semaphore_url=semaphore, result_url=results, prefix=prefix, isolated=isolated,
+            data_url=records_url,
             queue=f"{prefix}:tasks", api_port=self.api.port, crawl_port=self.sites.port,
         )
         # the same wiring as in the workers, which find the settings in their environment
@@ -430,9 +443,16 @@ class Demo:
                 server.stop()
 
     def _delete_own_keys(self) -> None:
-        """In a shared Redis, delete exactly the keys under this run's prefix (never FLUSH)."""
+        """In a shared Redis, delete exactly the keys under this run's prefix (never FLUSH). On a
+        user's Cluster or Sentinel only the semaphores are ours: each is emptied and its
+        robots.txt limit dropped through the public API (idle semaphores leave no key)."""
         if self.settings is None or not self.settings.isolated or self.data is None:
             return
+        if self.settings.data_url:
+            for host in self.sites.hosts if self.sites is not None else []:
+                semaphore = semaphore_for(tasks.app, f"crawl:{host}")
+                semaphore.clear_limit()
+                semaphore.reset()
         batch: list[Any] = []
         for key in self.data.scan_iter(match=f"{self.settings.prefix}:*", count=500):
             batch.append(key)

@@ -93,7 +93,7 @@ class Call:
 def data() -> redis.Redis:
     """The client for the demo's records (the semaphore's Redis, under the run's prefix)."""
     # timeouts: no command here blocks, so a hung connection must not hang a task or the cleanup
-    return redis.Redis.from_url(DemoSettings.from_env().semaphore_url, socket_timeout=10, socket_connect_timeout=5)
+    return redis.Redis.from_url(DemoSettings.from_env().records_url, socket_timeout=10, socket_connect_timeout=5)
 
 
 @functools.cache

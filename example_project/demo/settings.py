@@ -34,6 +34,13 @@ class DemoSettings:
     queue: str = "demo"
     api_port: int = 0
     crawl_port: int = 0
+    # the plain Redis of the demo's own records and crawl frontier: the semaphore's, unless that
+    # is a Cluster or Sentinel URL (then the embedded Redis that also carries the broker)
+    data_url: str = ""
+
+    @property
+    def records_url(self) -> str:
+        return self.data_url or self.semaphore_url
 
     @property
     def semaphore_prefix(self) -> str:

@@ -31,7 +31,7 @@ def configure(settings: DemoSettings) -> None:
         # the tasks' own settings (see tasks.py)
         paid_api_port=settings.api_port,
         sites_port=settings.crawl_port,
-        crawl_frontier_url=settings.semaphore_url,
+        crawl_frontier_url=settings.records_url,
         crawl_frontier_prefix=names.crawl_frontier,
     )
     if settings.broker_keyprefix is not None:
