@@ -25,8 +25,7 @@ from typing import Any
 
 import click
 
-from ._options import template_of
-from .catalogue import OTHER_FAMILY, Catalogue, glob_escape
+from .catalogue import Catalogue, glob_escape
 from .errors import ConfigurationError, SemaphoreError
 from .semaphore import HolderInfo, SemaphoreStatus, WaiterInfo
 from .validation import check_seconds
@@ -77,7 +76,7 @@ def report(catalogue: Catalogue, key: str) -> Report:
     return Report(
         key=key,
         task=str(task.name) if task is not None else None,
-        family=template_of(task) if task is not None else OTHER_FAMILY,
+        family=catalogue.family_for(key),
         limit=limit,
         source=source,
         configured={"limit": rule.limit, "source": rule.source} if rule else None,
@@ -136,15 +135,17 @@ def detail_lines(r: Report) -> list[str]:
         f"task       {r.task or '- (no task of this app uses this key)'}",
         f"family     {r.family}",
         f"limit      {_limit_text(r)}",
-        f"holders    {r.holder_count}{of_limit}",
+        f"holders    {r.holder_count}{of_limit}" + (" slots" if any(h.weight > 1 for h in r.holders) else ""),
         f"waiters    {r.waiter_count}",
         "",
     ]
     if r.holders:
-        rows = [[h.label or "-", duration(h.held_for), duration(h.expires_in)] for h in r.holders]
-        lines += ["holders:", *table(["LABEL", "AGE", "LEASE LEFT"], rows, indent="  ")]
-        if r.holder_count > len(r.holders):
-            lines.append(f"  ... and {r.holder_count - len(r.holders)} more")
+        # a holder of several slots (a task with a semaphore_weight) shows its weight
+        rows = [[h.label or "-", str(h.weight), duration(h.held_for), duration(h.expires_in)] for h in r.holders]
+        lines += ["holders:", *table(["LABEL", "SLOTS", "AGE", "LEASE LEFT"], rows, indent="  ")]
+        listed = sum(h.weight for h in r.holders)
+        if r.holder_count > listed:
+            lines.append(f"  ... and {r.holder_count - listed} more slots")
     else:
         lines.append("holders: none")
     if r.waiters:

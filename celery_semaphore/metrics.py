@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import renewer
-from ._options import template_of
 from .catalogue import Catalogue
 from .errors import SemaphoreError
 
@@ -182,8 +181,8 @@ def family_counts(app: Any) -> dict[str, tuple[int, int]]:
     One status() round trip per key: a cost that grows with the number of live keys."""
     catalogue = Catalogue(app)
     counts: dict[str, list[int]] = {}
-    for task in catalogue.fixed.values():
-        counts.setdefault(template_of(task), [0, 0])
+    for fixed_key in catalogue.fixed:
+        counts.setdefault(catalogue.family_for(fixed_key), [0, 0])
     for key in catalogue.known_keys():
         status = catalogue.semaphore(key, placeholder_limit=True).status()
         entry = counts.setdefault(catalogue.family_for(key), [0, 0])

@@ -4,6 +4,7 @@ killed worker's slots all come back."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -192,3 +193,42 @@ def test_a_weight_above_the_tasks_own_limit_is_refused_at_declaration() -> None:
                                  lazy=False)
     with pytest.raises(ConfigurationError, match="above the task's semaphore_limit 4"):
         decorate(too_heavy)
+
+
+def test_status_and_metrics_show_each_limit_of_a_multi_key_task_and_the_weights_held(
+    redis_server: Any,
+) -> None:
+    """`celery semaphore status` lists each key of a multi-key task with its own limit and
+    source, a weighted holder shows its slots, and the metrics count slots per key template."""
+    from celery.bin.celery import celery
+    from click.testing import CliRunner
+
+    from celery_semaphore.config import forget_config
+    from celery_semaphore.metrics import family_counts
+    from tests.proj.app import app
+
+    url = f"redis://127.0.0.1:{redis_server.port}/1"
+    client = redis_server.client(db=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(app.conf, "semaphore_backend_url", url)
+        patch.setitem(app.conf, "semaphore_limits", {"crawl:*": 2})
+        forget_config(app)
+        sems = [FairSemaphore(client, "crawl:st.example", 2), FairSemaphore(client, "crawl-all", 3)]
+        with MultiSemaphore(sems, weight=2).acquire(timeout=5, label="box:1 proj.crawl_multi[t-1]"):
+            listing = CliRunner().invoke(celery, ["-A", "tests.proj.app", "semaphore", "status", "--json"])
+            detail = CliRunner().invoke(celery, ["-A", "tests.proj.app", "semaphore", "status", "crawl-all"])
+            counts = family_counts(app)
+        forget_config(app)
+    client.close()
+    assert listing.exit_code == 0, listing.output
+    rows = {row["key"]: row for row in json.loads(listing.stdout)["semaphores"]}
+    assert (rows["crawl:st.example"]["limit"], rows["crawl:st.example"]["source"]) == (2, "semaphore_limits['crawl:*']")
+    assert (rows["crawl-all"]["limit"], rows["crawl-all"]["source"]) == (3, "proj.crawl_multi.semaphore_limit")
+    assert rows["crawl-all"]["holder_count"] == rows["crawl:st.example"]["holder_count"] == 2
+    assert (rows["crawl-all"]["family"], rows["crawl:st.example"]["family"]) == ("crawl-all", "crawl:{host}")
+    assert detail.exit_code == 0, detail.output
+    assert "holders    2 of 3 slots" in detail.stdout
+    holder_row = next(line for line in detail.stdout.splitlines() if "proj.crawl_multi[t-1]" in line)
+    assert holder_row.split()[2] == "2"  # LABEL (two words), SLOTS
+    assert counts["crawl-all"][0] == 2
+    assert counts["crawl:{host}"][0] >= 2
