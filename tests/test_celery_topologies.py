@@ -103,8 +103,9 @@ def test_tasks_hold_the_limit_and_start_in_first_ask_order(topology: Topology, p
 
 
 def test_the_cli_lists_semaphores_on_every_master(topology: Topology, proj: Any) -> None:
-    """``celery semaphore status`` finds the per-host semaphores wherever they live: on a cluster
-    their hash tags spread them over the masters, and every master is scanned."""
+    """``celery semaphore status`` (and the metrics collector) find the per-host semaphores
+    wherever they live: on a cluster their hash tags spread them over the masters, and every
+    master is scanned."""
     hosts = [f"{topology.name}-h{i}.example" for i in range(12)]
     leases = [semaphore_for(proj.app, f"crawl:{host}").acquire(timeout=5) for host in hosts]
     try:
@@ -121,6 +122,10 @@ def test_the_cli_lists_semaphores_on_every_master(topology: Topology, proj: Any)
         listed = {entry["key"]: entry for entry in json.loads(out.stdout)["semaphores"]}
         assert set(listed) == {f"crawl:{host}" for host in hosts}
         assert all(entry["holder_count"] == 1 for entry in listed.values())
+        # the metrics collector reads the same catalogue: every holder counted, in one family
+        from celery_semaphore.metrics import family_counts
+
+        assert family_counts(proj.app)["crawl:{host}"][0] >= len(hosts)
     finally:
         for lease in leases:
             lease.release()
