@@ -100,7 +100,9 @@ class SemaphoreKeys:
 
     def wake_channel(self, process_id: str) -> str:
         """The channel a process's waiters on this semaphore are told on: inside the hash tag,
-        so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster."""
+        so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster. A sharded
+        listener's ``process_id`` starts with ``_wakeups.SHARDED_MARK``, which makes this an
+        address the scripts SPUBLISH on (lua/_lib.lua, notify)."""
         return f"{self.base}:wake:{process_id}"
 
 

@@ -20,7 +20,26 @@ and claims any offer whose message went astray. After the listener's connection 
 every waiter is woken to ask at once.
 
 ``Subscription`` is the one class that subscribes and ``notify`` in lua/_lib.lua the one place
-that publishes, so that sharded pub/sub (SSUBSCRIBE/SPUBLISH) can replace both on a cluster.
+that publishes.
+
+Sharded wake-ups. On a ``RedisCluster`` client whose masters all run Redis >= 7 the listener uses
+sharded pub/sub (``ShardedSubscription``): it SSUBSCRIBEs each wake channel on the master that
+owns the channel's slot (the channel is inside the semaphore's hash tag, so that is the master of
+the semaphore's keys) and the scripts SPUBLISH, so a wake-up travels to one shard, not over the
+whole cluster bus. The listener says so in its channel names: its id (``process_id``) is the
+process's id with ``SHARDED_MARK`` in front, so its wake addresses end in ``:wake:s.<id>``, and
+``notify`` SPUBLISHes on exactly those (see lua/_lib.lua). Every address thus carries its own
+kind: a waiter registered by a classic listener is still told by PUBLISH. On a single Redis,
+Sentinel, a cluster with a master before 7, or when the masters' versions cannot be read when the
+listener is made, it is the classic PUBLISH/SUBSCRIBE as above.
+
+A sharded listener holds one connection per master it has channels on and waits on all of them at
+once (``selectors``, then reads only the ready ones without blocking), plus a local socket pair
+through which waiters poke it instead of the control channel. When a channel's slot moves
+(``CLUSTER FAILOVER``, a master replaced) Redis 7 unsubscribes it (an ``sunsubscribe`` nobody
+asked for): the listener refreshes the cluster's slot map, subscribes again on the new owner, and
+once that is confirmed wakes that channel's blocked callers to ask again. A broken connection to
+any master resets the whole listener, as in the classic case.
 """
 
 from __future__ import annotations
@@ -29,14 +48,18 @@ import contextlib
 import logging
 import os
 import queue
+import selectors
+import socket
 import threading
 import time
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import redis
+import redis.cluster
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -51,6 +74,11 @@ RECONNECT_AFTER_S = 0.5
 RECONNECT_MAX_S = 5.0
 # A payload waiters never have (waiter ids are never empty): "check your subscriptions".
 _POKE = b""
+# In front of the process id in the channel names of a sharded listener: its wake addresses end
+# in ":wake:s.<id>", and the scripts SPUBLISH on those (lua/_lib.lua, notify).
+SHARDED_MARK = "s."
+# The first Redis with sharded pub/sub (SSUBSCRIBE, SPUBLISH).
+SHARDED_SINCE = 7
 
 
 def _new_process_id() -> str:
@@ -97,12 +125,198 @@ class Subscription:
             pass
 
 
+def uses_sharded_pubsub(client: Any) -> bool:
+    """True for a cluster client whose masters all run Redis >= 7 (asked once, when the listener
+    is made). Anything else, or a cluster that cannot be asked now, gets classic pub/sub: PUBLISH
+    reaches every node of any cluster, just less cheaply."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return False
+    try:
+        versions = [
+            str(client.get_redis_connection(node).info("server").get("redis_version", "0"))
+            for node in client.get_primaries()  # type: ignore[no-untyped-call]
+        ]
+        return bool(versions) and all(int(version.split(".")[0]) >= SHARDED_SINCE for version in versions)
+    except Exception as error:  # RedisClusterException is no RedisError; a version may not parse
+        logger.info("could not read the cluster's Redis versions, wake-ups use classic pub/sub: %s", error)
+        return False
+
+
+class ShardedSubscription:
+    """Sharded pub/sub on a cluster, behind the same calls as ``Subscription``: each channel is
+    SSUBSCRIBEd on the master owning its slot, over one connection per master, and
+    ``next_message`` waits on all of them and on the poke socket at once. Only the listener
+    thread calls these.
+
+    redis-py's ``ClusterPubSub.get_sharded_message(timeout=t)`` would read the masters in turn,
+    blocking up to ``t`` on each: a wake-up on one master would wait behind the others' timeouts.
+    Here ``selectors`` tells which connections have data, and only those are read, without
+    blocking. Messages come out as redis-py makes them (``ssubscribe``, ``smessage``), plus
+    ``{"type": "lost", "channel": ...}`` for a channel the server unsubscribed by itself (its slot
+    moved): the listener subscribes it again, here after a refresh of the slot map."""
+
+    def __init__(
+        self, client: Any, on_reconnect: Callable[[], None], pokes: socket.socket, *, refresh: bool,
+    ) -> None:
+        self._client = client
+        self._on_reconnect = on_reconnect
+        self._pokes = pokes
+        self._nodes: dict[str, Any] = {}  # node name -> redis-py PubSub on that master
+        self._where: dict[str, str] = {}  # channel -> node name it is SSUBSCRIBEd on
+        self._leaving: dict[str, set[str]] = {}  # node name -> channels we SUNSUBSCRIBEd there
+        self._ready: deque[dict[str, Any]] = deque()
+        self._selector = selectors.DefaultSelector()
+        self._stale = refresh  # refresh the slot map before the next SSUBSCRIBE
+
+    def subscribe(self, *channels: str) -> None:
+        if self._stale:
+            self._stale = False
+            self._client.nodes_manager.initialize()
+        by_node: dict[str, list[str]] = {}
+        for channel in channels:
+            node = self._client.get_node_from_key(channel)
+            old = self._where.get(channel)
+            if old is not None and old != node.name:
+                self._leave(old, [channel])
+            if node.name not in self._nodes:
+                self._nodes[node.name] = self._client.get_redis_connection(node).pubsub()
+            by_node.setdefault(node.name, []).append(channel)
+        for name, names in by_node.items():
+            pubsub = self._nodes[name]
+            new_connection = pubsub.connection is None
+            pubsub.ssubscribe(*names)
+            for channel in names:
+                self._where[channel] = name
+                self._leaving.get(name, set()).discard(channel)
+            if new_connection:
+                # as in Subscription: told of reconnects (redis-py resubscribes by itself, but
+                # messages published meanwhile are lost)
+                pubsub.connection.register_connect_callback(self._reconnected)
+
+    def _reconnected(self, _connection: Any) -> None:
+        self._on_reconnect()
+
+    def unsubscribe(self, *channels: str) -> None:
+        by_node: dict[str, list[str]] = {}
+        for channel in channels:
+            name = self._where.pop(channel, None)
+            if name is not None:
+                by_node.setdefault(name, []).append(channel)
+        for name, names in by_node.items():
+            self._leave(name, names)
+
+    def _leave(self, name: str, channels: list[str]) -> None:
+        for channel in channels:
+            if self._where.get(channel) == name:
+                del self._where[channel]
+        if not any(where == name for where in self._where.values()):
+            self._drop_node(name)  # nothing left there: close the connection instead
+            return
+        self._leaving.setdefault(name, set()).update(channels)
+        self._nodes[name].sunsubscribe(*channels)
+
+    def _drop_node(self, name: str) -> None:
+        pubsub = self._nodes.pop(name, None)
+        self._leaving.pop(name, None)
+        if pubsub is not None:
+            _close_pubsub(pubsub, self._reconnected)
+
+    def next_message(self, timeout: float) -> dict[str, Any] | None:
+        if not self._ready:
+            self._read_ready()
+        if not self._ready:
+            self._wait(timeout)
+            self._read_ready()
+        return self._ready.popleft() if self._ready else None
+
+    def _wait(self, timeout: float) -> None:
+        """Block until the poke socket or any master's connection has data, or ``timeout`` s."""
+        watched: dict[int, Any] = {}
+        for name, pubsub in self._nodes.items():
+            sock = _socket_of(pubsub.connection)
+            if sock is not None:
+                watched[sock.fileno()] = name
+        try:
+            self._selector.register(self._pokes, selectors.EVENT_READ)
+            for fileno in watched:
+                self._selector.register(fileno, selectors.EVENT_READ)
+            self._selector.select(timeout)
+        finally:
+            for key in list(self._selector.get_map().values()):
+                self._selector.unregister(key.fileobj)
+
+    def _read_ready(self) -> None:
+        """Take in every poke and every message already arrived or buffered, blocking nowhere."""
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while self._pokes.recv(4096):
+                pass
+        for name in list(self._nodes):
+            pubsub = self._nodes.get(name)
+            try:
+                while pubsub is not None and pubsub.connection is not None and pubsub.connection.can_read(timeout=0):
+                    message = pubsub.handle_message(pubsub.parse_response(block=False, timeout=0))
+                    if message is not None:
+                        self._take(name, pubsub, message)
+            except redis.exceptions.ResponseError as error:
+                # an SSUBSCRIBE refused (MOVED: the slot is elsewhere): start over on that master
+                logger.info("wake-up channels on %s to subscribe again: %s", name, error)
+                self._lose_node(name)
+
+    def _take(self, name: str, pubsub: Any, message: dict[str, Any]) -> None:
+        if message.get("type") != "sunsubscribe":
+            self._ready.append(message)
+            return
+        channel = _text(message.get("channel"))
+        leaving = self._leaving.get(name, set())
+        if channel in leaving:
+            leaving.discard(channel)  # one we asked for
+            return
+        if self._where.get(channel) == name:
+            # the server dropped it: its slot moved to another master (a failover)
+            del self._where[channel]
+            pubsub.shard_channels.pop(message.get("channel"), None)  # not to be resubscribed here
+            self._stale = True
+            self._ready.append({"type": "lost", "channel": channel})
+
+    def _lose_node(self, name: str) -> None:
+        lost = [channel for channel, where in self._where.items() if where == name]
+        for channel in lost:
+            del self._where[channel]
+            self._ready.append({"type": "lost", "channel": channel})
+        self._drop_node(name)
+        self._stale = True
+
+    def close(self) -> None:
+        for name in list(self._nodes):
+            self._drop_node(name)
+        self._selector.close()
+
+
+def _socket_of(connection: Any) -> socket.socket | None:
+    """The socket under a redis-py connection (a client-side-cache proxy keeps it one level down)."""
+    for candidate in (connection, getattr(connection, "_conn", None)):
+        sock = getattr(candidate, "_sock", None)
+        if sock is not None:
+            return sock  # type: ignore[no-any-return]
+    return None
+
+
+def _close_pubsub(pubsub: Any, callback: Callable[[Any], None]) -> None:
+    try:
+        if pubsub.connection is not None:
+            pubsub.connection.deregister_connect_callback(callback)
+        pubsub.close()
+    except Exception:  # closing a broken connection may fail too; it is gone either way
+        pass
+
+
 class _Channel:
     def __init__(self) -> None:
         self.users = 0
         self.ready = threading.Event()  # the listener's SUBSCRIBE was confirmed
         self.requested = False  # the listener sent SUBSCRIBE on its current connection
         self.idle_since = time.monotonic()
+        self.lost = False  # sharded: the server dropped it (its slot moved); waiters ask once back
 
 
 class Gate:
@@ -193,7 +407,17 @@ class WakeUps:
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self.process_id = _process_id
+        # sharded pub/sub on a Redis >= 7 cluster (see the module docstring); the mark in the
+        # listener's id puts it in every wake address, where the scripts read it
+        self.sharded = uses_sharded_pubsub(client)
+        self.process_id = (SHARDED_MARK if self.sharded else "") + _process_id
+        # a sharded listener is poked through a local socket pair, not a control channel
+        self._poke_in: socket.socket | None = None
+        self._poke_out: socket.socket | None = None
+        if self.sharded:
+            self._poke_out, self._poke_in = socket.socketpair()
+            self._poke_out.setblocking(False)
+            self._poke_in.setblocking(False)
         self.control = f"celery-semaphore:wake-control:{self.process_id}:{id(self):x}"
         self._lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
@@ -257,6 +481,11 @@ class WakeUps:
     def _poke(self) -> None:
         if not self._listening.is_set():
             return  # the listener is starting: it reads the channel table before its first wait
+        if self._poke_in is not None:
+            # a full buffer already holds a poke; the listener reads the table either way
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                self._poke_in.send(b"\0")
+            return
         # if this fails the listener is reconnecting and will read the table; waiters also poll
         with contextlib.suppress(redis.RedisError):
             self.client.publish(self.control, _POKE)
@@ -270,14 +499,13 @@ class WakeUps:
             self._thread.start()
 
     def _run(self) -> None:
-        subscription: Subscription | None = None
+        subscription: Subscription | ShardedSubscription | None = None
         failing = False
         pause = RECONNECT_AFTER_S
         while True:
             try:
                 if subscription is None:
-                    subscription = Subscription(self.client, self._wake_everyone)
-                    subscription.subscribe(self.control)
+                    subscription = self._connect(refresh=failing)
                     if failing:
                         logger.warning("wake-up subscription is back")
                         failing = False
@@ -307,6 +535,17 @@ class WakeUps:
                 time.sleep(pause)
                 pause = min(pause * 2, RECONNECT_MAX_S)
 
+    def _connect(self, *, refresh: bool) -> Subscription | ShardedSubscription:
+        """A new subscription that hears pokes. ``refresh``: after a failure (a master may have
+        been replaced), read the cluster's slot map again before subscribing."""
+        if self._poke_out is None:
+            subscription = Subscription(self.client, self._wake_everyone)
+            subscription.subscribe(self.control)  # _listening is set once this is confirmed
+            return subscription
+        sharded = ShardedSubscription(self.client, self._wake_everyone, self._poke_out, refresh=refresh)
+        self._listening.set()  # pokes wait in the socket pair until the first read
+        return sharded
+
     def _keep_going(self) -> bool:
         """Drop channels idle for long; False (and the thread is forgotten) when nothing is
         left to listen for."""
@@ -323,7 +562,7 @@ class WakeUps:
                 return False
         return True
 
-    def _sync(self, subscription: Subscription) -> bool:
+    def _sync(self, subscription: Subscription | ShardedSubscription) -> bool:
         """Subscribe to new channels and drop idle ones; False when there is nothing left to
         listen for (the thread then ends, and starts again with the next waiter)."""
         now = time.monotonic()
@@ -351,16 +590,29 @@ class WakeUps:
     def _dispatch(self, message: dict[str, Any]) -> None:
         channel = _text(message.get("channel"))
         kind = _text(message.get("type"))
-        if kind == "subscribe":
+        if kind in ("subscribe", "ssubscribe"):
             if channel == self.control:
                 self._listening.set()
                 return
             with self._lock:
                 entry = self._channels.get(channel)
+                lost = False
+                if entry is not None:
+                    lost, entry.lost = entry.lost, False
             if entry is not None:
                 entry.ready.set()
+            if lost:
+                self._wake_everyone(channel)  # wake-ups published while it moved are lost
             return
-        if kind != "message" or channel == self.control:
+        if kind == "lost":
+            with self._lock:
+                entry = self._channels.get(channel)
+                if entry is not None:
+                    entry.ready.clear()
+                    entry.requested = False  # _sync subscribes it again, on its new master
+                    entry.lost = True
+            return
+        if kind not in ("message", "smessage") or channel == self.control:
             return
         waiter = _text(message.get("data"))
         with self._lock:
@@ -371,10 +623,14 @@ class WakeUps:
             except Exception:  # a callback must never stop the listener
                 logger.exception("wake-up callback for %r failed", waiter)
 
-    def _wake_everyone(self) -> None:
-        """Wake-ups may have been lost (new or re-established connection): everyone asks again."""
+    def _wake_everyone(self, channel: str | None = None) -> None:
+        """Wake-ups may have been lost (new or re-established connection, or ``channel`` moved to
+        another master): everyone (of that channel) asks again."""
         with self._lock:
-            handles = [handle for handle in self._signals.values() if handle.poll_on_reconnect]
+            handles = [
+                handle for handle in self._signals.values()
+                if handle.poll_on_reconnect and (channel is None or handle.channel == channel)
+            ]
         for handle in handles:
             handle.event.set()
 

@@ -18,7 +18,8 @@
 --                               place in KEYS[3] but is offered nothing until it is back)
 --   KEYS[5] deadlines    ZSET   waiter id -> must-ask-by (server ms); a waiter that does not
 --                               ask again by then loses its place
---   KEYS[6] waiter_info  HASH   "w:<waiter>" -> "<first ask ms>|<wake address>",
+--   KEYS[6] waiter_info  HASH   "w:<waiter>" -> "<first ask ms>|<wake address>" (a channel;
+--                               one ending in ":wake:s.<id>" is sharded, see notify),
 --                               "hold" -> moving average of hold times (ms)
 --   KEYS[7] ticket       STRING counter for tickets taken in the same millisecond (INCR)
 --   KEYS[8] limit        STRING runtime limit override, if any (no expiry unless set with one)
@@ -80,7 +81,8 @@ local CLAIM_MS = 2000
 local PURGE_STEP = 100
 -- the ticket counter only breaks ties within one millisecond: it may vanish quickly
 local TICKET_TTL_MS = 1000
--- PEXPIRE ... GT exists from Redis 7.0, which is also where REDIS_VERSION_NUM appears
+-- PEXPIRE ... GT exists from Redis 7.0, which is also where REDIS_VERSION_NUM appears (and
+-- SPUBLISH, see notify)
 local HAS_GT = redis.REDIS_VERSION_NUM ~= nil
 
 local function now_ms()
@@ -114,11 +116,20 @@ local function extend(key, ttl_ms, is_new)
   end
 end
 
--- The one place a waiter is told something: PUBLISH its id on its wake address (a channel
--- inside the semaphore's hash tag, so that sharded pub/sub can take this over on a cluster).
+-- The one place a waiter is told something: publish its id on its wake address, a channel
+-- inside the semaphore's hash tag ("{prefix}:{<name>}:wake:<listener id>", so in this script's
+-- slot). A listener on a Redis >= 7 cluster subscribes with SSUBSCRIBE and marks its id "s."
+-- (_wakeups.SHARDED_MARK): an address ending in ":wake:s.<id>" is told with SPUBLISH, which goes
+-- to the one shard owning the slot instead of over the whole cluster bus; any other address with
+-- PUBLISH. A server before 7 has no SPUBLISH: there it PUBLISHes (nobody hears it; the waiter's
+-- own asks every patience/3 cover it) rather than fail the script.
 local function notify(address, waiter)
   if address and address ~= '' then
-    redis.call('PUBLISH', address, waiter)
+    if HAS_GT and string.find(address, ':wake:s%.[^:]*$') then
+      redis.call('SPUBLISH', address, waiter)
+    else
+      redis.call('PUBLISH', address, waiter)
+    end
   end
 end
 
