@@ -178,7 +178,7 @@ class Catalogue:
                 body, _, part = name.rpartition("}:")
                 if part in _PRESENCE_PARTS and body.startswith(head):
                     keys.add(body[len(head):])
-        except redis.RedisError as error:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as error:
             raise SemaphoreError(f"listing semaphores in {self.backend}: {error}") from error
         return keys
 
