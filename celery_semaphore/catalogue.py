@@ -76,7 +76,8 @@ def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _semaphore(config: SemaphoreConfig, key: str, limit: int, lease: float) -> FairSemaphore:
-    return FairSemaphore(client_for(config.backend), key, limit, lease=lease, prefix=config.prefix)
+    return FairSemaphore(client_for(config.backend), key, limit, lease=lease, prefix=config.prefix,
+                         hash_tag=config.hash_tag)
 
 
 @dataclass(frozen=True)
@@ -169,13 +170,17 @@ class Catalogue:
     def scan(self, match: str | None = None) -> set[str]:
         """Every semaphore key that has holders, waiters or a runtime limit in Redis (keys
         matching the glob ``match`` only, if given). On a Redis Cluster every master is scanned."""
-        head = f"{self.config.prefix}:{{"
-        pattern = f"{glob_escape(head)}{match if match is not None else '*'}}}:*"
+        tag = self.config.hash_tag
+        if tag is None:
+            head, tail, end = f"{self.config.prefix}:{{", "}:*", "}:"
+        else:  # "{prefix}:{<tag>}:<name>:<part>" (see SemaphoreKeys.of)
+            head, tail, end = f"{self.config.prefix}:{{{tag}}}:", ":*", ":"
+        pattern = f"{glob_escape(head)}{match if match is not None else '*'}{tail}"
         keys = set()
         try:
             for raw in self.client.scan_iter(match=pattern, count=1000):
                 name = raw.decode() if isinstance(raw, bytes) else str(raw)
-                body, _, part = name.rpartition("}:")
+                body, _, part = name.rpartition(end)
                 if part in _PRESENCE_PARTS and body.startswith(head):
                     keys.add(body[len(head):])
         except (redis.RedisError, redis.exceptions.RedisClusterException) as error:

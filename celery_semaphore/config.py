@@ -45,6 +45,9 @@ class SemaphoreConfig:
     glob_limits: tuple[tuple[str, int], ...] = ()
     # seconds after which the Redis broker redelivers an unacked message; None for other brokers
     visibility_timeout: float | None = None
+    # one Redis Cluster hash tag for every semaphore of the app (tasks with several keys need it
+    # on a cluster); None: each semaphore in the slot of its own key
+    hash_tag: str | None = None
 
     def limit_for(self, key: str, task_name: str, task_limit: int | None) -> LimitRule | None:
         """The configured limit of one semaphore key: an exact key, the task name, a glob over
@@ -142,7 +145,16 @@ def parse_config(app: Any) -> SemaphoreConfig:
         exact_limits=exact,
         glob_limits=globs,
         visibility_timeout=visibility_timeout,
+        hash_tag=_hash_tag(conf.get("semaphore_hash_tag")),
     )
+
+
+def _hash_tag(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or any(char in value for char in "{}"):
+        raise ConfigurationError("semaphore_hash_tag", value, "expected a non-empty str without braces, or None")
+    return value
 
 
 _configs: weakref.WeakKeyDictionary[Any, SemaphoreConfig] = weakref.WeakKeyDictionary()

@@ -67,7 +67,8 @@ class MultiSemaphore:
                 raise ConfigurationError(
                     "semaphores", [s.name for s in semaphores],
                     "on a Redis Cluster one acquire runs in one hash slot, and these semaphores live in "
-                    f"{len(slots)}: give them the same hash_tag (FairSemaphore(..., hash_tag=...))",
+                    f"{len(slots)}: give them the same hash_tag (FairSemaphore(..., hash_tag=...); for Celery "
+                    "tasks, the semaphore_hash_tag setting)",
                 )
         self.semaphores = semaphores
         self.client = client

@@ -232,3 +232,42 @@ def test_status_and_metrics_show_each_limit_of_a_multi_key_task_and_the_weights_
     assert holder_row.split()[2] == "2"  # LABEL (two words), SLOTS
     assert counts["crawl-all"][0] == 2
     assert counts["crawl:{host}"][0] >= 2
+
+
+@pytest.mark.slow
+def test_multi_key_tasks_on_a_redis_cluster_with_the_apps_hash_tag(celery_stack: CeleryStack) -> None:
+    """On a 3-master cluster, semaphore_hash_tag puts every semaphore of the app in one slot:
+    tasks listing two keys in opposite orders all run, never two at once, and status finds the
+    tagged keys; without the tag a multi-key call is refused with a clear error."""
+    import tests.proj.app as proj
+    from celery_semaphore.config import forget_config
+    from celery_semaphore.testing import RedisClusterSet
+
+    cluster = RedisClusterSet().start()
+    saved = dict(proj.app.conf.items())
+    queue = "multi-cluster"
+    env = {**celery_stack.env, "PROJ_QUEUE": queue, "PROJ_SEMAPHORE_URL": cluster.url,
+           "PROJ_CONF": json.dumps({"semaphore_hash_tag": "proj"})}
+    worker = Worker(env, name="multi-cluster", concurrency=4)
+    try:
+        proj.app.conf.semaphore_backend_url = cluster.url
+        forget_config(proj.app)
+        with pytest.raises(ConfigurationError, match="semaphore_hash_tag"):
+            semaphore_for_call(proj.app.tasks["proj.pair_xy"], (0.1,), {})
+        proj.app.conf.semaphore_hash_tag = "proj"
+        forget_config(proj.app)
+        worker.start()
+        before = proj.probe("pair").entries
+        results = [(proj.pair_xy if i % 2 else proj.pair_yx).apply_async((0.05,), queue=queue) for i in range(16)]
+        assert sorted(r.get(timeout=120) for r in results) == sorted("xy" if i % 2 else "yx" for i in range(16))
+        assert proj.probe("pair").maximum == 1
+        assert proj.probe("pair").entries == before + 16
+        held = semaphore_for(proj.app, "pair-x").acquire(timeout=5)
+        assert "pair-x" in Catalogue(proj.app).scan()
+        held.release()
+    finally:
+        worker.stop()
+        proj.app.conf.semaphore_backend_url = saved["semaphore_backend_url"]
+        proj.app.conf.semaphore_hash_tag = None
+        forget_config(proj.app)
+        cluster.close()
