@@ -234,7 +234,7 @@ class ShardedSubscription:
         watched: dict[int, Any] = {}
         for name, pubsub in self._nodes.items():
             sock = _socket_of(pubsub.connection)
-            if sock is not None:
+            if sock is not None and sock.fileno() >= 0:
                 watched[sock.fileno()] = name
         try:
             self._selector.register(self._pokes, selectors.EVENT_READ)
