@@ -110,6 +110,16 @@ class FairSemaphoreModel(RuleBasedStateMachine):
             self.offered.discard(waiter)
             self._hand_off()
 
+    @precondition(lambda self: bool(self.line))
+    @rule(data=st.data())
+    def park(self, data: st.DataObject) -> None:
+        """Step away *parked* (a Celery task with a wake address): still offered its turn."""
+        waiter = data.draw(st.sampled_from(self.line))
+        assert self.semaphore.leave(waiter, away_for=60, wake="model-wake") is True
+        if waiter not in self.offered:
+            self.away.discard(waiter)
+            self._hand_off()
+
     @invariant()
     def redis_agrees(self) -> None:
         status = self.semaphore.status()

@@ -28,6 +28,8 @@ if most > 0 then
 end
 
 local waiters = {}
+-- offers are few (at most the limit): look for one per waiter only if there is any
+local any_offer = most > 0 and redis.call('ZCOUNT', K_HOLDERS, '-inf', below) > 0
 if most > 0 then
   local line = redis.call('ZRANGE', K_QUEUE, 0, most - 1, 'WITHSCORES')
   for i = 1, #line, 2 do
@@ -35,7 +37,7 @@ if most > 0 then
     local must_ask_by = redis.call('ZSCORE', K_DEADLINES, waiter)
     if must_ask_by and tonumber(must_ask_by) > now then
       local state = 0
-      local offer = redis.call('ZSCORE', K_HOLDERS, '!' .. waiter)
+      local offer = any_offer and redis.call('ZSCORE', K_HOLDERS, '!' .. waiter)
       if offer and -tonumber(offer) > now then
         state = 2
       elseif redis.call('ZSCORE', K_PRESENT, waiter) then
