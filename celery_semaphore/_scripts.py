@@ -286,8 +286,10 @@ class Scripts:
         wake: str,
         run: str = "",
         remember_ms: int = 0,
+        fresh: bool = False,
     ) -> ManyReply:
-        args: list[Any] = [token, waiter, _number(lease_ms), _number(patience_ms), b"1" if enqueue else b"0", label,
+        mode = (b"2" if fresh else b"1") if enqueue else b"0"
+        args: list[Any] = [token, waiter, _number(lease_ms), _number(patience_ms), mode, label,
                            b"" if ticket is None else _number(int(ticket)), wake, _number(len(keys)),
                            *(_number(limit) for limit in default_limits)]
         if run:

@@ -139,7 +139,7 @@ class MultiSemaphore:
             raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
         waiter = self.waiter_id()
         try:
-            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label)
+            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
         except BaseException:
             self._leave_quietly(waiter)
             raise
@@ -164,7 +164,8 @@ class MultiSemaphore:
                 signal.event.clear()
                 with wake_ups.gate:
                     attempt = self.try_acquire(token=token, waiter=waiter, patience=patience, label=label,
-                                               ticket=ticket, wake=channel, run=run, remember=remember)
+                                               ticket=ticket, wake=channel, run=run, remember=remember, fresh=fresh)
+                fresh = False
                 if not isinstance(attempt, Waiting):
                     return attempt
                 ticket = attempt.ticket if attempt.ticket is not None else ticket
@@ -200,7 +201,7 @@ class MultiSemaphore:
             reply = self._scripts.acquire_many(
                 self.all_keys, token=token, waiter=waiter, default_limits=self.limits, lease_ms=self._lease_ms,
                 patience_ms=patience_ms, enqueue=enqueue, label=label, ticket=ticket, wake=wake, run=run or "",
-                remember_ms=remember_ms,
+                remember_ms=remember_ms, fresh=fresh,
             )
         if reply.outcome == GRANTED:
             lease = Lease(cast(Any, self), token, label=label, run=run or None, remember_ms=remember_ms)

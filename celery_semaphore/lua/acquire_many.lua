@@ -6,8 +6,11 @@
 --   ARGV[2] waiter       "*<w>*<random>": keeps its place in every line across tries
 --   ARGV[3] lease_ms     lease length of the granted slots
 --   ARGV[4] patience_ms  how long a refused waiter keeps its places without asking again
---   ARGV[5] enqueue      "1": a new waiter takes a ticket in every line; "0": a one-shot try,
---                        granted only if it passes nobody present in any line
+--   ARGV[5] enqueue      "1": a new waiter takes a ticket in every line; "2": the same, and the
+--                        caller knows it never asked before; "0": a one-shot try, granted only
+--                        if it passes nobody present in any line. With "0" or "2", when nobody
+--                        is present in any line and every semaphore has room, the grant skips
+--                        the lines entirely (no purge, no line keys touched)
 --   ARGV[6] label        free text shown by status for this holder
 --   ARGV[7] ticket       "" for a new waiter, or the ticket it had before (to come back to it)
 --   ARGV[8] wake         the waiter's wake address (a channel), or ""
@@ -34,7 +37,7 @@
 local GRANTED, WAIT, RUNNING, RAN, TOO_HEAVY = 1, 0, 3, 4, 5
 local token, waiter = ARGV[1], ARGV[2]
 local lease_ms, patience_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
-local enqueue, label, wake = ARGV[5] == '1', ARGV[6], ARGV[8]
+local enqueue, fresh, label, wake = ARGV[5] ~= '0', ARGV[5] ~= '1', ARGV[6], ARGV[8]
 local n = tonumber(ARGV[9])
 local run, remember_ms = ARGV[10 + n] or '', tonumber(ARGV[11 + n])
 local members = slot_members(token)
@@ -83,6 +86,32 @@ local function hold_all(i, deadline, was_empty)
   end
   redis.call('ZADD', K_HOLDERS, unpack(entries))
   extend(K_HOLDERS, lease_ms + GRACE_MS, was_empty)
+end
+
+local function hold_everywhere(sizes)
+  for i = 1, n do
+    use_semaphore(i)
+    hold_all(i, now + lease_ms, sizes[i] == 0)
+    redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+    extend(K_HOLDER_INFO, lease_ms + GRACE_MS, sizes[i] == 0)
+  end
+end
+
+if fresh then
+  -- the fast path (a resend of it is harmless: the entries are set again, not added twice)
+  local sizes, room = {}, true
+  for i = 1, n do
+    use_semaphore(i)
+    sizes[i] = redis.call('ZCARD', K_HOLDERS)
+    if sizes[i] + weight > current_limit(tonumber(ARGV[9 + i])) or redis.call('ZCARD', K_PRESENT) > 0 then
+      room = false
+      break
+    end
+  end
+  if room then
+    hold_everywhere(sizes)
+    return granted()
+  end
 end
 
 use_semaphore(1)

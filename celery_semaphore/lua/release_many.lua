@@ -30,7 +30,9 @@ for i = 1, n do
     released = 1
   end
   redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
-  if redis.call('ZCARD', K_QUEUE) == 0 then
+  if redis.call('EXISTS', K_WAITER_INFO) == 0 then
+    -- no line, and no bookkeeping of one: nothing to hand on or forget
+  elseif redis.call('ZCARD', K_QUEUE) == 0 then
     forget_line_if_empty()
   else
     now = now or now_ms()
