@@ -271,3 +271,39 @@ def test_multi_key_tasks_on_a_redis_cluster_with_the_apps_hash_tag(celery_stack:
         proj.app.conf.semaphore_hash_tag = None
         forget_config(proj.app)
         cluster.close()
+
+
+def test_eager_multi_key_weighted_tasks_hold_every_limit(redis_server: Any) -> None:
+    """Eager calls of a task with two keys and a weight, from 6 threads: weights in flight never
+    pass either limit, every call runs, and nothing is left in Redis."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from celery import Celery
+
+    from celery_semaphore import limit_concurrency
+
+    from .concurrency_probe import ConcurrencyProbe
+
+    app = Celery("eager-multi", broker=redis_server.url, set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, semaphore_backend_url=redis_server.url,
+                    semaphore_limits={"team:*": 2, "all": 3})
+    probe = ConcurrencyProbe(redis_server.client(db=1))
+
+    @limit_concurrency(key=["team:{team}", "all"], app=app, lazy=False, shared=False,
+                       semaphore_weight=lambda args, kwargs: args[1])
+    def work(team: str, weight: int) -> int:
+        for _ in range(weight):
+            probe.enter()
+        try:
+            time.sleep(0.03)
+        finally:
+            for _ in range(weight):
+                probe.leave()
+        return weight
+
+    calls = [("a", 1), ("b", 2), ("a", 2), ("b", 1), ("a", 1), ("b", 1)] * 2
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda c: work.delay(*c).get(disable_sync_subtasks=False), calls))
+    assert results == [w for _, w in calls]
+    assert probe.maximum == 3
+    assert redis_server.client().keys("*") == []
