@@ -3,9 +3,11 @@
 A fair, distributed counting semaphore in Redis, and a Celery task class that takes a slot
 before the task body runs and gives it back however the task ends.
 
-The public names are the ones in ``__all__``; every other module is private. Names are loaded on
-first use, so ``from celery_semaphore import FairSemaphore`` in a process that never touches
-Celery loads neither celery, kombu nor click.
+The public names are the ones in ``__all__``, plus three public modules: ``metrics``
+(Prometheus), ``testing`` (throwaway Redis servers and the pytest plugin for users' own tests)
+and ``cli`` (the ``celery semaphore`` commands, through Celery's entry point). Every other module
+is internal. Names are loaded on first use, so ``from celery_semaphore import FairSemaphore`` in
+a process that never touches Celery loads neither celery, kombu nor click.
 """
 
 from __future__ import annotations

@@ -48,7 +48,16 @@ from ._scripts import (
 )
 from ._wakeups import WakeUps, wake_ups_for
 from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from .validation import check_limit, check_name, check_prefix, check_seconds, check_semaphore_name, check_token, to_ms
+from .validation import (
+    check_limit,
+    check_name,
+    check_prefix,
+    check_seconds,
+    check_semaphore_name,
+    check_token,
+    check_waiter,
+    to_ms,
+)
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -383,6 +392,8 @@ class FairSemaphore:
         if waiter is None:
             # nobody will ask again under a fresh waiter id: a ticket would only block the line
             waiter, enqueue, fresh = token, False, True
+        else:
+            check_waiter("waiter", waiter)
         label = default_label() if label is None else label
         patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
         remember_ms = 0

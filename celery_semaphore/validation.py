@@ -7,6 +7,7 @@ the same mistake reads the same wherever it is made.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from .errors import ConfigurationError
@@ -69,8 +70,21 @@ def to_ms(seconds: float) -> int:
 
 def check_token(setting: str, value: Any) -> str:
     """A holder token: a non-empty string not starting with "!", which marks a slot offered to a
-    waiter in the holders set (a token like that could claim somebody else's offer)."""
+    waiter in the holders set (a token like that could claim somebody else's offer), and not
+    ending in "*<digits>", which marks a weighted holder's slots."""
     check_name(setting, value)
     if value.startswith("!"):
         raise ConfigurationError(setting, value, "a holder token must not start with '!'")
+    if re.search(r"\*\d+$", value):
+        raise ConfigurationError(setting, value, "a holder token must not end in '*<digits>'")
+    return str(value)
+
+
+def check_waiter(setting: str, value: Any) -> str:
+    """A waiter id: a non-empty string not starting with "*", which marks a waiter of several
+    semaphores with its weight (``*<w>*<id>``): a plain waiter like that would never be offered
+    a slot, and would hold up the line behind it for as long as it asked."""
+    check_name(setting, value)
+    if value.startswith("*"):
+        raise ConfigurationError(setting, value, "a waiter id must not start with '*'")
     return str(value)

@@ -465,3 +465,17 @@ def test_a_short_lease_never_shortens_the_expiry_of_a_long_one(redis_client: red
     wait_until(lambda: long_lived.status(listed=0).holder_count == 1, timeout=5, what="the short leases to lapse")
     assert redis_client.pttl(long_lived.keys.holders) > 25_000
     first.release()
+
+
+@pytest.mark.parametrize(("argument", "value"), [("waiter", "*3*x"), ("token", "abc*2"), ("token", "!w")])
+def test_ids_that_would_read_as_internal_markers_are_refused(
+    redis_client: redis.Redis, argument: str, value: str
+) -> None:
+    """A waiter id starting with '*' (a weighted multi-semaphore waiter), a token ending in
+    '*<digits>' (a weighted holder's slots) or starting with '!' (an offer) is a
+    ConfigurationError naming the argument, before anything reaches Redis."""
+    semaphore = FairSemaphore(redis_client, "markers", 1)
+    with pytest.raises(ConfigurationError) as caught:
+        semaphore.try_acquire(**{argument: value})
+    assert (caught.value.setting, caught.value.value) == (argument, value)
+    assert redis_client.keys("*") == []
