@@ -12,8 +12,9 @@ refuses), one acquire(timeout=0) + release cycle of:
 
 The cases run in interleaved rounds (``--rounds``), so noise on a shared host hits each alike;
 the ratio of each case's cycle time to ``fair-1`` is taken per round, and reported as its median
-with the min and max over rounds. Also the Redis calls one cycle makes inside its scripts (INFO
-commandstats), which do not depend on the machine.
+with the min and max over rounds. The same for the Redis server time of the scripts per cycle
+(INFO commandstats, EVALSHA usec), which a loaded client host disturbs less. Also the Redis calls
+one cycle makes inside its scripts, which do not depend on the machine.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def scripted_calls(client: redis.Redis, cycle: Callable[[], None]) -> int:
                if name.removeprefix("cmdstat_") not in _NOT_SCRIPTED)
 
 
+def server_us(client: redis.Redis, cycle: Callable[[], None], cycles: int = 2000) -> float:
+    """Redis server time (INFO commandstats, EVALSHA usec) per cycle: what the scripts cost the
+    server, less exposed than the wall clock to a loaded client host."""
+    client.config_resetstat()
+    for _ in range(cycles):
+        cycle()
+    return int(client.info("commandstats")["cmdstat_evalsha"]["usec"]) / cycles
+
+
 def time_cycles(cycle: Callable[[], None], seconds: float) -> float:
     """Microseconds per cycle over ``seconds``."""
     count = 0
@@ -91,28 +101,38 @@ def main(argv: list[str] | None = None) -> int:
         for cycle in named.values():  # warm up: scripts loaded, connections open
             time_cycles(cycle, 0.2)
         per_round: dict[str, list[float]] = {name: [] for name in named}
+        server: dict[str, list[float]] = {name: [] for name in named}
         for round_number in range(args.rounds):
             order = list(named) if round_number % 2 == 0 else list(reversed(named))
             for name in order:
                 per_round[name].append(time_cycles(named[name], args.seconds))
+                server[name].append(server_us(client, named[name], cycles=500))
         client.close()
 
     base = per_round["fair-1"]
     print(f"# bench_multi: redis {version}, python {platform.python_version()}, {args.rounds} rounds x "
           f"{args.seconds} s per case, one client, uncontended")
-    print(f"{'case':<12} {'us/cycle':>9} {'ratio to fair-1 (min..max)':>28} {'redis calls':>12}")
+    print(f"{'case':<12} {'us/cycle':>9} {'ratio to fair-1 (min..max)':>28} {'server us':>10} "
+          f"{'server ratio (min..max)':>24} {'redis calls':>12}")
     results = {}
     for name, times in per_round.items():
         ratios = [t / b for t, b in zip(times, base, strict=True)]
+        server_ratios = [t / b for t, b in zip(server[name], server["fair-1"], strict=True)]
         results[name] = {
             "us_per_cycle_median": statistics.median(times),
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
+            "server_us_per_cycle_median": statistics.median(server[name]),
+            "server_ratio_median": statistics.median(server_ratios),
+            "server_ratio_min": min(server_ratios),
+            "server_ratio_max": max(server_ratios),
             "scripted_calls": calls[name],
         }
         spread = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
-        print(f"{name:<12} {statistics.median(times):>9.1f} {spread:>28} {calls[name]:>12}")
+        server_spread = f"{statistics.median(server_ratios):.2f} ({min(server_ratios):.2f}..{max(server_ratios):.2f})"
+        print(f"{name:<12} {statistics.median(times):>9.1f} {spread:>28} {statistics.median(server[name]):>10.1f} "
+              f"{server_spread:>24} {calls[name]:>12}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({"redis": version, "rounds": args.rounds, "seconds": args.seconds, "results": results}, out,
