@@ -307,3 +307,19 @@ def test_eager_multi_key_weighted_tasks_hold_every_limit(redis_server: Any) -> N
     assert results == [w for _, w in calls]
     assert probe.maximum == 3
     assert redis_server.client().keys("*") == []
+
+
+def test_a_parked_weighted_task_is_brought_back_by_the_release_not_its_countdown(proj: Any) -> None:
+    """A weight-2 task refused while 4 GPUs are held waits outside the worker (countdown 5 s);
+    the release brings it back at once: it starts well before its countdown would."""
+    key = "gpu-handoff"
+    semaphore = semaphore_for(proj.app, "gpu")
+    blocker = send(proj.gpu, 4, 1.0, key=key)
+    wait_until(lambda: semaphore.status().holder_count == 4, timeout=30, what="the blocker to hold 4")
+    waiting = send(proj.gpu, 2, 0.1, key=key)
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the task in line")
+    blocker.get(timeout=60)
+    ended = float(proj.probe(key).client.lrange(f"probe:{key}:starts", 0, 0)[0].split()[1]) + 1.0
+    waiting.get(timeout=60)
+    started = float(proj.probe(key).client.lrange(f"probe:{key}:starts", 1, 1)[0].split()[1])
+    assert started - ended < 2.5, f"started {started - ended:.2f} s after the release"
