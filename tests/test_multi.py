@@ -361,3 +361,19 @@ def test_an_uncontended_multi_cycle_costs_per_semaphore_what_one_key_costs(redis
         redis_client.config_resetstat()
         multi.acquire(timeout=0).release()
         assert _scripted_calls(redis_client) == expected, (len(semaphores), weight)
+
+
+def test_a_waiter_asking_from_another_process_is_told_there(redis_client: redis.Redis) -> None:
+    """A multi waiter that asks again with a new wake address (a re-sent copy in another worker
+    process) is told on the new one, in every line, keeping its first-ask time."""
+    a = FairSemaphore(redis_client, "a", 1)
+    b = FairSemaphore(redis_client, "b", 1)
+    holder = a.acquire(timeout=0)
+    multi = MultiSemaphore([a, b])
+    assert isinstance(multi.try_acquire(waiter="w", wake="chan-1"), Waiting)
+    first = [redis_client.hget(s.keys.waiter_info, "w:*1*w") for s in (a, b)]
+    assert isinstance(multi.try_acquire(waiter="w", wake="chan-2"), Waiting)
+    now = [redis_client.hget(s.keys.waiter_info, "w:*1*w") for s in (a, b)]
+    assert [v.rsplit(b"|", 1) for v in now] == [[f.split(b"|")[0], b"chan-2"] for f in first]
+    multi.leave("w")
+    holder.release()

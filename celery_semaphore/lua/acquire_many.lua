@@ -178,6 +178,13 @@ for i = 1, n do
     if not redis.call('ZSCORE', K_QUEUE, waiter) then
       redis.call('ZADD', K_QUEUE, ticket, waiter)
       redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, now .. '|' .. wake)
+    elseif wake ~= '' then
+      -- another process (a re-sent copy) may ask now: tell it, not the one that asked before
+      local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+      local first, address = string.match(info, '^(%d*)|(.*)$')
+      if address ~= wake then
+        redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (first ~= '' and first or now) .. '|' .. wake)
+      end
     end
     redis.call('ZADD', K_PRESENT, ticket, waiter)
     redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
