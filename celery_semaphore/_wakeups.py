@@ -38,7 +38,8 @@ once (``selectors``, then reads only the ready ones without blocking), plus a lo
 through which waiters poke it instead of the control channel. When a channel's slot moves
 (``CLUSTER FAILOVER``, a master replaced) Redis 7 unsubscribes it (an ``sunsubscribe`` nobody
 asked for): the listener refreshes the cluster's slot map, subscribes again on the new owner, and
-once that is confirmed wakes that channel's blocked callers to ask again. A broken connection to
+once that is confirmed wakes that channel's blocked callers to ask again; for a few seconds it
+reads the map again every second, in case the first answer was still the old one. A broken connection to
 any master resets the whole listener, as in the classic case.
 """
 
@@ -79,6 +80,12 @@ _POKE = b""
 SHARDED_MARK = "s."
 # The first Redis with sharded pub/sub (SSUBSCRIBE, SPUBLISH).
 SHARDED_SINCE = 7
+# After a slot moved, a sharded listener reads the slot map again this often, for this long, and
+# moves any channel still subscribed on a node that no longer owns its slot: right after a
+# failover a node may still report the old map (a replica of the shard still hears its wake-ups,
+# but its master is where they belong).
+RECHECK_EVERY_S = 1.0
+RECHECK_FOR_S = 10.0
 
 
 def _new_process_id() -> str:
@@ -133,13 +140,24 @@ def uses_sharded_pubsub(client: Any) -> bool:
         return False
     try:
         versions = [
-            str(client.get_redis_connection(node).info("server").get("redis_version", "0"))
+            _server_version(client.get_redis_connection(node))
             for node in client.get_primaries()  # type: ignore[no-untyped-call]
         ]
         return bool(versions) and all(int(version.split(".")[0]) >= SHARDED_SINCE for version in versions)
     except Exception as error:  # RedisClusterException is no RedisError; a version may not parse
         logger.info("could not read the cluster's Redis versions, wake-ups use classic pub/sub: %s", error)
         return False
+
+
+def _server_version(node_client: Any) -> str:
+    """The server's version from HELLO without arguments (in @connection, which the ACL rules of
+    docs/deploying.md allow, where INFO is not; it changes nothing on the connection)."""
+    reply = node_client.execute_command("HELLO")
+    if isinstance(reply, dict):
+        fields = {_text(key): value for key, value in reply.items()}
+    else:
+        fields = {_text(key): value for key, value in zip(reply[::2], reply[1::2], strict=False)}
+    return _text(fields["version"])
 
 
 class ShardedSubscription:
@@ -167,6 +185,8 @@ class ShardedSubscription:
         self._ready: deque[dict[str, Any]] = deque()
         self._selector = selectors.DefaultSelector()
         self._stale = refresh  # refresh the slot map before the next SSUBSCRIBE
+        self._recheck_until = time.monotonic() + RECHECK_FOR_S if refresh else 0.0
+        self._next_recheck = 0.0
 
     def subscribe(self, *channels: str) -> None:
         if self._stale:
@@ -223,11 +243,30 @@ class ShardedSubscription:
 
     def next_message(self, timeout: float) -> dict[str, Any] | None:
         if not self._ready:
+            self._recheck()
             self._read_ready()
         if not self._ready:
+            if self._recheck_until:
+                timeout = min(timeout, max(0.0, self._next_recheck - time.monotonic()))
             self._wait(timeout)
             self._read_ready()
         return self._ready.popleft() if self._ready else None
+
+    def _recheck(self) -> None:
+        """For a while after a slot moved: channels on a node that no longer owns their slot are
+        reported lost, to be subscribed on the owner."""
+        now = time.monotonic()
+        if now >= self._recheck_until:
+            self._recheck_until = 0.0
+            return
+        if now < self._next_recheck:
+            return
+        self._next_recheck = now + RECHECK_EVERY_S
+        self._client.nodes_manager.initialize()
+        for channel, name in list(self._where.items()):
+            if self._client.get_node_from_key(channel).name != name:
+                self._leave(name, [channel])
+                self._ready.append({"type": "lost", "channel": channel})
 
     def _wait(self, timeout: float) -> None:
         """Block until the poke socket or any master's connection has data, or ``timeout`` s."""
@@ -275,16 +314,20 @@ class ShardedSubscription:
             # the server dropped it: its slot moved to another master (a failover)
             del self._where[channel]
             pubsub.shard_channels.pop(message.get("channel"), None)  # not to be resubscribed here
-            self._stale = True
-            self._ready.append({"type": "lost", "channel": channel})
+            self._lost(channel)
 
     def _lose_node(self, name: str) -> None:
         lost = [channel for channel, where in self._where.items() if where == name]
         for channel in lost:
             del self._where[channel]
-            self._ready.append({"type": "lost", "channel": channel})
+            self._lost(channel)
         self._drop_node(name)
         self._stale = True
+
+    def _lost(self, channel: str) -> None:
+        self._ready.append({"type": "lost", "channel": channel})
+        self._stale = True
+        self._recheck_until = time.monotonic() + RECHECK_FOR_S
 
     def close(self) -> None:
         for name in list(self._nodes):

@@ -340,3 +340,37 @@ def test_wake_ups_keep_working_through_a_cluster_failover(own_redis_cluster: Red
         assert max(latencies) < WOKEN_WITHIN, latencies
     finally:
         client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redis_cluster", ["path"], indirect=True)
+def test_an_acl_user_of_the_documented_rules_gets_sharded_wake_ups(redis_cluster: RedisClusterSet) -> None:
+    """The ACL rule set of docs/deploying.md (no INFO) is enough to tell the version (HELLO),
+    SSUBSCRIBE and SPUBLISH from the scripts: the caller is woken by a release."""
+    if not _is_7(redis_cluster):
+        pytest.skip("sharded pub/sub needs Redis >= 7")
+    rule = ["on", ">sharded-pw", "resetkeys", "~semaphore:*", "resetchannels", "&*", "-@all", "+@read", "+@write",
+            "+@scripting", "+@pubsub", "+@connection", "+time", "+cluster|slots"]
+    for node in redis_cluster.live_nodes():
+        with node.client() as admin:
+            _cmd(admin, "ACL", "SETUSER", "sharded-user", "reset", *rule)
+    nodes = [redis.cluster.ClusterNode("127.0.0.1", node.port) for node in redis_cluster.nodes]  # type: ignore[no-untyped-call]
+    client = redis.cluster.RedisCluster(startup_nodes=nodes, username="sharded-user", password="sharded-pw")
+    try:
+        assert wake_ups_for(client).sharded
+        semaphore = FairSemaphore(client, "acl", 1, lease=30, patience=PATIENCE)
+        holder = semaphore.acquire(timeout=0)
+        caller = BlockedCaller(semaphore)
+        _wait_in_line(semaphore)
+        wait_until(lambda: wake_ups_for(client)._channels and all(
+            entry.ready.is_set() for entry in wake_ups_for(client)._channels.values()), what="the subscription")
+        started = time.monotonic()
+        holder.release()
+        caller.join(WOKEN_WITHIN)
+        assert (caller.granted_at or 0.0) - started < WOKEN_WITHIN
+        caller.lease.release()  # type: ignore[union-attr]
+    finally:
+        client.close()
+        for node in redis_cluster.live_nodes():
+            with node.client() as admin:
+                _cmd(admin, "ACL", "DELUSER", "sharded-user")
