@@ -19,20 +19,15 @@ from celery_semaphore import semaphore_for
 
 from .conftest import CeleryStack
 from .waiting import wait_until
-from .workers import Worker
+from .workers import Worker, worker_group
 
 QUEUE = "handoff"
 
 
 @pytest.fixture(scope="module")
 def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
-    env = {**celery_stack.env, "PROJ_QUEUE": QUEUE}
-    group = [Worker(env, name=f"h{i}", concurrency=4) for i in (1, 2)]
-    for worker in group:
-        worker.start()
-    yield group
-    for worker in group:
-        worker.stop()
+    with worker_group(celery_stack.env, queue=QUEUE, names=("h1", "h2")) as group:
+        yield group
 
 
 @pytest.fixture

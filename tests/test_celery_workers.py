@@ -20,20 +20,15 @@ from celery_semaphore._backend import client_for
 
 from .conftest import CeleryStack
 from .waiting import wait_until
-from .workers import Worker
+from .workers import Worker, worker_group
 
 QUEUE = "workers"
 
 
 @pytest.fixture(scope="module")
 def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
-    env = {**celery_stack.env, "PROJ_QUEUE": QUEUE}
-    group = [Worker(env, name=f"w{i}", concurrency=4) for i in (1, 2)]
-    for worker in group:
-        worker.start()
-    yield group
-    for worker in group:
-        worker.stop()
+    with worker_group(celery_stack.env, queue=QUEUE, names=("w1", "w2")) as group:
+        yield group
 
 
 @pytest.fixture

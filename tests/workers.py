@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,18 @@ class Worker:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def worker_group(
+    env: dict[str, str], *, queue: str, names: Sequence[str], concurrency: int = 4
+) -> Iterator[list[Worker]]:
+    """Workers of the test app consuming ``queue``, started together and stopped (warm) at the end."""
+    group = [Worker({**env, "PROJ_QUEUE": queue}, name=name, concurrency=concurrency) for name in names]
+    try:
+        for worker in group:
+            worker.start()
+        yield group
+    finally:
+        for worker in group:
+            worker.stop()
