@@ -97,7 +97,7 @@ _process_id = _new_process_id()
 
 class Subscription:
     """The pub/sub connection, behind the few calls the listener needs. Only the listener thread
-    calls these. (On a cluster, sharded pub/sub would go here.)"""
+    calls these. (Sharded pub/sub on a Redis >= 7 cluster: ``ShardedSubscription``.)"""
 
     def __init__(self, client: Any, on_reconnect: Callable[[], None]) -> None:
         self._pubsub = client.pubsub()
