@@ -549,14 +549,16 @@ class WakeUps:
             try:
                 if subscription is None:
                     subscription = self._connect(refresh=failing)
-                    if failing:
-                        logger.warning("wake-up subscription is back")
-                        failing = False
-                        pause = RECONNECT_AFTER_S
-                        self._wake_everyone()
                 if not self._sync(subscription):
                     subscription.close()
                     return
+                if failing:
+                    # back once the channels are subscribed again (a sharded subscription
+                    # connects to the masters only then): wake-ups may have been lost meanwhile
+                    logger.warning("wake-up subscription is back")
+                    failing = False
+                    pause = RECONNECT_AFTER_S
+                    self._wake_everyone()
                 message = subscription.next_message(READ_TIMEOUT_S)
                 if message is not None:
                     self._dispatch(message)

@@ -391,3 +391,41 @@ def test_an_acl_user_of_the_documented_rules_gets_sharded_wake_ups(redis_cluster
         for node in redis_cluster.live_nodes():
             with node.client() as admin:
                 _cmd(admin, "ACL", "DELUSER", "sharded-user")
+
+
+@pytest.mark.slow
+def test_wake_ups_come_back_after_the_owning_master_is_killed(own_redis_cluster: RedisClusterSet) -> None:
+    """The master of a semaphore with a blocked caller is SIGKILLed: the listener's connection
+    breaks, it starts over on the slot map of the promoted replica, and a release there wakes
+    the caller within seconds."""
+    cluster = own_redis_cluster
+    if not _is_7(cluster):
+        pytest.skip("sharded pub/sub needs Redis >= 7")
+    client = cluster.client()
+    try:
+        wake_ups = wake_ups_for(client)
+        semaphore = FairSemaphore(client, "killed", 1, lease=30, patience=PATIENCE)
+        channel = semaphore.keys.wake_channel(wake_ups.process_id)
+        old_master = cluster.node_for_key(semaphore.keys.holders)
+        replicas = cluster.replicas_of(old_master)
+        holder = semaphore.acquire(timeout=0)
+        with replicas[0].client() as replica:
+            _cmd(replica, "READONLY")
+            wait_until(lambda: replica.zcard(semaphore.keys.holders) == 1, what="the grant replicated")
+        caller = BlockedCaller(semaphore)
+        _wait_in_line(semaphore)
+        with old_master.client() as node:
+            wait_until(lambda: channel in _names(_cmd(node, "PUBSUB", "SHARDCHANNELS")), what="the shard channel")
+        cluster.kill(old_master)
+        new_master = cluster.wait_for_promotion(old_master, replicas)
+        with new_master.client() as node:
+            wait_until(lambda: channel in _names(_cmd(node, "PUBSUB", "SHARDCHANNELS")), timeout=30,
+                       what="the shard channel on the promoted replica")
+        _wait_in_line(semaphore)
+        started = time.monotonic()
+        holder.release()
+        caller.join(WOKEN_WITHIN + 5)
+        assert (caller.granted_at or 0.0) - started < WOKEN_WITHIN
+        caller.lease.release()  # type: ignore[union-attr]
+    finally:
+        client.close()
