@@ -184,7 +184,7 @@ def family_counts(app: Any) -> dict[str, tuple[int, int]]:
     for fixed_key in catalogue.fixed:
         counts.setdefault(catalogue.family_for(fixed_key), [0, 0])
     for key in catalogue.known_keys():
-        status = catalogue.semaphore(key, placeholder_limit=True).status()
+        status = catalogue.semaphore(key, placeholder_limit=True).status(listed=0)  # counts only
         entry = counts.setdefault(catalogue.family_for(key), [0, 0])
         entry[0] += status.holder_count
         entry[1] += status.waiter_count

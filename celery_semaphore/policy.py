@@ -72,3 +72,14 @@ def countdown(
     if visibility_timeout is not None:
         high = min(high, visibility_timeout * VISIBILITY_MARGIN)
     return max(1, round(min(max(base, low), max(high, 1.0))))
+
+
+def backstop(bounds: tuple[float, float], *, visibility_timeout: float | None = None) -> int:
+    """The countdown of a parked task's backstop copy: the upper bound (below the broker's
+    visibility timeout). Its hand-off brings a parked task back when its turn comes; the copy
+    only covers a lost wake-up (its process died, Redis lost the line), and one that came back
+    sooner would only be refused and re-sent, over and over, while the line is long."""
+    high = bounds[1]
+    if visibility_timeout is not None:
+        high = min(high, visibility_timeout * VISIBILITY_MARGIN)
+    return max(1, round(high))

@@ -73,3 +73,15 @@ def test_with_no_hold_time_known_countdowns_back_off() -> None:
     assert countdown(unknown, (1, 30), waits=0, rng=random.Random(1)) <= 2
     assert countdown(unknown, (1, 30), waits=3, rng=random.Random(1)) >= 6
     assert countdown(unknown, (1, 30), waits=20, rng=random.Random(1)) == 30
+
+
+def test_a_parked_tasks_backstop_comes_at_the_upper_bound_below_the_visibility_timeout() -> None:
+    """The countdown copy of a parked task only covers a lost wake-up: it comes at the countdown's
+    upper bound, never past half the Redis broker's visibility timeout, whole seconds >= 1."""
+    from celery_semaphore.policy import backstop
+
+    assert backstop((1.0, 30.0)) == 30
+    assert backstop((1.0, 30.0), visibility_timeout=3600) == 30
+    assert backstop((5.0, 30.0), visibility_timeout=20) == 10
+    assert backstop((1.0, 1.0)) == 1
+    assert backstop((1.0, 30.0), visibility_timeout=1) == 1

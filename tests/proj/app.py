@@ -241,3 +241,12 @@ def gpu(self: Any, gpus: int, seconds: float, key: str = "gpu") -> str:
         for _ in range(gpus):
             p.leave()
     return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=(1, 30),
+          name="proj.parked_backlog", bind=True)
+def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") -> str:
+    """Waits outside the worker with countdowns from 1 to 30 s: a backlog of these must not
+    bounce (refused, re-sent, refused again) while the line is long."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
