@@ -140,3 +140,59 @@ def test_a_bare_install_runs_a_worker_on_a_redis_broker(wheel: zipfile.ZipFile, 
             output = worker.communicate(timeout=60)[0].decode(errors="replace")
         assert client.stdout.strip() == "5", f"{client.stderr}\nworker:\n{output}"
         assert "ModuleNotFoundError" not in output
+
+
+def _declared_redis_floor() -> str:
+    """The lowest redis-py the package declares (``redis>=X`` in pyproject.toml)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    match = re.search(r'"redis>=([0-9.]+)"', text)
+    assert match, "pyproject.toml declares no redis>= floor"
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_the_core_works_on_the_lowest_redis_py_it_declares(wheel: zipfile.ZipFile, tmp_path: Path) -> None:
+    """With exactly the declared redis-py floor installed, the semaphore works on one Redis and
+    on a Redis Cluster: acquire, hand-off to a blocked caller, status, set_limit, clear_limit and
+    reset (the operator calls once failed on a cluster with older redis-py pipelines)."""
+    from celery_semaphore.testing import RedisClusterSet
+
+    from .redis_server import RedisServer
+
+    assert wheel.filename is not None
+    floor = _declared_redis_floor()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "-q", f"redis=={floor}"],
+                             capture_output=True, text=True, timeout=600, check=False)
+    assert install.returncode == 0, install.stderr
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", wheel.filename],
+                             capture_output=True, text=True, timeout=600, check=False)
+    assert install.returncode == 0, install.stderr
+    script = (
+        "import os, sys, threading, redis\n"
+        "from celery_semaphore import FairSemaphore\n"
+        "from celery_semaphore._backend import client_for\n"
+        "assert redis.__version__.startswith(os.environ['FLOOR']), redis.__version__\n"
+        "for url in sys.argv[1:]:\n"
+        "    sem = FairSemaphore(client_for(url), 'floor', 1, lease=10)\n"
+        "    held = sem.acquire(timeout=5)\n"
+        "    got = []\n"
+        "    waiter = threading.Thread(target=lambda: got.append(sem.acquire(timeout=10)))\n"
+        "    waiter.start()\n"
+        "    while sem.status().waiter_count < 1: pass\n"
+        "    held.release(); waiter.join(15)\n"
+        "    assert got, url\n"
+        "    sem.set_limit(2); assert sem.status().limit == 2\n"
+        "    sem.clear_limit(); sem.reset(); assert sem.status().holder_count == 0\n"
+        "    got[0].release()\n"
+        "print('ok', redis.__version__)\n"
+    )
+    with RedisServer() as server, RedisClusterSet() as cluster:
+        result = subprocess.run(
+            [python, "-c", script, server.url, cluster.url], capture_output=True, text=True, timeout=180,
+            check=False, env={"PATH": os.environ.get("PATH", ""), "FLOOR": floor},
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(f"ok {floor}")
