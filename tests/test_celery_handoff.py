@@ -114,7 +114,7 @@ def test_tasks_sent_one_at_a_time_start_in_that_order(proj: Any) -> None:
 # First asks are recorded by a task_prerun signal, a moment before the acquire script gives the
 # ticket that decides the order; on a loaded machine that moment can reach some milliseconds.
 # Asks closer than this are not told apart.
-ASK_RESOLUTION = 0.05
+ASK_RESOLUTION = 0.1
 
 
 def first_asks(proj: Any, semaphore_key: str, ids: set[str]) -> dict[str, float]:
@@ -138,7 +138,7 @@ def inversions(
 
 def test_a_backlog_across_two_workers_starts_in_first_ask_order(proj: Any) -> None:
     """24 tasks sent at once to two workers, limit 1, all waiting outside the worker: they start
-    in the order they first asked (asks 50 ms apart or more never inverted), each once, never
+    in the order they first asked (asks 100 ms apart or more never inverted), each once, never
     two at once."""
     key = "handoff-backlog"
     results = [send(proj.handoff, 0.05, key) for _ in range(24)]

@@ -268,3 +268,41 @@ local function extend_line(ttl_ms)
   extend(K_DEADLINES, ttl_ms, false)
   extend(K_WAITER_INFO, ttl_ms, false)
 end
+
+-- Runs (K_RUNS, K_RUN_EXPIRY): of the copies of one Celery wait, exactly one runs. Whether a copy
+-- asking under "run" with "token" must not run: 'running' (another copy holds the slot now),
+-- 'ran' (a copy released it normally), or nil (no other copy, or the other's lease went without
+-- a release: its process was killed mid-run, and this copy, a redelivery say, runs it after all).
+-- K_HOLDERS must point at the semaphore the run's token holds.
+local function run_taken(run, token, now)
+  local previous = redis.call('HGET', K_RUNS, run)
+  if not previous or previous == token then
+    return nil
+  end
+  local forget_at = tonumber(redis.call('ZSCORE', K_RUN_EXPIRY, run))
+  if not forget_at or forget_at <= now then
+    return nil
+  end
+  if previous == '' then
+    return 'ran'
+  end
+  if redis.call('ZSCORE', K_HOLDERS, previous) then
+    return 'running'
+  end
+  return nil
+end
+
+-- Record a run for remember_ms: the token it was granted under, or '' once a holder of it
+-- released normally (the run finished). Lapsed records go a bounded step at a time.
+local function record_run(run, value, now, remember_ms)
+  local old = redis.call('ZRANGEBYSCORE', K_RUN_EXPIRY, '-inf', now, 'LIMIT', 0, PURGE_STEP)
+  if #old > 0 then
+    redis.call('ZREM', K_RUN_EXPIRY, unpack(old))
+    redis.call('HDEL', K_RUNS, unpack(old))
+  end
+  redis.call('HSET', K_RUNS, run, value)
+  redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
+  extend(K_RUNS, remember_ms + GRACE_MS, false)
+  extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+end
+

@@ -50,34 +50,18 @@ local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 local now = now_ms()
 
 if run ~= '' then
-  local previous = redis.call('HGET', K_RUNS, run)
-  if previous and previous ~= token then
-    local forget_at = tonumber(redis.call('ZSCORE', K_RUN_EXPIRY, run))
-    if forget_at and forget_at > now then
-      if previous == '' then
-        return RAN
-      end
-      if redis.call('ZSCORE', K_HOLDERS, previous) then
-        return RUNNING
-      end
-      -- the other copy's lease went without a release: its process was killed mid-run, and
-      -- this copy (a redelivery, say) runs it after all
-    end
+  local taken = run_taken(run, token, now)
+  if taken == 'running' then
+    return RUNNING
+  elseif taken == 'ran' then
+    return RAN
   end
 end
 
 -- Every grant goes through here: a run remembers the token it got the slot under.
 local function granted(code)
   if run ~= '' then
-    local old = redis.call('ZRANGEBYSCORE', K_RUN_EXPIRY, '-inf', now, 'LIMIT', 0, PURGE_STEP)
-    if #old > 0 then
-      redis.call('ZREM', K_RUN_EXPIRY, unpack(old))
-      redis.call('HDEL', K_RUNS, unpack(old))
-    end
-    redis.call('HSET', K_RUNS, run, token)
-    redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
-    extend(K_RUNS, remember_ms + GRACE_MS, false)
-    extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+    record_run(run, token, now, remember_ms)
   end
   return code
 end

@@ -46,34 +46,19 @@ local now = now_ms()
 
 if run ~= '' then
   K_RUNS, K_RUN_EXPIRY = KEYS[8 * n + 1], KEYS[8 * n + 2]
-  local previous = redis.call('HGET', K_RUNS, run)
-  if previous and previous ~= token then
-    local forget_at = tonumber(redis.call('ZSCORE', K_RUN_EXPIRY, run))
-    if forget_at and forget_at > now then
-      if previous == '' then
-        return RAN
-      end
-      use_semaphore(1)
-      if redis.call('ZSCORE', K_HOLDERS, previous) then
-        return RUNNING
-      end
-      -- the other copy's lease went without a release (killed mid-run): this copy runs it
-    end
+  use_semaphore(1)  -- a run's token holds a slot of every semaphore: the first one tells
+  local taken = run_taken(run, token, now)
+  if taken == 'running' then
+    return RUNNING
+  elseif taken == 'ran' then
+    return RAN
   end
 end
 
 -- every grant goes through here: a run remembers the token it got the slots under
 local function granted()
   if run ~= '' then
-    local old = redis.call('ZRANGEBYSCORE', K_RUN_EXPIRY, '-inf', now, 'LIMIT', 0, PURGE_STEP)
-    if #old > 0 then
-      redis.call('ZREM', K_RUN_EXPIRY, unpack(old))
-      redis.call('HDEL', K_RUNS, unpack(old))
-    end
-    redis.call('HSET', K_RUNS, run, token)
-    redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
-    extend(K_RUNS, remember_ms + GRACE_MS, false)
-    extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+    record_run(run, token, now, remember_ms)
   end
   return GRANTED
 end

@@ -18,11 +18,7 @@ local token = ARGV[1]
 local run, remember_ms = ARGV[3] or '', tonumber(ARGV[4])
 if run ~= '' then
   -- the run finished (also when its lease had lapsed meanwhile): a later copy is told RAN
-  local now = now_ms()
-  redis.call('HSET', K_RUNS, run, '')
-  redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
-  extend(K_RUNS, remember_ms + GRACE_MS, false)
-  extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+  record_run(run, '', now_ms(), remember_ms)
 end
 if redis.call('ZREM', K_HOLDERS, token) == 0 then
   return 0

@@ -19,10 +19,7 @@ local run, remember_ms = ARGV[3 + n] or '', tonumber(ARGV[4 + n])
 if run ~= '' then
   K_RUNS, K_RUN_EXPIRY = KEYS[8 * n + 1], KEYS[8 * n + 2]
   now = now_ms()
-  redis.call('HSET', K_RUNS, run, '')
-  redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
-  extend(K_RUNS, remember_ms + GRACE_MS, false)
-  extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+  record_run(run, '', now, remember_ms)  -- finished: a later copy is told RAN
 end
 for i = 1, n do
   use_semaphore(i)
