@@ -36,7 +36,19 @@ from redis.crc import key_slot
 from . import renewer
 from ._scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys
 from .errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
-from .semaphore import Attempt, Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, logger, new_token
+from .semaphore import (
+    Attempt,
+    Duplicate,
+    FairSemaphore,
+    Granted,
+    Lease,
+    Waiting,
+    default_label,
+    limit_of,
+    logger,
+    new_token,
+    wait_or_give_up,
+)
 from .validation import check_limit, check_seconds, to_ms
 
 
@@ -136,17 +148,9 @@ class MultiSemaphore:
             attempt = self.try_acquire(token=token, enqueue=False, label=label)
             if isinstance(attempt, Granted):
                 return attempt.lease
-            raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
-        waiter = self.waiter_id()
-        try:
-            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
-        except BaseException:
-            self._leave_quietly(waiter)
-            raise
-        if isinstance(attempt, Granted):
-            return attempt.lease
-        self._leave_quietly(waiter)
-        raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
+            raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
+        return wait_or_give_up(self, token=token, waiter=self.waiter_id(), timeout=timeout, label=label,
+                               started=started)
 
     def wait_for_slot(
         self, *, token: str, waiter: str, timeout: float | None, patience: float | None = None,
@@ -254,10 +258,6 @@ class MultiSemaphore:
             self.leave(waiter)
         except SemaphoreError:
             logger.warning("could not leave the lines of %r; the places lapse by themselves", self.name)
-
-
-def _limit_of(attempt: Attempt, default: int) -> int:
-    return attempt.limit if isinstance(attempt, Waiting) else default
 
 
 __all__ = ["MultiSemaphore"]

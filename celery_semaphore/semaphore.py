@@ -287,17 +287,8 @@ class FairSemaphore:
             attempt = self.try_acquire(token=token, waiter=token, enqueue=False, label=label, fresh=True)
             if isinstance(attempt, Granted):
                 return attempt.lease
-            raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
-        waiter = new_token()
-        try:
-            attempt = self.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
-        except BaseException:
-            self._leave_quietly(waiter)
-            raise
-        if isinstance(attempt, Granted):
-            return attempt.lease
-        self._leave_quietly(waiter)
-        raise SemaphoreUnavailable(self.name, _limit_of(attempt, self.limit), time.monotonic() - started)
+            raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
+        return wait_or_give_up(self, token=token, waiter=new_token(), timeout=timeout, label=label, started=started)
 
     def wait_for_slot(
         self,
@@ -630,8 +621,26 @@ def _slot_members(token: str) -> list[str]:
     return [token] + [f"{token}#{k}" for k in range(2, weight + 1)]
 
 
-def _limit_of(attempt: Attempt, default: int) -> int:
+def limit_of(attempt: Attempt, default: int) -> int:
+    """The limit a refused try reported (``default`` for a try that says none)."""
     return attempt.limit if isinstance(attempt, Waiting) else default
+
+
+def wait_or_give_up(
+    semaphore: Any, *, token: str, waiter: str, timeout: float | None, label: str | None, started: float
+) -> Lease:
+    """The blocking part of ``acquire(timeout)`` of a FairSemaphore or a MultiSemaphore: wait for
+    a slot under a fresh waiter id; if the time runs out, or anything interrupts the wait, give
+    the place in line up at once, so the waiters behind move up."""
+    try:
+        attempt = semaphore.wait_for_slot(token=token, waiter=waiter, timeout=timeout, label=label, fresh=True)
+    except BaseException:
+        semaphore._leave_quietly(waiter)
+        raise
+    if isinstance(attempt, Granted):
+        return attempt.lease
+    semaphore._leave_quietly(waiter)
+    raise SemaphoreUnavailable(semaphore.name, limit_of(attempt, semaphore.limit), time.monotonic() - started)
 
 
 def _text(value: Any) -> str:
