@@ -207,6 +207,7 @@ def _worker_start_error(tmp_path: Path, module_body: str) -> str:
         return worker.log()
 
 
+@pytest.mark.workers
 def test_a_worker_refuses_to_start_with_a_task_that_has_no_limit(tmp_path: Path) -> None:
     """A SemaphoreTask with no limit anywhere stops the worker at start, naming the task."""
     log = _worker_start_error(
@@ -216,6 +217,7 @@ def test_a_worker_refuses_to_start_with_a_task_that_has_no_limit(tmp_path: Path)
     assert "ConfigurationError" in log
 
 
+@pytest.mark.workers
 def test_a_worker_refuses_to_start_with_a_bad_setting(tmp_path: Path) -> None:
     """A bad semaphore_* setting stops the worker at start, naming the setting and value."""
     log = _worker_start_error(

@@ -21,6 +21,9 @@ from .conftest import CeleryStack
 from .waiting import wait_until
 from .workers import Worker
 
+# real `celery worker` processes: `pytest -m "not workers"` leaves these out
+pytestmark = pytest.mark.workers
+
 QUEUE = "multi"
 
 

@@ -40,7 +40,10 @@ PIDFILE_VAR = "CELERY_SEMAPHORE_DEMO_PIDFILE"
 RUN_TIMEOUT = 240.0
 HOSTS = ("alpha.test", "beta.test", "gamma.test")
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc"),
+    pytest.mark.workers,  # the demo runs real `celery worker` processes
+]
 
 
 def _alive(pid: int) -> bool:

@@ -17,6 +17,9 @@ from kombu import Connection
 from .conftest import CeleryStack
 from .workers import Worker
 
+# real `celery worker` processes: `pytest -m "not workers"` leaves these out
+pytestmark = pytest.mark.workers
+
 AMQP_URL = os.environ.get("CELERY_SEMAPHORE_TEST_AMQP_URL")
 
 
