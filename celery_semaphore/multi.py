@@ -47,6 +47,7 @@ from .semaphore import (
     limit_of,
     logger,
     new_token,
+    wait_for_turn,
     wait_or_give_up,
 )
 from .validation import check_limit, check_seconds, to_ms
@@ -159,28 +160,12 @@ class MultiSemaphore:
     ) -> Attempt:
         """Try; while refused, sleep until a line tells this waiter that its turn may have come
         (or ``patience / 3`` seconds pass), then try again; until granted or ``timeout``."""
-        started = time.monotonic()
         pause = (self.patience if patience is None else check_seconds("patience", patience)) / 3
         wake_ups, channel = self.semaphores[0]._wake_ups()
-        with wake_ups.signal(channel, waiter) as signal:
-            subscribed = signal.ready()
-            while True:
-                signal.event.clear()
-                with wake_ups.gate:
-                    attempt = self.try_acquire(token=token, waiter=waiter, patience=patience, label=label,
-                                               ticket=ticket, wake=channel, run=run, remember=remember, fresh=fresh)
-                fresh = False
-                if not isinstance(attempt, Waiting):
-                    return attempt
-                ticket = attempt.ticket if attempt.ticket is not None else ticket
-                waited = time.monotonic() - started
-                if timeout is not None and waited >= timeout:
-                    return attempt
-                wait = pause if timeout is None else min(pause, timeout - waited)
-                if not subscribed:
-                    subscribed = signal.subscribe(wait)
-                    continue
-                signal.event.wait(wait)
+        return wait_for_turn(
+            self, wake_ups, channel, token=token, waiter=waiter, timeout=timeout, patience=patience, pause=pause,
+            label=label, ticket=ticket, fresh=fresh, run=run, remember=remember,
+        )
 
     def try_acquire(
         self, *, token: str | None = None, waiter: str | None = None, patience: float | None = None,

@@ -315,34 +315,12 @@ class FairSemaphore:
         try may then skip the line bookkeeping when nobody waits). ``run``/``remember``: see
         ``try_acquire``; a Duplicate ends the wait at once.
         """
-        started = time.monotonic()
-        patience_s = self.patience if patience is None else check_seconds("patience", patience)
-        pause = patience_s / 3
+        pause = (self.patience if patience is None else check_seconds("patience", patience)) / 3
         wake_ups, channel = self._wake_ups()
-        with wake_ups.signal(channel, waiter) as signal:
-            subscribed = signal.ready()
-            while True:
-                signal.event.clear()  # a wake-up from here on is kept for the wait below
-                with wake_ups.gate:  # blocked threads never take the whole connection pool
-                    attempt = self.try_acquire(
-                        token=token, waiter=waiter, patience=patience, label=label, ticket=ticket, fresh=fresh,
-                        wake=channel, run=run, remember=remember,
-                    )
-                fresh = False
-                if not isinstance(attempt, Waiting):
-                    return attempt
-                if attempt.ticket is not None:
-                    ticket = attempt.ticket  # if the place ever lapses, come back to it
-                waited = time.monotonic() - started
-                if timeout is not None and waited >= timeout:
-                    return attempt
-                wait = pause if timeout is None else min(pause, timeout - waited)
-                if not subscribed:
-                    # A wake-up published before the subscription was confirmed is lost: ask
-                    # again as soon as it is, to claim an offer made meanwhile.
-                    subscribed = signal.subscribe(wait)
-                    continue
-                signal.event.wait(wait)
+        return wait_for_turn(
+            self, wake_ups, channel, token=token, waiter=waiter, timeout=timeout, patience=patience, pause=pause,
+            label=label, ticket=ticket, fresh=fresh, run=run, remember=remember,
+        )
 
     def try_acquire(
         self,
@@ -620,6 +598,42 @@ def _slot_members(token: str) -> list[str]:
     weight = int(match.group(1)) if match else 1
     return [token] + [f"{token}#{k}" for k in range(2, weight + 1)]
 
+
+
+def wait_for_turn(
+    semaphore: Any, wake_ups: WakeUps, channel: str, *, token: str, waiter: str, timeout: float | None,
+    patience: float | None, pause: float, label: str | None, ticket: int | None, fresh: bool, run: str | None,
+    remember: float | None,
+) -> Attempt:
+    """The loop of ``wait_for_slot`` of a FairSemaphore or a MultiSemaphore: try; while refused,
+    sleep until this process's listener says the waiter was told (or ``pause`` seconds pass, the
+    keep-alive that also claims an offer whose wake-up was lost), then try again; until granted,
+    a Duplicate, or ``timeout``."""
+    started = time.monotonic()
+    with wake_ups.signal(channel, waiter) as signal:
+        subscribed = signal.ready()
+        while True:
+            signal.event.clear()  # a wake-up from here on is kept for the wait below
+            with wake_ups.gate:  # blocked threads never take the whole connection pool
+                attempt: Attempt = semaphore.try_acquire(
+                    token=token, waiter=waiter, patience=patience, label=label, ticket=ticket, fresh=fresh,
+                    wake=channel, run=run, remember=remember,
+                )
+            fresh = False
+            if not isinstance(attempt, Waiting):
+                return attempt
+            if attempt.ticket is not None:
+                ticket = attempt.ticket  # if the place ever lapses, come back to it
+            waited = time.monotonic() - started
+            if timeout is not None and waited >= timeout:
+                return attempt
+            wait = pause if timeout is None else min(pause, timeout - waited)
+            if not subscribed:
+                # A wake-up published before the subscription was confirmed is lost: ask
+                # again as soon as it is, to claim an offer made meanwhile.
+                subscribed = signal.subscribe(wait)
+                continue
+            signal.event.wait(wait)
 
 def limit_of(attempt: Attempt, default: int) -> int:
     """The limit a refused try reported (``default`` for a try that says none)."""
