@@ -14,6 +14,11 @@ reading the same socket would race that. So a waiter that needs a new channel re
 wakes the listener by publishing on the listener's control channel, a channel it always listens
 on; the listener then subscribes itself and reports the channel ready.
 
+A blocked caller registers only once its first try was refused (an uncontended acquire costs one
+round trip and touches nothing here), so an offer may be told before its waiter registered: the
+listener keeps such a wake-up for ``UNCLAIMED_S`` in a small mailbox, and the registration takes
+it from there (the waiter then asks at once).
+
 A wake-up can be lost (the subscription is being set up, Redis restarted, the connection dropped):
 each waiter still asks again every ``patience / 3`` seconds, which both keeps its place in line
 and claims any offer whose message went astray. After the listener's connection is re-established
@@ -86,6 +91,11 @@ SHARDED_SINCE = 7
 # but its master is where they belong).
 RECHECK_EVERY_S = 1.0
 RECHECK_FOR_S = 10.0
+# A wake-up naming a waiter that has not registered (yet) is kept this long, at most
+# UNCLAIMED_MAX of them: its waiter was refused a moment ago and is registering now. (An offer
+# waits 2 s for its claim, lua/_lib.lua CLAIM_MS: one kept longer could not be claimed anyway.)
+UNCLAIMED_S = 2.0
+UNCLAIMED_MAX = 10_000
 
 
 def _new_process_id() -> str:
@@ -465,6 +475,9 @@ class WakeUps:
         self._lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
         self._signals: dict[tuple[str, str], WakeHandle] = {}
+        # wake-ups for waiters not registered yet: (channel, waiter) -> monotonic arrival time,
+        # oldest first (see UNCLAIMED_S)
+        self._unclaimed: dict[tuple[str, str], float] = {}
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()  # the control channel is subscribed: pokes arrive
         pool = getattr(client, "connection_pool", None)
@@ -478,7 +491,8 @@ class WakeUps:
     def signal(self, channel: str, waiter: str) -> WakeHandle:
         """Register a blocked caller, ``waiter`` of ``channel``: a wake-up for it sets the
         returned handle's event from now on, if the channel is subscribed (``subscribe`` sees to
-        that). Registering is cheap and opens nothing: an uncontended acquire never subscribes."""
+        that), and one that came in the last ``UNCLAIMED_S`` before this call sets it at once.
+        Registering is cheap and opens nothing."""
         return self.on_wake(channel, waiter, None)
 
     def on_wake(self, channel: str, waiter: str, callback: Callable[[], None] | None) -> WakeHandle:
@@ -486,12 +500,16 @@ class WakeUps:
         on ``channel``; a later registration of the same waiter replaces it. Call
         ``subscribe`` on the handle to be sure the channel is listened to."""
         signal = WakeHandle(self, channel, waiter, callback)
+        key = (channel, waiter)
         with self._lock:
-            self._signals[(channel, waiter)] = signal
+            self._signals[key] = signal
             entry = self._channels.get(channel)
             if entry is not None:
                 entry.users += 1
                 signal.counted = True
+            told_at = self._unclaimed.pop(key, None) if self._unclaimed else None
+        if told_at is not None and callback is None and time.monotonic() - told_at < UNCLAIMED_S:
+            signal.event.set()  # told between its refusal and now: it asks at once
         return signal
 
     def _subscribe(self, signal: WakeHandle) -> _Channel:
@@ -659,14 +677,29 @@ class WakeUps:
             return
         if kind not in ("message", "smessage") or channel == self.control:
             return
-        waiter = _text(message.get("data"))
+        key = (channel, _text(message.get("data")))
         with self._lock:
-            handle = self._signals.get((channel, waiter))
+            handle = self._signals.get(key)
+            if handle is None:
+                self._keep_unclaimed(key)
         if handle is not None:
             try:
                 handle.callback()
             except Exception:  # a callback must never stop the listener
-                logger.exception("wake-up callback for %r failed", waiter)
+                logger.exception("wake-up callback for %r failed", key[1])
+
+    def _keep_unclaimed(self, key: tuple[str, str]) -> None:
+        """Keep a wake-up whose waiter has not registered (under ``_lock``); forget the ones
+        older than UNCLAIMED_S, and the oldest beyond UNCLAIMED_MAX."""
+        unclaimed = self._unclaimed
+        now = time.monotonic()
+        unclaimed.pop(key, None)  # re-inserted last: the dict stays ordered by arrival
+        unclaimed[key] = now
+        while unclaimed:
+            oldest, told_at = next(iter(unclaimed.items()))
+            if now - told_at < UNCLAIMED_S and len(unclaimed) <= UNCLAIMED_MAX:
+                break
+            del unclaimed[oldest]
 
     def _wake_everyone(self, channel: str | None = None) -> None:
         """Wake-ups may have been lost (new or re-established connection, or ``channel`` moved to

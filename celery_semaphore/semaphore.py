@@ -284,7 +284,8 @@ class FairSemaphore:
         started = time.monotonic()
         token = new_token()
         if timeout == 0:
-            attempt = self.try_acquire(token=token, waiter=token, enqueue=False, label=label, fresh=True)
+            # a token made here needs no checking: straight to the one round trip
+            attempt = self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0)
             if isinstance(attempt, Granted):
                 return attempt.lease
             raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
@@ -363,12 +364,20 @@ class FairSemaphore:
             waiter, enqueue, fresh = token, False, True
         else:
             check_waiter("waiter", waiter)
-        label = default_label() if label is None else label
         patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
         remember_ms = 0
         if run:
             remember_ms = to_ms(self.patience + self.lease if remember is None else check_seconds("remember", remember))
-        with self._redis_errors("acquire"):
+        return self._attempt(token, waiter, patience_ms, enqueue, fresh, label, ticket, wake, run or "", remember_ms)
+
+    def _attempt(
+        self, token: str, waiter: str, patience_ms: int, enqueue: bool, fresh: bool, label: str | None,
+        ticket: int | None, wake: str, run: str, remember_ms: int,
+    ) -> Attempt:
+        """``try_acquire`` with its arguments checked (or made here, as ``acquire`` makes them):
+        the one round trip, and what its reply means."""
+        label = default_label() if label is None else label
+        try:
             reply = self._scripts.acquire(
                 self.keys,
                 token=token,
@@ -381,9 +390,11 @@ class FairSemaphore:
                 label=label,
                 ticket=ticket,
                 wake=wake,
-                run=run or "",
+                run=run,
                 remember_ms=remember_ms,
             )
+        except _REDIS_ERRORS as error:
+            raise translate(error, self.name, "acquire") from error
         if reply.outcome in (GRANTED, CLAIMED):
             lease = Lease(self, token, label=label, run=run or None, remember_ms=remember_ms)
             renewer.track(lease)
@@ -423,10 +434,12 @@ class FairSemaphore:
         """Give a slot back by its token. True if the token held it; False if its lease had
         already gone. Safe to repeat. Prefer ``Lease.release``, which also stops renewal and
         marks the lease's run (if any) finished, so that a later copy of the run is dropped."""
-        with self._redis_errors("release"):
+        try:
             return self._scripts.release(
                 self.keys, token=token, default_limit=self.limit, run=run or "", remember_ms=remember_ms
             )
+        except _REDIS_ERRORS as error:
+            raise translate(error, self.name, "release") from error
 
     def release_holders_with_prefix(self, prefix: str) -> int:
         """Release every holder whose token starts with ``prefix``; how many were released.
@@ -557,10 +570,28 @@ _CLUSTER_NOT_NOW = (
 )
 
 
+# What redis-py raises (RedisClusterException, no node for a slot say, is not a RedisError).
+_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+def translate(error: BaseException, name: str, operation: str) -> SemaphoreError:
+    """redis-py's error as the package's: unreachable, full, read-only or loading is
+    RedisUnavailable (callers wait, fail closed); anything else a SemaphoreError."""
+    # a cluster between owners of a slot (failover, resharding) or unreachable is "not now" too
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError, *_CLUSTER_NOT_NOW)):
+        return RedisUnavailable(name, operation, error)
+    # a full Redis (maxmemory with noeviction) or one still loading its data set is unavailable
+    # for now, like an unreachable one: callers wait, they do not fail
+    if isinstance(error, redis.ResponseError) and (
+        isinstance(error, _NOT_NOW) or str(error).startswith(("OOM", "LOADING", "BUSY", "MASTERDOWN"))
+    ):
+        return RedisUnavailable(name, operation, error)
+    return SemaphoreError(f"{operation} on semaphore {name!r}: {error}", key=name)
+
+
 class _RedisErrors:
-    """Turns redis-py's errors into the package's: unreachable, full, read-only or loading is
-    RedisUnavailable (callers wait, fail closed); anything else a SemaphoreError. (A class, not a
-    generator context manager: it runs twice per acquire+release.)"""
+    """``with``: redis-py's errors raised inside come out translated (``translate``). The hot
+    paths (acquire, release) use a bare ``try`` instead, which costs nothing when nothing fails."""
 
     __slots__ = ("name", "operation")
 
@@ -572,20 +603,8 @@ class _RedisErrors:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        if error is None or not isinstance(error, (redis.RedisError, redis.exceptions.RedisClusterException)):
-            return
-        operation = self.operation
-        # a cluster between owners of a slot (failover, resharding) or unreachable is "not now"
-        # too; RedisClusterException (no node for a slot, say) is not even a RedisError
-        if isinstance(error, (redis.ConnectionError, redis.TimeoutError, *_CLUSTER_NOT_NOW)):
-            raise RedisUnavailable(self.name, operation, error) from error
-        # a full Redis (maxmemory with noeviction) or one still loading its data set is
-        # unavailable for now, like an unreachable one: callers wait, they do not fail
-        if isinstance(error, redis.ResponseError) and (
-            isinstance(error, _NOT_NOW) or str(error).startswith(("OOM", "LOADING", "BUSY", "MASTERDOWN"))
-        ):
-            raise RedisUnavailable(self.name, operation, error) from error
-        raise SemaphoreError(f"{operation} on semaphore {self.name!r}: {error}", key=self.name) from error
+        if error is not None and isinstance(error, _REDIS_ERRORS):
+            raise translate(error, self.name, self.operation) from error
 
 
 # "<token>*<w>" holds w slots: the token and "<token>#2" .. "<token>#w" (lua/_lib.lua, slot_members)
@@ -608,32 +627,43 @@ def wait_for_turn(
     """The loop of ``wait_for_slot`` of a FairSemaphore or a MultiSemaphore: try; while refused,
     sleep until this process's listener says the waiter was told (or ``pause`` seconds pass, the
     keep-alive that also claims an offer whose wake-up was lost), then try again; until granted,
-    a Duplicate, or ``timeout``."""
+    a Duplicate, or ``timeout``.
+
+    The first try registers nothing with the listener: an uncontended acquire is one round trip
+    and nothing more. Only a refused waiter registers; an offer told between its refusal and its
+    registration is kept by the listener meanwhile (``WakeUps.signal`` hands it over)."""
     started = time.monotonic()
+    with wake_ups.gate:  # blocked threads never take the whole connection pool
+        attempt: Attempt = semaphore.try_acquire(
+            token=token, waiter=waiter, patience=patience, label=label, ticket=ticket, fresh=fresh,
+            wake=channel, run=run, remember=remember,
+        )
+    if not isinstance(attempt, Waiting):
+        return attempt
     with wake_ups.signal(channel, waiter) as signal:
         subscribed = signal.ready()
         while True:
-            signal.event.clear()  # a wake-up from here on is kept for the wait below
-            with wake_ups.gate:  # blocked threads never take the whole connection pool
-                attempt: Attempt = semaphore.try_acquire(
-                    token=token, waiter=waiter, patience=patience, label=label, ticket=ticket, fresh=fresh,
-                    wake=channel, run=run, remember=remember,
-                )
-            fresh = False
-            if not isinstance(attempt, Waiting):
-                return attempt
             if attempt.ticket is not None:
                 ticket = attempt.ticket  # if the place ever lapses, come back to it
             waited = time.monotonic() - started
             if timeout is not None and waited >= timeout:
                 return attempt
             wait = pause if timeout is None else min(pause, timeout - waited)
-            if not subscribed:
+            if subscribed:
+                signal.event.wait(wait)  # takes the flag down: a wake-up from here on is kept
+            else:
                 # A wake-up published before the subscription was confirmed is lost: ask
                 # again as soon as it is, to claim an offer made meanwhile.
                 subscribed = signal.subscribe(wait)
-                continue
-            signal.event.wait(wait)
+                signal.event.clear()
+            with wake_ups.gate:
+                attempt = semaphore.try_acquire(
+                    token=token, waiter=waiter, patience=patience, label=label, ticket=ticket, fresh=False,
+                    wake=channel, run=run, remember=remember,
+                )
+            if not isinstance(attempt, Waiting):
+                return attempt
+
 
 def limit_of(attempt: Attempt, default: int) -> int:
     """The limit a refused try reported (``default`` for a try that says none)."""

@@ -322,3 +322,81 @@ def test_blocked_callers_ask_again_at_once_after_a_redis_restart(own_redis: Redi
     assert time.monotonic() - restarted_at < 5
     holder.release()
     client.close()
+
+
+def test_an_uncontended_blocking_acquire_registers_nothing_with_the_listener(redis_client: redis.Redis) -> None:
+    """acquire(timeout=10) with a slot free is one try: no wake-up registration, no listener
+    thread started, nothing subscribed (the Redis side is pinned in test_script_costs)."""
+    semaphore = FairSemaphore(redis_client, "quiet", 2)
+    wake_ups = wake_ups_for(redis_client)
+    for _ in range(3):
+        semaphore.acquire(timeout=10).release()
+    assert wake_ups._signals == {}
+    assert wake_ups._channels == {}
+    assert wake_ups._thread is None
+
+
+def test_an_offer_told_between_a_refusal_and_the_registration_is_claimed_at_once(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A blocked caller registers for wake-ups only after its first try was refused, so a release
+    can tell it of an offer before it registered. The listener keeps that wake-up and the
+    registration hands it over: the caller claims at once, not a keep-alive pause (here 10 s)
+    later. The release is forced into that window by wrapping the registration (the interleaving
+    cannot be produced reliably otherwise); the wake-up, the listener and Redis are real."""
+    semaphore = FairSemaphore(redis_client, "window", 1, patience=30)
+    wake_ups = wake_ups_for(redis_client)
+    # the process already listens on the semaphore's channel (another caller waits on it)
+    other = threading.Thread(target=lambda: semaphore.acquire(timeout=60).release(), daemon=True)
+    holder = semaphore.acquire(timeout=0)
+    other.start()
+    wait_until(lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()), timeout=10,
+               what="the channel to be subscribed")
+    registering = wake_ups.signal
+    released: list[bool] = []
+
+    def release_first(channel: str, waiter: str) -> Any:
+        if waiter != "late" or released:
+            return registering(channel, waiter)
+        # the other caller asked first: the release offers the slot to it; its claim and
+        # release offer it on to "late", which is refused and not yet registered
+        released.append(holder.release())
+        wait_until(lambda: (channel, "late") in wake_ups._unclaimed, timeout=10,
+                   what="the wake-up for the unregistered waiter to arrive")
+        return registering(channel, waiter)
+
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the other caller to wait")
+    monkeypatch.setattr(wake_ups, "signal", release_first)
+    started = time.monotonic()
+    attempt = semaphore.wait_for_slot(token="late-token", waiter="late", timeout=8)
+    assert isinstance(attempt, Granted), attempt
+    assert time.monotonic() - started < 5, "claimed at once, not after the 10 s keep-alive pause"
+    assert released == [True]
+    attempt.lease.release()
+    other.join(timeout=10)
+
+
+def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wake-up for a waiter that never registers does not stay: after UNCLAIMED_S it is
+    forgotten, and a later registration of that waiter is not woken by it."""
+    import celery_semaphore._wakeups as wakeups_module
+
+    monkeypatch.setattr(wakeups_module, "UNCLAIMED_S", 0.2)
+    semaphore = FairSemaphore(redis_client, "stale", 1, patience=30)
+    wake_ups = wake_ups_for(redis_client)
+    channel = semaphore._wake_ups()[1]
+    with wake_ups.signal(channel, "listening") as handle:
+        assert handle.subscribe(10)
+        redis_client.publish(channel, "nobody")
+        wait_until(lambda: (channel, "nobody") in wake_ups._unclaimed, timeout=10, what="the wake-up to be kept")
+        redis_client.publish(channel, "fresh")
+        wait_until(lambda: (channel, "fresh") in wake_ups._unclaimed, timeout=10, what="the second wake-up")
+        with wake_ups.signal(channel, "fresh") as fresh:
+            assert fresh.event.is_set(), "a wake-up kept for a moment is handed over"
+        time.sleep(0.3)  # past UNCLAIMED_S (patched to 0.2 s): what is measured is that it is gone
+        redis_client.publish(channel, "other")  # any arrival forgets the stale ones
+        wait_until(lambda: (channel, "other") in wake_ups._unclaimed, timeout=10, what="the third wake-up")
+        assert (channel, "nobody") not in wake_ups._unclaimed
+        with wake_ups.signal(channel, "nobody") as late:
+            assert not late.event.is_set()
