@@ -37,11 +37,21 @@ AWAY, PRESENT, OFFERED = 0, 1, 2
 TOO_HEAVY = 5
 
 
+# In lua/_lib.lua, the line that ends the helpers of the uncontended paths; in a script, where
+# the rest of the helpers go (after its fast path). See the head of lua/_lib.lua.
+REST_OF_LIB = "-- @rest-of-lib\n"
+
+
 @functools.cache
 def script_source(name: str) -> str:
-    """The full text of one script as Redis runs it: the shared helpers, then its body."""
+    """The full text of one script as Redis runs it: the shared helpers, then its body. The
+    helpers after ``REST_OF_LIB`` go where the body has that line, else in front of it."""
     lua = importlib.resources.files("celery_semaphore") / "lua"
-    return (lua / "_lib.lua").read_text(encoding="utf-8") + "\n" + (lua / f"{name}.lua").read_text(encoding="utf-8")
+    first, rest = (lua / "_lib.lua").read_text(encoding="utf-8").split(REST_OF_LIB)
+    body = (lua / f"{name}.lua").read_text(encoding="utf-8")
+    if REST_OF_LIB in body:
+        return first + "\n" + body.replace(REST_OF_LIB, REST_OF_LIB + rest)
+    return first + REST_OF_LIB + rest + "\n" + body
 
 
 @dataclass(frozen=True)

@@ -187,3 +187,21 @@ def test_a_release_costs_the_same_whatever_the_number_of_blocked_waiters(
         for thread in threads:
             thread.join(timeout=30)
         semaphore.clear_limit()
+
+
+def test_the_uncontended_paths_return_before_the_rest_of_the_helpers_are_made() -> None:
+    """Every EVALSHA makes the closures of the helpers its text defines before it reaches them;
+    acquire and release return on their uncontended paths before the line's dozen helpers are
+    defined (about 1 us of Redis time per run). Each script defines each helper exactly once."""
+    import re
+
+    from celery_semaphore._scripts import _NAMES, REST_OF_LIB, script_source
+
+    for name in _NAMES:
+        source = script_source(name)
+        defined = re.findall(r"^local function (\w+)", source, flags=re.MULTILINE)
+        assert len(defined) == len(set(defined)), (name, defined)
+        assert source.count(REST_OF_LIB) == 1, name
+    for name, fast_return in (("acquire", "return granted(GRANTED)"), ("release", "return 1")):
+        source = script_source(name)
+        assert source.index(fast_return) < source.index(REST_OF_LIB) < source.index("local function hand_off")

@@ -77,6 +77,8 @@ if fresh then
   end
 end
 
+-- @rest-of-lib
+
 if not fresh and redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
   -- a release offered this waiter a slot: take it (the entry counted already, so nothing
   -- else needs looking at: the woken waiter's one round trip stays short)

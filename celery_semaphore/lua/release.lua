@@ -27,6 +27,8 @@ if redis.call('EXISTS', K_WAITER_INFO) == 0 then
   redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
   return 1
 end
+
+-- @rest-of-lib
 local now = now_ms()
 local info = redis.call('HGET', K_HOLDER_INFO, 'h:' .. token)
 redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
