@@ -219,8 +219,10 @@ class Scripts:
         run: str = "",
         remember_ms: int = 0,
     ) -> AcquireReply:
+        encoded = token.encode()
         args: list[Any] = [
-            token.encode(), waiter.encode(), _settings(default_limit, lease_ms, patience_ms, enqueue, fresh, label)
+            encoded, encoded if waiter is token else waiter.encode(),
+            _settings(default_limit, lease_ms, patience_ms, enqueue, fresh, label),
         ]
         # trailing arguments that are empty are not sent (the script reads them as ""): the
         # uncontended acquire of a blocked caller or a one-shot try sends three
