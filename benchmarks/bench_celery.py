@@ -19,8 +19,11 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   ``self.retry(countdown=1)`` when refused, what a user writes by hand) and ``plain`` (no
   semaphore, 1 worker whose pool size is the limit: the baseline for the makespan). Figures:
   inverted start-order pairs against first-ask order (% of all pairs), max displacement
-  (places), makespan / ideal (tasks x hold / limit) and / plain (same round), deliveries per
-  task (runs in a pool child per task id, and messages received per task id), the highest
+  (places), each against first asks stamped as the task's ``__call__`` began (right before it
+  asked) and, beside them, stamped at ``task_prerun`` (two of the benchmark's own round trips
+  earlier: asks a millisecond apart in two pool children can swap there), makespan / ideal
+  (tasks x hold / limit) and / plain (same round), deliveries per task (runs in a pool child
+  per task id, and messages received per task id), the highest
   number of bodies seen running at once, bodies that ran twice.
 * ``backlog-redis`` and ``backlog-amqp``: the same figures for 1,000 tasks x 0.1 s, limit 5, on
   the Redis broker and on RabbitMQ. With the default policy the queue itself is the line (the
@@ -103,6 +106,11 @@ def _events(client: redis.Redis, name: str) -> list[Event]:
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _in_time_order(events: Sequence[Event]) -> list[str]:
+    """Task ids by their first event's time."""
+    return [e.task for e in sorted(_first_by_task(events).values(), key=lambda e: e.at)]
 
 
 def _first_by_task(events: Sequence[Event]) -> dict[str, Event]:
@@ -348,13 +356,15 @@ def fairness_round(lab: Lab, spec: Fairness, case: str, round_no: int, broker_ur
             all_starts = [e for e in _events(lab.probe, "bench:starts") if e.key == probe_key]
             ends = [e for e in _events(lab.probe, "bench:ends") if e.key == probe_key]
             asks = [e for e in _events(lab.probe, "bench:asks") if e.task in set(ids)]
+            calls = [e for e in _events(lab.probe, "bench:calls") if e.task in set(ids)]
             maximum = int(lab.probe.get(f"probe:{probe_key}:max") or 0)
     finally:
         lab.delete_amqp_queue(broker_url, queue)
     starts = _first_by_task(all_starts)
-    asked = [e.task for e in sorted(_first_by_task(asks).values(), key=lambda e: e.at)]
     started = [e.task for e in sorted(starts.values(), key=lambda e: e.at)]
-    pairs, displacement = inversions(asked, started)
+    # first asks stamped as the task's __call__ began (right before the ask), and at task_prerun
+    pairs, displacement = inversions(_in_time_order(calls), started)
+    prerun_pairs, prerun_displacement = inversions(_in_time_order(asks), started)
     all_pairs = spec.tasks * (spec.tasks - 1) // 2
     makespan = max(e.at for e in ends) - min(e.at for e in starts.values())
     return {
@@ -363,6 +373,8 @@ def fairness_round(lab: Lab, spec: Fairness, case: str, round_no: int, broker_ur
         "inversions": pairs,
         "inversions_pct": 100.0 * pairs / all_pairs,
         "max_displacement": displacement,
+        "prerun_inversions_pct": 100.0 * prerun_pairs / all_pairs,
+        "prerun_max_displacement": prerun_displacement,
         "runs_per_task": statistics.fmean(runs),
         "runs_max": max(runs),
         "msgs_per_task": statistics.fmean(received),
@@ -582,7 +594,8 @@ def table(rows: list[list[str]], left: int = 1) -> str:
 
 FAIRNESS_COLUMNS = [
     ("makespan/ideal", "over_ideal", 2), ("/plain", "over_plain", 2), ("inversions %", "inversions_pct", 1),
-    ("max displ.", "max_displacement", 0), ("runs/task", "runs_per_task", 2), ("max runs", "runs_max", 0),
+    ("max displ.", "max_displacement", 0), ("prerun inv. %", "prerun_inversions_pct", 1),
+    ("prerun displ.", "prerun_max_displacement", 0), ("runs/task", "runs_per_task", 2), ("max runs", "runs_max", 0),
     ("msgs/task", "msgs_per_task", 2), ("max conc.", "max_concurrency", 0), ("ran twice", "ran_twice", 0),
 ]
 
@@ -716,7 +729,9 @@ def versions() -> dict[str, str]:
 LEGEND = """
 makespan: first body start to last body end; ideal: tasks x hold / limit; /plain: against the
 no-semaphore baseline of the same round (1 worker, pool size = limit). inversions: pairs of tasks
-whose bodies started in the opposite order to their first asks (first task_prerun). runs: times
+whose bodies started in the opposite order to their first asks, each first ask stamped as the
+task's __call__ began (right before it asked); prerun inv./displ.: the same against first asks
+stamped at task_prerun, before the benchmark's own bookkeeping of the run. runs: times
 a task ran in a pool child (task_prerun); msgs: its messages received by a worker. max conc.: most
 bodies running at once (concurrency probe). ran twice: bodies run a second time (must be 0).
 naive: one-shot try + self.retry(countdown=1); countdown: semaphore_inline_wait = 0."""

@@ -13,8 +13,14 @@ probe database (db 3 of the broker's Redis), keyed by task id:
 * ``bench:received`` (hash): messages of the task that reached a worker (``task_received``, in the
   worker's main process): how often the broker delivered it, copies that never ran included;
 * ``bench:runs`` (hash): times the task was run in a pool child (``task_prerun``): deliveries;
-* ``bench:asks`` (list of ``"<id> <time>"``): the first ``task_prerun`` of each task: the order in
-  which tasks first asked for a slot, whatever the semaphore believes;
+* ``bench:asks`` (list of ``"<id> <time>"``): the first ``task_prerun`` of each task, one way to
+  order the tasks by their first ask for a slot, whatever the semaphore believes;
+* ``bench:calls`` (list of ``"<id> <time>"``): the same first run, stamped as the task's ``__call__``
+  begins, the moment before the library (or the naive code) asks: the other way, and the closer
+  one. ``task_prerun`` comes before this benchmark's own bookkeeping of the run (two round trips
+  to the probe database), so two tasks asking a millisecond apart in two pool children may be
+  stamped in one order at prerun and reach the semaphore in the other. The record is pushed
+  after the call returns, so it adds nothing between the stamp and the ask;
 * ``bench:starts`` / ``bench:ends`` (lists of ``"<id> <time> <worker> <key>"``): the body of the
   limited work, start and end; with the concurrency probe (``probe:<key>``) around it, the true
   number of bodies running at once per key;
@@ -102,8 +108,25 @@ def _hold(task: Task, seconds: float, key: str) -> None:
         client.rpush("bench:ends", f"{task.request.id} {time.time()} {_worker(task)} {key}")
 
 
-class TimedSemaphoreTask(SemaphoreTask):
-    """SemaphoreTask that notes the moment its slot was given back.
+_first_runs: set[str] = set()
+
+
+class AskStamped(Task):  # type: ignore[misc]
+    """Stamps the first run of each task as its ``__call__`` begins (``bench:calls``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        asked = time.time()
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            task_id = self.request.id
+            if task_id in _first_runs:
+                _first_runs.discard(task_id)
+                probe_client().rpush("bench:calls", f"{task_id} {asked}")
+
+
+class TimedSemaphoreTask(AskStamped, SemaphoreTask):
+    """SemaphoreTask that notes the moment its slot was given back (and stamps its first ask).
 
     ``SemaphoreTask.__call__`` releases in its ``finally``, so the instant our ``super().__call__``
     returns (or raises) is right after the release: the start of the hand-off that the benchmark
@@ -144,7 +167,7 @@ NAIVE_COUNTDOWN = 1
 NAIVE_LEASE_MS = 60_000
 
 
-@app.task(bind=True, name="bench.naive", max_retries=None)
+@app.task(base=AskStamped, bind=True, name="bench.naive", max_retries=None)
 def naive(self: Any, seconds: float, key: str, limit: int) -> None:
     """The naive baseline: one try of a plain semaphore, and ``self.retry(countdown=1)`` when
     refused. What a user writes by hand; its order is whatever the broker's timers make it."""
@@ -159,7 +182,7 @@ def naive(self: Any, seconds: float, key: str, limit: int) -> None:
         client.zrem(holders, token)
 
 
-@app.task(bind=True, name="bench.plain")
+@app.task(base=AskStamped, bind=True, name="bench.plain")
 def plain(self: Any, seconds: float, key: str) -> None:
     """No semaphore: the baseline run on a pool whose size is the limit."""
     _hold(self, seconds, f"plain:{key}")
@@ -195,6 +218,7 @@ def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     now = time.time()
     if probe_client().hincrby("bench:runs", task_id, 1) == 1:
         probe_client().rpush("bench:asks", f"{task_id} {now}")
+        _first_runs.add(task_id)
     # timed from here, so that the bookkeeping above is not counted as the task's cost
     _prerun_at[task_id] = time.perf_counter()
 
