@@ -11,6 +11,8 @@ each client count:
 * the fair semaphore of "Redis in Action" 6.3.2 (counter, owner ZSET, ZINTERSTORE, MULTI
   pipelines) and the same under the SETNX lock of 6.3.4, uncontended and contended: reference
   baselines only, written here from the book's description;
+* the same 2 x EVALSHA sending FairSemaphore's 8 keys and its arguments (the floor of any
+  semaphore that declares its keys as this one does);
 * a bare 2 x EVALSHA cycle (what any one-script acquire + release costs at least) and a minimal
   one-script fair semaphore (ticket line, no hand-off, no expiries): the ratios issue 8 targets,
   per round of the same run, with their spread;
@@ -166,6 +168,24 @@ def make_baseline_2x(client: redis.Redis, limit: int) -> Op:
     return op
 
 
+def make_baseline_2x_keys(client: redis.Redis, limit: int) -> Op:
+    """Two EVALSHA of ``return 1`` sending what FairSemaphore's uncontended acquire and release
+    send (its 8 declared keys, a fresh token, its settings argument, the limit): the floor of any
+    semaphore that declares its keys as this one does, before it does any work."""
+    sha = client.script_load("return 1")
+    keys = FairSemaphore(client, "bench", limit).keys.line_keys
+    settings = f"{limit}|{int(LEASE_S * 1000)}|5000|01|bench:{os.getpid()}".encode()
+    limit_arg = str(limit).encode()
+
+    def op() -> tuple[int, int]:
+        token = new_token().encode()
+        client.evalsha(sha, 8, *keys, token, token, settings)
+        client.evalsha(sha, 8, *keys, token, limit_arg)
+        return 1, 1
+
+    return op
+
+
 # A minimal fair semaphore in one script per operation, written for this comparison: a ticket
 # line and a holders set, both purged by time, no hand-off, no expiry, no labels. About what a
 # careful reader of "Redis in Action" 11.2 would write: 11 Redis calls per uncontended cycle.
@@ -293,6 +313,7 @@ class CaseKind:
 KINDS: dict[str, CaseKind] = {
     "baseline": CaseKind("EVALSHA 'return 1' (baseline)", make_baseline, "1"),
     "baseline-2x": CaseKind("2 x EVALSHA 'return 1' (cycle baseline)", make_baseline_2x, "2"),
+    "baseline-2x-keys": CaseKind("2 x EVALSHA 'return 1', the semaphore's keys+args", make_baseline_2x_keys, "2"),
     "fair-cycle": CaseKind("FairSemaphore acquire(timeout=0)+release", make_fair_cycle, "2"),
     "fair-blocking": CaseKind("FairSemaphore acquire(timeout=10)+release", make_fair_blocking, "2"),
     "minimal-fair": CaseKind("minimal one-script fair semaphore+release", make_minimal_fair, "2 (2)"),
@@ -308,6 +329,7 @@ def plan(clients: int) -> list[tuple[str, int]]:
     cases = [
         ("baseline", 1),
         ("baseline-2x", 1),
+        ("baseline-2x-keys", clients),
         ("fair-cycle", clients),
         ("fair-blocking", clients),
         ("fair-try-oneshot", clients),
@@ -654,7 +676,7 @@ def cpu_per_cycle(server: RedisServer, repeats: int, ops: int = 2000) -> dict[st
     ``repeats`` interleaved runs: on a shared host the throughput ratios swing with other load,
     while the least CPU an op needed is steady. What ``--workers processes`` throughput tends
     to when the clients' CPU is the bottleneck."""
-    kinds = ["baseline-2x", "fair-cycle", "fair-blocking", "fair-try-oneshot", "minimal-fair"]
+    kinds = ["baseline-2x", "baseline-2x-keys", "fair-cycle", "fair-blocking", "fair-try-oneshot", "minimal-fair"]
     client = server.client()
     with server.client() as admin:
         admin.flushall()
