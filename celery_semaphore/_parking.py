@@ -12,14 +12,19 @@ If this process dies before the offer comes, nobody sends the wake copy: the off
 its claim window, the slot goes on to the next waiter, and the backstop copy rejoins the line at
 its old ticket when its countdown ends. A delay, never a loss.
 
-The other way round, this process is the sweep for a lost backstop copy (on the Redis broker, a
-message popped by the pending ``BRPOP`` of a worker being killed is gone): when a parked task's
-time is up (its countdown plus slack) and no copy of its wait has asked meanwhile (its place in
-line lapsed and its run was never granted), this process sends the wake copy anyway.
+The other way round, a lost backstop copy (on the Redis broker, a message popped by the pending
+``BRPOP`` of a worker being killed is gone) is caught by a *sweep*. The wake copy is kept in
+Redis as well (``park.lua``): a record per wait, due when the task's time is up (its countdown
+plus slack). Every worker process that runs tasks sweeps: once a second it takes the records
+now due (``claim_parked.lua``, each taken by one process only) and sends the wake copy of each
+wait no copy has asked for meanwhile (its place in line lapsed and its run was never granted).
+So a waiting task survives the loss of its message even when the worker that parked it died
+with it. A copy the app's serializer cannot write stays in this process only, swept here.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -28,6 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery import signature
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from ._scripts import scripts_for
 from ._wakeups import WakeHandle, wake_ups_for
 from .multi import MultiSemaphore
 from .semaphore import FairSemaphore
@@ -47,6 +56,48 @@ def wake_queue(queue_name: str) -> str:
 
 # How often the sender thread looks for parked tasks whose time is up.
 SWEEP_EVERY_S = 1.0
+# Most records one sweep takes at once (the rest wait for the next sweep, or another process).
+SWEEP_BATCH = 100
+
+
+def parked_keys(prefix: str) -> list[bytes]:
+    """The two keys of the parked-task records of a deployment (one hash tag: on a cluster,
+    one slot for both, which ``claim_parked.lua`` needs)."""
+    base = f"{prefix}:{{parked-tasks}}"
+    return [f"{base}:due".encode(), f"{base}:copies".encode()]
+
+
+def _prefix_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
+    return semaphore.semaphores[0].prefix if isinstance(semaphore, MultiSemaphore) else semaphore.prefix
+
+
+def serialized(wake_copy: Any) -> bytes | None:
+    """A wake copy as the app's task serializer writes it (content type and encoding in front),
+    or None when it cannot be written that way."""
+    try:
+        content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
+            dict(wake_copy), serializer=wake_copy.app.conf.task_serializer)
+    except Exception as error:
+        logger.debug("a wake copy is kept in this process only (it cannot be serialized): %s", error)
+        return None
+    body = data if isinstance(data, bytes) else data.encode(encoding)
+    return f"{content_type}\n{encoding}\n".encode() + body
+
+
+def deserialized(copy: bytes, app: Any) -> Any:
+    """The wake copy ``serialized`` wrote, as a signature of ``app``."""
+    content_type, encoding, body = copy.split(b"\n", 2)
+    fields = loads(  # type: ignore[no-untyped-call]
+        body, content_type.decode(), encoding.decode(),
+        accept=prepare_accept_content(app.conf.accept_content))  # type: ignore[no-untyped-call]
+    return signature(fields, app=app)
+
+
+@dataclass(frozen=True)
+class _SweepTarget:
+    client: Any
+    prefix: str
+    app: Any
 
 
 @dataclass
@@ -58,17 +109,20 @@ class _Parked:
     waiter: str
     run: str  # the run id every copy of this wait asks under
     name: str = field(default="")
+    recorded: bool = False  # also kept in Redis: the sweep of any process sends it if need be
 
 
 class Parking:
     """The tasks this process parked, and the thread that sends their wake copies (never the
-    wake-up listener itself: a send may wait on the broker)."""
+    wake-up listener itself: a send may wait on the broker) and sweeps the parked-task records
+    of every deployment this process parked on or was told to sweep."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parked: dict[tuple[int, str], _Parked] = {}
         self._to_send: queue.SimpleQueue[_Parked | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
+        self._sweep_targets: dict[tuple[int, str], _SweepTarget] = {}
 
     def park(
         self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, wake_copy: Any, *, away_for: float, run: str
@@ -87,8 +141,10 @@ class Parking:
             if parked is not None and parked is entry:
                 self._to_send.put(parked)
 
+        recorded = self._record(semaphore, waiter, run, wake_copy, away_for)
         handle = wake_ups.on_wake(channel, waiter, woken)
-        entry = _Parked(handle, wake_copy, time.monotonic() + away_for, semaphore, waiter, run, name=semaphore.name)
+        entry = _Parked(handle, wake_copy, time.monotonic() + away_for, semaphore, waiter, run, name=semaphore.name,
+                        recorded=recorded)
         with self._lock:
             old = self._parked.pop(key, None)
             self._parked[key] = entry
@@ -98,66 +154,139 @@ class Parking:
         handle.subscribe(SUBSCRIBE_WAIT_S)
         return channel
 
+    def unpark(self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> None:
+        """Forget a parked wait that was given up (its backstop copy could not be sent, and the
+        task failed): no wake-up and no sweep may bring it back."""
+        channel = semaphore.keys.wake_channel(wake_ups_for(semaphore.client).process_id)
+        with self._lock:
+            parked = self._parked.pop((id(semaphore.client), f"{channel}\n{waiter}"), None)
+        if parked is not None:
+            parked.handle.close()
+        try:
+            scripts_for(semaphore.client).park(parked_keys(_prefix_of(semaphore)),
+                                               record=_record_of(semaphore, waiter, run), look_in_ms=0, copy=b"")
+        except Exception as error:  # Redis down, as it likely was for the send that failed
+            logger.warning("could not forget the parked record of a task that gave up waiting for %r (a sweep "
+                           "may send it again once its time is up): %s", semaphore.name, error)
+
+    def sweep(self, app: Any, client: Any, prefix: str) -> None:
+        """Sweep the parked-task records of the deployment at ``client`` and ``prefix`` from now
+        on, sending what is due as tasks of ``app`` (a worker process does this as it starts,
+        so that a dead worker's parked tasks are swept though no task here has parked yet)."""
+        with self._lock:
+            self._sweep_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
+            self._start()
+
+    def _record(self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any,
+                away_for: float) -> bool:
+        """Keep the wake copy in Redis too, due when ``away_for`` is up; whether it is kept there."""
+        copy = serialized(wake_copy)
+        if copy is None:
+            return False
+        prefix = _prefix_of(semaphore)
+        scripts_for(semaphore.client).park(parked_keys(prefix), record=_record_of(semaphore, waiter, run),
+                                           look_in_ms=round(away_for * 1000), copy=copy)
+        with self._lock:
+            self._sweep_targets.setdefault((id(semaphore.client), prefix),
+                                           _SweepTarget(semaphore.client, prefix, wake_copy.app))
+        return True
+
     def _start(self) -> None:
         if self._sender is None or not self._sender.is_alive():
             self._sender = threading.Thread(target=self._run, name="celery-semaphore-wake-sender", daemon=True)
             self._sender.start()
 
-    def _sweep(self) -> None:
-        """Parked tasks whose time is up: forgotten when a copy of their wait asked meanwhile,
-        else sent again (their backstop copy was lost)."""
+    def _sweep_here(self) -> None:
+        """Parked tasks of this process whose time is up: dropped, and, unless kept in Redis
+        (swept there) or some copy of their wait asked meanwhile, sent again."""
         now = time.monotonic()
         with self._lock:
             due = [key for key, parked in self._parked.items() if parked.expires < now]
             gone = [self._parked.pop(key) for key in due]
         for parked in gone:
             parked.handle.close()
+            if parked.recorded:
+                continue
             try:
-                if copy_asked(parked.semaphore, parked.waiter, parked.run):
+                if copy_asked(parked.semaphore.client, parked.semaphore.keys.deadlines, parked.semaphore.keys.runs,
+                              parked.waiter, parked.run):
                     continue
             except Exception as error:  # Redis down: the backstop copy is the better bet
                 logger.debug("sweep of %r could not read the line: %s", parked.name, error)
                 continue
-            logger.warning("no copy of a task waiting for %r asked in time (its countdown copy was lost?): "
-                           "sending it again", parked.name)
-            self._send(parked)
+            _sent_again(parked.name)
+            self._send(parked.wake_copy, parked.name)
+
+    def _sweep_records(self) -> None:
+        """The parked-task records now due, anywhere in the deployments swept here: each wait
+        that no copy asked for is sent again, from here, whichever process parked it."""
+        with self._lock:
+            targets = list(self._sweep_targets.values())
+        for target in targets:
+            try:
+                claimed = scripts_for(target.client).claim_parked(parked_keys(target.prefix), most=SWEEP_BATCH)
+            except Exception as error:  # Redis down: the records wait for the next sweep
+                logger.debug("could not sweep the parked tasks: %s", error)
+                continue
+            for record, copy in claimed:
+                try:
+                    deadlines, runs, waiter, run, name = json.loads(record)
+                    if not copy or copy_asked(target.client, deadlines, runs, waiter, run):
+                        continue
+                    wake_copy = deserialized(copy, target.app)
+                except Exception as error:
+                    logger.warning("could not sweep a parked task (%s): its backstop copy is its only way back",
+                                   error)
+                    continue
+                _sent_again(name)
+                self._send(wake_copy, name)
 
     def _run(self) -> None:
         while True:
             try:
                 parked = self._to_send.get(timeout=SWEEP_EVERY_S)
             except queue.Empty:
-                self._sweep()
+                self._sweep_here()
+                self._sweep_records()
                 continue
             if parked is None:
                 return
             parked.handle.close()
-            self._send(parked)
+            self._send(parked.wake_copy, parked.name)
 
     @staticmethod
-    def _send(parked: _Parked) -> None:
+    def _send(wake_copy: Any, name: str) -> None:
         try:
-            parked.wake_copy.apply_async()
+            wake_copy.apply_async()
         except Exception as error:  # the backstop copy still comes, at its countdown
             logger.warning("could not send the wake copy of a task waiting for %r (its countdown copy "
-                           "still comes): %s", parked.name, error)
+                           "still comes): %s", name, error)
 
     def parked_count(self) -> int:
         with self._lock:
             return len(self._parked)
 
 
+def _record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> str:
+    """A wait's record name: all a sweep needs to tell whether some copy of it asked."""
+    return json.dumps([semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name])
+
+
+def _sent_again(name: str) -> None:
+    logger.warning("no copy of a task waiting for %r asked in time (its countdown copy was lost?): "
+                   "sending it again", name)
+
+
 _parking = Parking()
 
 
-def copy_asked(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> bool:
+def copy_asked(client: Any, deadlines_key: str, runs_key: str, waiter: str, run: str) -> bool:
     """Whether some copy of a parked wait asked again: the waiter still has a place whose
     must-ask-by deadline is ahead (a copy asked, or it is still parked), or its run was granted."""
-    keys = semaphore.keys
-    pipe = semaphore.client.pipeline(transaction=False)
+    pipe = client.pipeline(transaction=False)
     pipe.time()
-    pipe.zscore(keys.deadlines, waiter)
-    pipe.hexists(keys.runs, run)
+    pipe.zscore(deadlines_key, waiter)
+    pipe.hexists(runs_key, run)
     (seconds, micros), deadline_ms, granted = pipe.execute()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     return bool(granted) or (deadline_ms is not None and float(deadline_ms) > now_ms)

@@ -25,7 +25,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 _NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset",
-          "acquire_many", "release_many", "renew_many", "leave_many")
+          "acquire_many", "release_many", "renew_many", "leave_many", "park", "claim_parked")
 
 # acquire outcomes
 GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
@@ -374,6 +374,16 @@ class Scripts:
 
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
+
+    def park(self, keys: list[bytes], *, record: str, look_in_ms: int, copy: bytes) -> None:
+        """Keep (or, with an empty ``copy``, forget) a parked task's record; ``keys`` are
+        ``_parking.parked_keys``."""
+        self._scripts["park"](keys=keys, args=[record, look_in_ms, copy])
+
+    def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
+        """The parked-task records now due, (record, copy) each, taken by this caller alone."""
+        reply = self._scripts["claim_parked"](keys=keys, args=[most])
+        return [(_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()

@@ -94,6 +94,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     semaphore_countdown: ClassVar[float | tuple[float, float] | None] = None
     semaphore_max_wait: ClassVar[float | None] = FROM_SETTINGS
     semaphore_inline_wait: ClassVar[float | None] = None
+    # gives a lost pool process's slot back before its message is requeued (worker.py)
+    Request: ClassVar[str] = "celery_semaphore.worker:SemaphoreRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -207,11 +209,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             **({QUEUE_HEADER: origin} if origin else {}),
         }
         address = ""
+        run = f"{request.id}#{request.retries or 0}"
         if origin is not None and not outages.is_down(semaphore):
             wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
             try:
                 address = parking().park(semaphore, waiter, wake_copy, away_for=backstop_countdown + AWAY_SLACK,
-                                         run=f"{request.id}#{request.retries or 0}")
+                                         run=run)
             except Exception as error:  # no wake-up then: the countdown copy must bring it back
                 logger.warning("%s[%s] waits for its countdown only (could not listen for its turn): %s",
                                self.name, request.id, error)
@@ -230,6 +233,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             backstop.apply_async()
         except Exception as error:
             _leave_quietly(semaphore, waiter)  # no copy will come: give the place up
+            if address:
+                parking().unpark(semaphore, waiter, run)  # nor may a wake-up or a sweep send one
             raise SemaphoreError(f"could not re-send {self.name}[{request.id}] to wait for {semaphore.name!r}: "
                                  f"{error}", key=semaphore.name) from error
         raise Retry(

@@ -20,12 +20,13 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker.request import Request
 
 from . import metrics
 from ._backend import BackendSpec, client_for
 from ._keys import sample_key
 from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_option
-from ._parking import WAKE_QUEUE_SUFFIX, wake_queue
+from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from ._scripts import preload
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
@@ -70,8 +71,18 @@ def install(app: Any) -> None:
 
     def warm(**_: Any) -> None:
         connect_early(app)
+        sweep_parked_tasks(app)
+
+    def sweep_from_the_main_process(sender: Any = None, **_: Any) -> None:
+        # thread and green pools run tasks in the main process and send no worker_process_init;
+        # a prefork parent runs none (its children sweep) and forks more later: it stays out
+        from celery.concurrency.prefork import TaskPool as PreforkPool
+
+        if not isinstance(getattr(sender, "pool", None), PreforkPool):
+            sweep_parked_tasks(app)
 
     signals.worker_process_init.connect(warm, weak=False)
+    signals.worker_ready.connect(sweep_from_the_main_process, weak=False)
 
 
 def connect_early(app: Any) -> None:
@@ -83,6 +94,17 @@ def connect_early(app: Any) -> None:
         preload(client_for(config_for(app).backend))
     except Exception as error:
         logger.debug("could not connect to the semaphore Redis early: %s", error)
+
+
+def sweep_parked_tasks(app: Any) -> None:
+    """Have this process sweep the deployment's parked-task records (``_parking.py``), so that a
+    task parked by a worker that died with its message is sent again by the workers still alive,
+    though none of them parked anything yet."""
+    try:
+        config = config_for(app)
+        parking().sweep(app, client_for(config.backend), config.prefix)
+    except Exception as error:  # a bad setting fails the worker's start check, not this
+        logger.debug("could not start sweeping parked tasks: %s", error)
 
 
 def check_app(app: Any) -> None:
@@ -159,6 +181,23 @@ def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any) -> None
     if released:
         metrics.reclaimed(template_of(task), released)
         logger.info("released %d slot(s) of %s[%s] for a killed child", released, task.name, task_id)
+
+
+class SemaphoreRequest(Request):  # type: ignore[misc]
+    """A semaphore task's request as the worker's main process handles it. When the pool process
+    running it is lost (killed, out of memory, a hard time limit), its slot is given back by task
+    id *before* Celery acts on the message: with ``acks_late`` and ``reject_on_worker_lost`` (or
+    a time limit not acked) Celery requeues the message at once, and that delivery must find the
+    slot free, else it would be dropped as the twin of a run that looks alive until its lease
+    runs out (and a copy dropped then is a task lost)."""
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+        exception = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback
+        cancelled = getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False)
+        lost = isinstance(exception, (WorkerLostError, TimeLimitExceeded, SystemExit, KeyboardInterrupt))
+        if lost and not cancelled and is_semaphore_task(self.task):
+            _release_by_task_id(self.task, self.id, self.args, self.kwargs)
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:

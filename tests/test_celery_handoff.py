@@ -8,6 +8,8 @@ exist.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -275,3 +277,36 @@ def test_a_parked_backlog_does_not_bounce(proj: Any, workers: list[Worker]) -> N
     assert sorted(refusals.values())[-3] <= 1, refusals
     assert proj.probe(key).maximum == 1
     assert sorted(task_id for task_id, _ in starts(proj, key)) == sorted(r.id for r in results)
+
+
+@pytest.mark.slow
+def test_a_waited_task_whose_process_is_killed_mid_run_runs_from_its_requeued_message(
+    celery_stack: CeleryStack,
+) -> None:
+    """acks_late with reject_on_worker_lost: a task brought back by the hand-off is SIGKILLed in
+    its body. The worker gives its slot back before requeueing the message, so the redelivery
+    runs it at once, instead of being dropped as the twin of a run whose 30 s lease still looks
+    alive (which, with its backstop copy dropped the same way, would lose the task)."""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "handoff-requeued"}
+    worker = Worker(env, name="requeued", concurrency=2, conf=FAULT_CONF).start()
+    key = "requeued"
+    client = proj.probe(key).client
+    semaphore = semaphore_for(proj.app, "proj.requeued")
+    try:
+        holder = semaphore.acquire(timeout=5)
+        result = proj.requeued.apply_async((1.0, key), queue="handoff-requeued")
+        wait_until(lambda: parked(proj, "proj.requeued", result.id), timeout=30, what="the task parked")
+        holder.release()
+        wait_until(lambda: client.llen(f"probe:{key}:starts") == 1, timeout=30, what="the woken task running")
+        _, pid, _ = client.lindex(f"probe:{key}:starts", 0).decode().split()
+        killed_at = time.time()
+        os.kill(int(pid), signal.SIGKILL)
+        assert result.get(timeout=15) == result.id
+        (second,) = client.lrange(f"probe:{key}:starts", 1, -1)
+        assert float(second.decode().split()[2]) - killed_at < 10, "run again at once, not at a lease's end"
+        assert client.llen(f"probe:{key}:ends") == 1
+        assert f"released 1 slot(s) of proj.requeued[{result.id}] for a killed child" in worker.log()
+    finally:
+        worker.kill()

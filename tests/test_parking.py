@@ -1,29 +1,38 @@
-"""Parking: the process that parked a waiting task sends it again when its turn comes, and when
-no copy of its wait asked in time (its countdown copy was lost in the broker).
+"""Parking: the process that parked a waiting task sends it again when its turn comes, and a
+sweep in any process sends it again when no copy of its wait asked in time (its countdown copy
+was lost in the broker), even when the process that parked it is dead.
 
 Real Redis for the semaphore and a real Redis broker: the wake copy is a real Celery message,
-checked in the broker's queue. The lost countdown copy is played by not sending one: on the
-Redis broker that loss (a message popped by the pending BRPOP of a worker being killed) cannot
-be produced on demand.
+checked in the broker's queue; the dead parking process is a real process, SIGKILLed. The lost
+countdown copy is played by not sending one: on the Redis broker that loss (a message popped by
+the pending BRPOP of a worker being killed) cannot be produced on demand.
 """
 
 from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
 
 import redis
 from celery import Celery
 
 from celery_semaphore import FairSemaphore, Waiting
-from celery_semaphore._parking import Parking
+from celery_semaphore._parking import Parking, parked_keys
 
 from .redis_server import RedisServer
 from .waiting import wait_until
+from .workers import ROOT
 
 
 def _app(server: RedisServer) -> Celery:
     app = Celery("parking", broker=f"redis://127.0.0.1:{server.port}/5", set_as_current=False)
 
     @app.task(name="parking.job", shared=False)
-    def job() -> None: ...
+    def job(*args: object) -> None: ...
 
     return app
 
@@ -69,3 +78,77 @@ def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer
     wait_until(lambda: parking.parked_count() == 0, timeout=10, what="both parked entries swept")
     assert _queued(redis_server, "q-asked.semaphore-wake") == 0
     holder.release()
+
+
+# Parks a waiter of "park-dead" (its wake copy for queue "q-dead") for 0.5 s, says so, and
+# waits to be killed: the process that parked it dies without sending anything.
+_PARK_AND_WAIT = """
+import sys, time
+import redis
+from celery import Celery
+from celery_semaphore import FairSemaphore, Waiting
+from celery_semaphore._parking import parking
+port = int(sys.argv[1])
+app = Celery("parking", broker=f"redis://127.0.0.1:{port}/5", set_as_current=False)
+semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1)
+assert isinstance(semaphore.try_acquire(token="gone:a", waiter="gone"), Waiting)
+wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"semaphore_waits": 3})
+address = parking().park(semaphore, "gone", wake_copy, away_for=0.5, run="gone#0")
+semaphore.leave("gone", away_for=0.5, wake=address)
+print("parked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The process that parked a waiting task is SIGKILLed and its countdown copy never comes:
+    when the task's time is up, the sweep of another process sends the wake copy, as it was
+    (task, arguments, queue, headers), and of two processes sweeping, exactly one sends it."""
+    app = _app(redis_server)
+    holder = FairSemaphore(redis_client, "park-dead", 1).acquire(timeout=5)
+    parker = subprocess.Popen([sys.executable, "-c", _PARK_AND_WAIT, str(redis_server.port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert parker.stdout is not None
+        assert parker.stdout.readline().strip() == b"parked"
+    finally:
+        os.kill(parker.pid, signal.SIGKILL)
+        parker.wait(timeout=30)
+        if parker.stdout is not None:
+            parker.stdout.close()
+    due_key = parked_keys("semaphore")[0]
+    assert redis_client.zcard(due_key) == 1, "the parked task is kept in Redis"
+    sweepers = [Parking(), Parking()]
+    for sweeper in sweepers:
+        sweeper.sweep(app, redis_client, "semaphore")
+    wait_until(lambda: _queued(redis_server, "q-dead.semaphore-wake") >= 1, timeout=15,
+               what="the wake copy sent by a sweep")
+    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record taken")
+    with redis_server.client(db=5) as broker:
+        (message,) = broker.lrange("q-dead.semaphore-wake", 0, -1)
+    sent = json.loads(message)
+    assert sent["headers"]["task"] == "parking.job"
+    assert sent["headers"]["semaphore_waits"] == 3
+    assert json.loads(base64.b64decode(sent["body"]))[0] == [7]
+    holder.release()
+
+
+def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """A parked task whose backstop copy could not be sent fails, and unparks: neither its
+    wake-up nor a sweep brings it back."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, "park-given-up", 1)
+    holder = semaphore.acquire(timeout=5)
+    assert isinstance(semaphore.try_acquire(token="up:a", waiter="up"), Waiting)
+    parking = Parking()
+    address = parking.park(semaphore, "up", app.signature("parking.job", queue="q-up.semaphore-wake"),
+                           away_for=0.3, run="up#0")
+    semaphore.leave("up", away_for=0.3, wake=address)
+    parking.unpark(semaphore, "up", "up#0")
+    assert parking.parked_count() == 0
+    assert redis_client.zcard(parked_keys("semaphore")[0]) == 0
+    holder.release()  # would offer the slot to "up", were it still parked
+    semaphore.acquire(timeout=5).release()
+    assert _queued(redis_server, "q-up.semaphore-wake") == 0

@@ -123,14 +123,19 @@ class Worker:
 
 @contextlib.contextmanager
 def worker_group(
-    env: dict[str, str], *, queue: str, names: Sequence[str], concurrency: int = 4
+    env: dict[str, str], *, queue: str, names: Sequence[str], concurrency: int = 4,
+    conf: dict[str, Any] | None = None, kill_at_end: bool = False,
 ) -> Iterator[list[Worker]]:
-    """Workers of the test app consuming ``queue``, started together and stopped (warm) at the end."""
-    group = [Worker({**env, "PROJ_QUEUE": queue}, name=name, concurrency=concurrency) for name in names]
+    """Workers of the test app consuming ``queue``, started together and stopped at the end (warm,
+    or killed): those in the list then, so a test may add the workers it started meanwhile."""
+    group = [Worker({**env, "PROJ_QUEUE": queue}, name=name, concurrency=concurrency, conf=conf) for name in names]
     try:
         for worker in group:
             worker.start()
         yield group
     finally:
         for worker in group:
-            worker.stop()
+            if kill_at_end:
+                worker.kill()
+            else:
+                worker.stop()

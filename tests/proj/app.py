@@ -250,3 +250,41 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
     bounce (refused, re-sent, refused again) while the line is long."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+# --- the chaos run (tests/test_chaos.py) ---------------------------------------------------
+
+@app.task(base=SemaphoreTask, semaphore_limit=3, semaphore_inline_wait=0, semaphore_countdown=(1, 3),
+          semaphore_lease=2, name="proj.chaos", bind=True, acks_late=True, reject_on_worker_lost=True)
+def chaos(self: Any, seconds: float, key: str = "chaos") -> str:
+    """Every wait is a re-sent message (no in-process wait), a killed holder's slot comes back
+    within 2 s, and a child killed mid-body has its message redelivered. Records its process id
+    with its start and end, so a run cut short by a kill ends when that process was killed."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+def _held_by_process(key: str, seconds: float, task_id: str) -> None:
+    """The limited "work", recording "<task id> <process id> <time>" at start and end (no end
+    when its process is killed)."""
+    client = probe(key).client
+    client.rpush(f"probe:{key}:starts", f"{task_id} {os.getpid()} {time.time()}")
+    time.sleep(seconds)  # the work being limited
+    client.rpush(f"probe:{key}:ends", f"{task_id} {os.getpid()} {time.time()}")
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=20,
+          semaphore_lease=30, name="proj.requeued", bind=True, acks_late=True, reject_on_worker_lost=True)
+def requeued(self: Any, seconds: float, key: str = "requeued") -> str:
+    """Its message is requeued when its process is killed mid-run; its slot's lease (30 s) and
+    its backstop (20 s) are far off, so only the worker giving the slot back brings it back soon."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@signals.task_prerun.connect
+def _record_chaos_delivery(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    """Every delivery of a chaos task, so a task never seen by any worker (lost by the broker
+    before delivery) can be told from one lost while it waited."""
+    if getattr(task, "name", None) == "proj.chaos":
+        probe("chaos").client.rpush("probe:chaos:deliveries", f"{task_id} {os.getpid()} {time.time()}")

@@ -1,0 +1,22 @@
+-- park: keep a parked Celery task's wake copy in Redis, so that a sweep in any worker process
+-- can send it again when no copy of its wait asked in time: its backstop copy was lost with the
+-- worker that parked it (see _parking.py). One record per wait; parking again moves it on.
+--   KEYS[1] due     ZSET  record -> when a sweep looks at it (server ms)
+--   KEYS[2] copies  HASH  record -> the wake copy, serialized as the task's messages are
+--   ARGV[1] record  the wait, as _parking.py names it (its line's keys, waiter and run)
+--   ARGV[2] look_in_ms
+--   ARGV[3] copy    "" to forget the record (the wait was given up)
+-- Returns 1. Both keys expire once the last record is due (plus a grace), unless swept before.
+
+local record, copy = ARGV[1], ARGV[3]
+if copy == '' then
+  redis.call('ZREM', KEYS[1], record)
+  redis.call('HDEL', KEYS[2], record)
+  return 1
+end
+local ttl_ms = tonumber(ARGV[2]) + GRACE_MS
+redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), record)
+redis.call('HSET', KEYS[2], record, copy)
+extend(KEYS[1], ttl_ms, false)
+extend(KEYS[2], ttl_ms, false)
+return 1
