@@ -205,3 +205,29 @@ def test_the_uncontended_paths_return_before_the_rest_of_the_helpers_are_made() 
     for name, fast_return in (("acquire", "return granted(GRANTED)"), ("release", "return 1")):
         source = script_source(name)
         assert source.index(fast_return) < source.index(REST_OF_LIB) < source.index("local function hand_off")
+
+
+def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: redis.Redis) -> None:
+    """Every worker process sweeps the parked-task records once a second: a sweep with nothing
+    due is TIME and one ZRANGEBYSCORE, however many records wait (not yet due); keeping a record
+    is TIME, ZADD, HSET and the two keys' expiries (on Redis 6.2, without PEXPIRE GT, each
+    expiry reads the TTL first)."""
+    from celery_semaphore._parking import parked_keys
+    from celery_semaphore._scripts import scripts_for
+
+    scripts = scripts_for(redis_client)
+    keys = parked_keys("cost")
+    scripts.park(keys, record="r0", look_in_ms=60_000, copy=b"c")  # loads the script
+    for parked in (1, 1000):
+        for i in range(parked):
+            scripts.park(keys, record=f"r{i}", look_in_ms=60_000, copy=b"c")
+        redis_client.config_resetstat()
+        assert scripts.claim_parked(keys, most=100) == []
+        counts = calls(redis_client)
+        assert scripted(counts) == 2, counts
+        assert counts["zrangebyscore"] == 1
+    redis_client.config_resetstat()
+    scripts.park(keys, record="r-new", look_in_ms=60_000, copy=b"c")
+    counts = calls(redis_client)
+    assert scripted(counts) <= (5 if int(redis_client.info("server")["redis_version"].split(".")[0]) >= 7 else 7), counts
+    assert {"zadd", "hset", "time"} <= set(counts)
