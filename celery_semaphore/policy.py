@@ -20,6 +20,9 @@ from .semaphore import Waiting
 EARLY = 0.8
 # Spread of the countdown, so waiters refused together do not all come back together.
 JITTER = 0.2
+# With no hold time observed yet, waiters this many rounds of releases from their turn wait in
+# the worker (see waits_in_process).
+UNKNOWN_HOLD_ROUNDS = 2
 # A countdown stays this far below the Redis broker's visibility_timeout: beyond it the broker
 # would deliver the waiting message a second time.
 VISIBILITY_MARGIN = 0.5
@@ -48,9 +51,13 @@ def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
         return False
     expected = expected_wait(waiting, among_present=True)
     if expected is None:
-        # nothing observed yet: only the waiters next in line stay, the rest make room
+        # nothing observed yet (a burst meets a semaphore with no release behind it): the
+        # waiters the next two rounds of releases serve stay, the rest make room. One round
+        # is too few: the rest of a burst parks before the first release, and every later
+        # grant then goes through a wake copy and the broker (measured: 1.06-1.07 x the
+        # ideal makespan and 1.9 runs per task for 60 tasks at limit 3, against 1.03 and 1.0)
         turn = waiting.position if waiting.turn is None else waiting.turn
-        return turn < waiting.limit
+        return turn < UNKNOWN_HOLD_ROUNDS * waiting.limit
     return expected <= inline_wait
 
 
