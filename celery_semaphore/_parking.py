@@ -18,8 +18,12 @@ Redis as well (``park.lua``): a record per wait, due when the task's time is up 
 plus slack). Every worker process that runs tasks sweeps: once a second it takes the records
 now due (``claim_parked.lua``, each taken by one process only) and sends the wake copy of each
 wait no copy has asked for meanwhile (its place in line lapsed and its run was never granted).
-So a waiting task survives the loss of its message even when the worker that parked it died
-with it. A copy the app's serializer cannot write stays in this process only, swept here.
+A wait whose place has not lapsed yet is put back, due when it would (the task's step away is
+recorded after its park, and a copy that asked and went away again moves its place on): taken
+and dropped, its record could never be swept again, and a backstop copy lost after that would
+be lost for good. So a waiting task survives the loss of its message even when the worker that
+parked it died with it. A copy the app's serializer cannot write stays in this process only,
+swept here.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ def wake_queue(queue_name: str) -> str:
 SWEEP_EVERY_S = 1.0
 # Most records one sweep takes at once (the rest wait for the next sweep, or another process).
 SWEEP_BATCH = 100
+# A wait whose place in line has not lapsed yet is looked at again this long after it would.
+LOOK_AGAIN_SLACK_S = 1.0
 
 
 def parked_keys(prefix: str) -> list[bytes]:
@@ -198,21 +204,28 @@ class Parking:
 
     def _sweep_here(self) -> None:
         """Parked tasks of this process whose time is up: dropped, and, unless kept in Redis
-        (swept there) or some copy of their wait asked meanwhile, sent again."""
+        (swept there) or some copy of their wait asked meanwhile, sent again. One still in line
+        stays parked (a wake-up still finds it) until its place would lapse."""
         now = time.monotonic()
         with self._lock:
-            due = [key for key, parked in self._parked.items() if parked.expires < now]
-            gone = [self._parked.pop(key) for key in due]
-        for parked in gone:
-            parked.handle.close()
-            if parked.recorded:
-                continue
-            try:
-                if copy_asked(parked.semaphore.client, parked.semaphore.keys.deadlines, parked.semaphore.keys.runs,
-                              parked.waiter, parked.run):
+            due = [(key, parked) for key, parked in self._parked.items() if parked.expires < now]
+        for key, parked in due:
+            state: WaitState | None = None
+            if not parked.recorded:
+                try:
+                    state = wait_state(parked.semaphore.client, parked.semaphore.keys.deadlines,
+                                       parked.semaphore.keys.runs, parked.waiter, parked.run)
+                except Exception as error:  # Redis down: the backstop copy is the better bet
+                    logger.debug("sweep of %r could not read the line: %s", parked.name, error)
+            with self._lock:
+                if self._parked.get(key) is not parked:
+                    continue  # woken meanwhile, or parked again
+                if state is not None and not state.granted and state.left_ms is not None:
+                    parked.expires = time.monotonic() + state.left_ms / 1000 + LOOK_AGAIN_SLACK_S
                     continue
-            except Exception as error:  # Redis down: the backstop copy is the better bet
-                logger.debug("sweep of %r could not read the line: %s", parked.name, error)
+                del self._parked[key]
+            parked.handle.close()
+            if state is None or state.granted:
                 continue
             _sent_again(parked.name)
             self._send(parked.wake_copy, parked.name)
@@ -231,7 +244,15 @@ class Parking:
             for record, copy in claimed:
                 try:
                     deadlines, runs, waiter, run, name = json.loads(record)
-                    if not copy or copy_asked(target.client, deadlines, runs, waiter, run):
+                    if not copy:
+                        continue
+                    state = wait_state(target.client, deadlines, runs, waiter, run)
+                    if state.granted:
+                        continue
+                    if state.left_ms is not None:  # still in line: look again once its place would lapse
+                        scripts_for(target.client).park(
+                            parked_keys(target.prefix), record=record, copy=copy, only_if_absent=True,
+                            look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000))
                         continue
                     wake_copy = deserialized(copy, target.app)
                 except Exception as error:
@@ -280,16 +301,24 @@ def _sent_again(name: str) -> None:
 _parking = Parking()
 
 
-def copy_asked(client: Any, deadlines_key: str, runs_key: str, waiter: str, run: str) -> bool:
-    """Whether some copy of a parked wait asked again: the waiter still has a place whose
-    must-ask-by deadline is ahead (a copy asked, or it is still parked), or its run was granted."""
+@dataclass(frozen=True)
+class WaitState:
+    """Where a parked wait stands, for a sweep."""
+
+    granted: bool  # a copy of it was granted its slot (it runs or ran): nothing to send, ever
+    left_ms: int | None  # its place in line lasts this much longer (a copy asked, or it is still
+    # parked within its time); None: its place lapsed with no copy asking, so its copies are lost
+
+
+def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run: str) -> WaitState:
     pipe = client.pipeline(transaction=False)
     pipe.time()
     pipe.zscore(deadlines_key, waiter)
     pipe.hexists(runs_key, run)
     (seconds, micros), deadline_ms, granted = pipe.execute()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    return bool(granted) or (deadline_ms is not None and float(deadline_ms) > now_ms)
+    left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
+    return WaitState(granted=bool(granted), left_ms=left)
 
 
 def parking() -> Parking:

@@ -375,10 +375,15 @@ class Scripts:
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
 
-    def park(self, keys: list[bytes], *, record: str, look_in_ms: int, copy: bytes) -> None:
+    def park(self, keys: list[bytes], *, record: str, look_in_ms: int, copy: bytes, only_if_absent: bool = False
+             ) -> bool:
         """Keep (or, with an empty ``copy``, forget) a parked task's record; ``keys`` are
-        ``_parking.parked_keys``."""
-        self._scripts["park"](keys=keys, args=[record, look_in_ms, copy])
+        ``_parking.parked_keys``. With ``only_if_absent``, a record that exists is left as it is
+        (and False returned)."""
+        args: list[Any] = [record, look_in_ms, copy]
+        if only_if_absent:
+            args.append(b"nx")
+        return bool(self._scripts["park"](keys=keys, args=args))
 
     def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
         """The parked-task records now due, (record, copy) each, taken by this caller alone."""

@@ -182,6 +182,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         metrics.refused(family)
         if options.max_wait is not None and waited >= options.max_wait:
             _leave_quietly(semaphore, waiter)
+            if run is not None:  # this wait parked before: no wake-up or sweep may bring it back
+                parking().unpark(semaphore, waiter, run)
             raise SemaphoreUnavailable(semaphore.name, attempt.limit, waited)
         countdown = policy.countdown(
             attempt, options.countdown, waits=history.waits, visibility_timeout=config.visibility_timeout

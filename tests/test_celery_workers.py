@@ -173,30 +173,37 @@ def test_a_limit_from_config_only(proj: Any) -> None:
 
 
 def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
-    """Past semaphore_max_wait a waiting task fails, visibly, with SemaphoreUnavailable."""
-    blocker = semaphore(proj, "proj.impatient").acquire(timeout=0)
+    """Past semaphore_max_wait a waiting task fails, visibly, with SemaphoreUnavailable, and
+    forgets its parked record: no sweep may send it again once its place lapses."""
+    from celery_semaphore._parking import parked_keys
+
+    impatient = semaphore(proj, "proj.impatient")
+    blocker = impatient.acquire(timeout=0)
     try:
         result = send(proj.impatient)
         with pytest.raises(SemaphoreUnavailable):
             result.get(timeout=60)
         assert result.state == "FAILURE"
+        records = impatient.client.zrange(parked_keys(impatient.prefix)[0], 0, -1)
+        assert not [record for record in records if result.id.encode() in record]
     finally:
         blocker.release()
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
 def test_a_long_task_keeps_its_slot_past_its_lease(celery_stack: CeleryStack, pool: str) -> None:
-    """A task running 5x its 1 s lease keeps the slot: the renewer in the pool process renews it
-    (prefork child, threads pool, solo pool)."""
+    """A task running 3x its 2 s lease keeps the slot: the renewer in the pool process renews it
+    (prefork child, threads pool, solo pool). (A 1 s lease was lost once on a loaded 2-core
+    machine: a renewal every third of a second leaves little room for a starved thread.)"""
     import tests.proj.app as proj
 
     queue = f"long-{pool}"
     env = {**celery_stack.env, "PROJ_QUEUE": queue}
     concurrency = 1 if pool == "solo" else 2
-    worker = Worker(env, name=queue, concurrency=concurrency, pool=pool, conf={"semaphore_lease": 1}).start()
+    worker = Worker(env, name=queue, concurrency=concurrency, pool=pool, conf={"semaphore_lease": 2}).start()
     try:
         key = f"long-task-{pool}"
-        results = [proj.sleepy.apply_async((5, key), queue=queue) for _ in range(2)]
+        results = [proj.sleepy.apply_async((6, key), queue=queue) for _ in range(2)]
         wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the first to run")
         for r in results:
             assert r.get(timeout=60) == "woke"

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import redis
 from celery import Celery
 
@@ -77,6 +78,72 @@ def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer
                what="the lost wait sent again")
     wait_until(lambda: parking.parked_count() == 0, timeout=10, what="both parked entries swept")
     assert _queued(redis_server, "q-asked.semaphore-wake") == 0
+    holder.release()
+
+
+def _parked_then_away(redis_server: RedisServer, redis_client: redis.Redis, name: str, parking: Parking
+                      ) -> tuple[FairSemaphore, float]:
+    """Parks waiter "late" of ``name`` for 0.3 s, then steps it away for 2.5 s, as a task does
+    whose park waited for its wake-up subscription: its record is due before its place lapses.
+    Returns the semaphore and the server time (s) at which the place lapses."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, name, 1)
+    assert isinstance(semaphore.try_acquire(token="late:a", waiter="late"), Waiting)
+    wake_copy = app.signature("parking.job", queue=f"q-{name}.semaphore-wake")
+    address = parking.park(semaphore, "late", wake_copy, away_for=0.3, run="late#0")
+    semaphore.leave("late", away_for=2.5, wake=address)
+    lapses_at = float(redis_client.zscore(semaphore.keys.deadlines, "late") or 0) / 1000
+    return semaphore, lapses_at
+
+
+def _server_time(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A sweep that finds a due record whose waiter still has its place puts the record back,
+    due when the place would lapse, and sends the wake copy then: taken and dropped, the record
+    could never be swept again, and a backstop copy lost afterwards would be lost for good."""
+    parking = Parking()
+    holder = FairSemaphore(redis_client, "park-late", 1).acquire(timeout=5)
+    semaphore, lapses_at = _parked_then_away(redis_server, redis_client, "park-late", parking)
+    due_key = parked_keys("semaphore")[0]
+    # the first sweep after 0.3 s finds the place alive: the record is back, due after 2.5 s
+    def put_back() -> bool:
+        due = redis_client.zrange(due_key, 0, -1, withscores=True)
+        return len(due) == 1 and due[0][1] / 1000 > lapses_at
+
+    wait_until(put_back, timeout=10, what="the record put back, due after the place lapses")
+    assert _queued(redis_server, "q-park-late.semaphore-wake") == 0
+    wait_until(lambda: _queued(redis_server, "q-park-late.semaphore-wake") == 1, timeout=15,
+               what="the wake copy sent once the place lapsed")
+    assert _server_time(redis_client) >= lapses_at
+    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record gone")
+    assert _queued(redis_server, "q-park-late.semaphore-wake") == 1
+    holder.release()
+    del semaphore
+
+
+def test_a_wait_kept_in_this_process_only_is_swept_when_its_place_lapses(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a wake copy the app's serializer cannot write, kept in the process that
+    parked it. (Such a copy is played by making ``serialized`` refuse a plain one: the send must
+    still work, which a copy that truly cannot be serialized would not.)"""
+    import celery_semaphore._parking as parking_module
+
+    monkeypatch.setattr(parking_module, "serialized", lambda wake_copy: None)
+    parking = Parking()
+    holder = FairSemaphore(redis_client, "park-here", 1).acquire(timeout=5)
+    _, lapses_at = _parked_then_away(redis_server, redis_client, "park-here", parking)
+    assert redis_client.zcard(parked_keys("semaphore")[0]) == 0, "not kept in Redis"
+    wait_until(lambda: _queued(redis_server, "q-park-here.semaphore-wake") == 1, timeout=15,
+               what="the wake copy sent once the place lapsed")
+    assert _server_time(redis_client) >= lapses_at
+    assert parking.parked_count() == 0
     holder.release()
 
 
@@ -152,3 +219,20 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
     holder.release()  # would offer the slot to "up", were it still parked
     semaphore.acquire(timeout=5).release()
     assert _queued(redis_server, "q-up.semaphore-wake") == 0
+
+
+def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Redis) -> None:
+    """A sweep puts a record back only if the task has not parked it again meanwhile: the newer
+    copy (its headers count one more wait) and its due time stay."""
+    from celery_semaphore._scripts import scripts_for
+
+    scripts, keys = scripts_for(redis_client), parked_keys("nx")
+    assert scripts.park(keys, record="w", look_in_ms=60_000, copy=b"newer")
+    assert not scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
+    assert redis_client.hget(keys[1], "w") == b"newer"
+    due_in_ms = float(redis_client.zscore(keys[0], "w") or 0) - redis_client.time()[0] * 1000
+    assert due_in_ms > 50_000
+    redis_client.delete(*keys)
+    assert scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
+    assert redis_client.hget(keys[1], "w") == b"older"
+    assert redis_client.pttl(keys[0]) > 0, "the put-back record's keys expire"
