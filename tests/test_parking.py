@@ -28,6 +28,10 @@ from .redis_server import RedisServer
 from .waiting import wait_until
 from .workers import ROOT
 
+# The keys of these tests' semaphores and parked tasks: a sweeper left running in this process
+# by another test (with its app and its broker) sweeps the default prefix, never this one.
+PREFIX = "parking-tests"
+
 
 def _app(server: RedisServer) -> Celery:
     app = Celery("parking", broker=f"redis://127.0.0.1:{server.port}/5", set_as_current=False)
@@ -46,7 +50,7 @@ def _queued(server: RedisServer, queue: str) -> int:
 def test_an_offer_sends_the_wake_copy_at_once(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     """A release that hands the parked waiter its turn makes this process send the wake copy."""
     app = _app(redis_server)
-    semaphore = FairSemaphore(redis_client, "park-offer", 1)
+    semaphore = FairSemaphore(redis_client, "park-offer", 1, prefix=PREFIX)
     holder = semaphore.acquire(timeout=5)
     waiting = semaphore.try_acquire(token="t1:a", waiter="t1")
     assert isinstance(waiting, Waiting)
@@ -64,7 +68,7 @@ def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer
     """When a parked task's time is up and no copy of its wait asked meanwhile, the wake copy is
     sent anyway; a task whose copy did ask is left alone."""
     app = _app(redis_server)
-    semaphore = FairSemaphore(redis_client, "park-sweep", 1)
+    semaphore = FairSemaphore(redis_client, "park-sweep", 1, prefix=PREFIX)
     holder = semaphore.acquire(timeout=5)
     parking = Parking()
     for waiter in ("lost", "asked"):
@@ -87,7 +91,7 @@ def _parked_then_away(redis_server: RedisServer, redis_client: redis.Redis, name
     whose park waited for its wake-up subscription: its record is due before its place lapses.
     Returns the semaphore and the server time (s) at which the place lapses."""
     app = _app(redis_server)
-    semaphore = FairSemaphore(redis_client, name, 1)
+    semaphore = FairSemaphore(redis_client, name, 1, prefix=PREFIX)
     assert isinstance(semaphore.try_acquire(token="late:a", waiter="late"), Waiting)
     wake_copy = app.signature("parking.job", queue=f"q-{name}.semaphore-wake")
     address = parking.park(semaphore, "late", wake_copy, away_for=0.3, run="late#0")
@@ -108,9 +112,9 @@ def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
     due when the place would lapse, and sends the wake copy then: taken and dropped, the record
     could never be swept again, and a backstop copy lost afterwards would be lost for good."""
     parking = Parking()
-    holder = FairSemaphore(redis_client, "park-late", 1).acquire(timeout=5)
+    holder = FairSemaphore(redis_client, "park-late", 1, prefix=PREFIX).acquire(timeout=5)
     semaphore, lapses_at = _parked_then_away(redis_server, redis_client, "park-late", parking)
-    due_key = parked_keys("semaphore")[0]
+    due_key = parked_keys(PREFIX)[0]
     # the first sweep after 0.3 s finds the place alive: the record is back, due after 2.5 s
     def put_back() -> bool:
         due = redis_client.zrange(due_key, 0, -1, withscores=True)
@@ -137,9 +141,9 @@ def test_a_wait_kept_in_this_process_only_is_swept_when_its_place_lapses(
 
     monkeypatch.setattr(parking_module, "serialized", lambda wake_copy: None)
     parking = Parking()
-    holder = FairSemaphore(redis_client, "park-here", 1).acquire(timeout=5)
+    holder = FairSemaphore(redis_client, "park-here", 1, prefix=PREFIX).acquire(timeout=5)
     _, lapses_at = _parked_then_away(redis_server, redis_client, "park-here", parking)
-    assert redis_client.zcard(parked_keys("semaphore")[0]) == 0, "not kept in Redis"
+    assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0, "not kept in Redis"
     wait_until(lambda: _queued(redis_server, "q-park-here.semaphore-wake") == 1, timeout=15,
                what="the wake copy sent once the place lapsed")
     assert _server_time(redis_client) >= lapses_at
@@ -156,8 +160,9 @@ from celery import Celery
 from celery_semaphore import FairSemaphore, Waiting
 from celery_semaphore._parking import parking
 port = int(sys.argv[1])
+PREFIX = "parking-tests"
 app = Celery("parking", broker=f"redis://127.0.0.1:{port}/5", set_as_current=False)
-semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1)
+semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1, prefix=PREFIX)
 assert isinstance(semaphore.try_acquire(token="gone:a", waiter="gone"), Waiting)
 wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"semaphore_waits": 3})
 address = parking().park(semaphore, "gone", wake_copy, away_for=0.5, run="gone#0")
@@ -174,7 +179,7 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
     when the task's time is up, the sweep of another process sends the wake copy, as it was
     (task, arguments, queue, headers), and of two processes sweeping, exactly one sends it."""
     app = _app(redis_server)
-    holder = FairSemaphore(redis_client, "park-dead", 1).acquire(timeout=5)
+    holder = FairSemaphore(redis_client, "park-dead", 1, prefix=PREFIX).acquire(timeout=5)
     parker = subprocess.Popen([sys.executable, "-c", _PARK_AND_WAIT, str(redis_server.port)], cwd=ROOT,
                               stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -185,11 +190,11 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
         parker.wait(timeout=30)
         if parker.stdout is not None:
             parker.stdout.close()
-    due_key = parked_keys("semaphore")[0]
+    due_key = parked_keys(PREFIX)[0]
     assert redis_client.zcard(due_key) == 1, "the parked task is kept in Redis"
     sweepers = [Parking(), Parking()]
     for sweeper in sweepers:
-        sweeper.sweep(app, redis_client, "semaphore")
+        sweeper.sweep(app, redis_client, PREFIX)
     wait_until(lambda: _queued(redis_server, "q-dead.semaphore-wake") >= 1, timeout=15,
                what="the wake copy sent by a sweep")
     wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record taken")
@@ -206,7 +211,7 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
     """A parked task whose backstop copy could not be sent fails, and unparks: neither its
     wake-up nor a sweep brings it back."""
     app = _app(redis_server)
-    semaphore = FairSemaphore(redis_client, "park-given-up", 1)
+    semaphore = FairSemaphore(redis_client, "park-given-up", 1, prefix=PREFIX)
     holder = semaphore.acquire(timeout=5)
     assert isinstance(semaphore.try_acquire(token="up:a", waiter="up"), Waiting)
     parking = Parking()
@@ -215,7 +220,7 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
     semaphore.leave("up", away_for=0.3, wake=address)
     parking.unpark(semaphore, "up", "up#0")
     assert parking.parked_count() == 0
-    assert redis_client.zcard(parked_keys("semaphore")[0]) == 0
+    assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0
     holder.release()  # would offer the slot to "up", were it still parked
     semaphore.acquire(timeout=5).release()
     assert _queued(redis_server, "q-up.semaphore-wake") == 0
