@@ -566,13 +566,16 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def show(values: Sequence[float], digits: int) -> str:
-    """``median (min-max)``; one value alone; ``-`` for none."""
+    """``median (min-max)``; one value alone; ``-`` for none. A count's median that falls
+    between two counts (2 and 3 over two rounds) keeps its half: printed as 2 it would read
+    as meeting a bound of 2 that the verdict, judged on 2.5, says it misses."""
     if not values:
         return "-"
     middle, low, high = spread(values)
+    middle_digits = digits + 1 if digits == 0 and middle != int(middle) else digits
     if len(values) == 1 or low == high:
-        return f"{middle:.{digits}f}"
-    return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+        return f"{middle:.{middle_digits}f}"
+    return f"{middle:.{middle_digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def figures(outcome: Outcome, case: str, name: str) -> list[float]:
