@@ -582,6 +582,15 @@ class WakeUps:
                     self._dispatch(message)
             except Exception as error:  # the listener must outlive any failure
                 # (a closed client's pool, for one, surfaces as ValueError/OSError, not RedisError)
+                if subscription is not None:
+                    subscription.close()
+                subscription = None
+                if self._stop_if_nobody_waits():
+                    # Nobody was affected (the usual cause: the application closed its client,
+                    # which closes the listener's connection too): no warning, no reconnecting
+                    # to a client that is done with; the next waiter starts a new listener.
+                    logger.debug("wake-up subscription ended with nobody waiting: %s", error)
+                    return
                 if not failing:
                     logger.warning("wake-up subscription failed (waiters poll meanwhile): %s", error)
                     failing = True
@@ -590,9 +599,6 @@ class WakeUps:
                         entry.ready.clear()
                         entry.requested = False
                 self._listening.clear()
-                if subscription is not None:
-                    subscription.close()
-                subscription = None
                 if not self._keep_going():
                     return  # nobody waits any more: no reason to keep knocking on a dead server
                 time.sleep(pause)
@@ -608,6 +614,18 @@ class WakeUps:
         sharded = ShardedSubscription(self.client, self._wake_everyone, self._poke_out, refresh=refresh)
         self._listening.set()  # pokes wait in the socket pair until the first read
         return sharded
+
+    def _stop_if_nobody_waits(self) -> bool:
+        """After the subscription failed: when no caller is registered (channels kept only for
+        reuse, all idle), forget them and the thread, and True. What an idle channel saves is
+        the subscribe of the next wait on it; a lost subscription has to subscribe again anyway."""
+        with self._lock:
+            if self._signals or any(entry.users > 0 for entry in self._channels.values()):
+                return False
+            self._channels.clear()
+            self._thread = None
+            self._listening.clear()
+            return True
 
     def _keep_going(self) -> bool:
         """Drop channels idle for long; False (and the thread is forgotten) when nothing is

@@ -3,6 +3,7 @@ alone is told, on one shared subscription per process; offers lapse to the next 
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import threading
 import time
@@ -400,3 +401,46 @@ def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis
         assert (channel, "nobody") not in wake_ups._unclaimed
         with wake_ups.signal(channel, "nobody") as late:
             assert not late.event.is_set()
+
+
+def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An application closes its client when it is done with it, which also closes the wake-up
+    listener's connection (still subscribed: its channel is kept a while for the next wait). With
+    nobody waiting, that is no failure worth a warning, nor a reason to reconnect: the listener
+    ends quietly, and a later wait on the same client starts a new one and is woken by it."""
+    client = redis_server.client()
+    semaphore = FairSemaphore(client, "closing", 1, patience=30)
+    wake_ups = wake_ups_for(client)
+    holder = semaphore.acquire(timeout=0)
+    waiter = threading.Thread(target=lambda: semaphore.acquire(timeout=30).release(), daemon=True)
+    waiter.start()
+    wait_until(lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()), timeout=10,
+               what="the waiter's channel to be subscribed")
+    holder.release()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    listener = wake_ups._thread
+    assert listener is not None and listener.is_alive(), "the idle channel keeps the listener"
+
+    with caplog.at_level(logging.DEBUG, logger="celery_semaphore"):
+        client.close()
+        wait_until(lambda: not listener.is_alive(), timeout=15, what="the listener to end")
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert warnings == []
+    assert wake_ups._channels == {} and wake_ups._thread is None
+
+    # the client is still usable (redis-py reconnects on use): the next wait listens again
+    holder = semaphore.acquire(timeout=0)
+    outcome: list[bool] = []
+    again = threading.Thread(target=lambda: outcome.append(bool(semaphore.acquire(timeout=30).release())),
+                             daemon=True)
+    started = time.monotonic()
+    again.start()
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the second waiter in line")
+    holder.release()
+    again.join(timeout=15)
+    assert outcome == [True]
+    assert time.monotonic() - started < 5, "woken by the new listener, not by a keep-alive try"
+    client.close()
