@@ -252,10 +252,15 @@ class ShardedSubscription:
             _close_pubsub(pubsub, self._reconnected)
 
     def next_message(self, timeout: float) -> dict[str, Any] | None:
+        """A message, or None after ``timeout`` s or a poke. A poke taken in is never followed by
+        a wait: it means a channel was added to the listener's table after the listener last read
+        it, so the listener must read the table again first (waiting here instead lost the poke,
+        and that channel's subscription, for a whole ``timeout``)."""
+        poked = False
         if not self._ready:
             self._recheck()
-            self._read_ready()
-        if not self._ready:
+            poked = self._read_ready()
+        if not self._ready and not poked:
             if self._recheck_until:
                 timeout = min(timeout, max(0.0, self._next_recheck - time.monotonic()))
             self._wait(timeout)
@@ -294,11 +299,13 @@ class ShardedSubscription:
             for key in list(self._selector.get_map().values()):
                 self._selector.unregister(key.fileobj)
 
-    def _read_ready(self) -> None:
-        """Take in every poke and every message already arrived or buffered, blocking nowhere."""
+    def _read_ready(self) -> bool:
+        """Take in every poke and every message already arrived or buffered, blocking nowhere;
+        True if there was a poke."""
+        poked = False
         with contextlib.suppress(BlockingIOError, InterruptedError):
             while self._pokes.recv(4096):
-                pass
+                poked = True
         for name in list(self._nodes):
             pubsub = self._nodes.get(name)
             try:
@@ -310,6 +317,7 @@ class ShardedSubscription:
                 # an SSUBSCRIBE refused (MOVED: the slot is elsewhere): start over on that master
                 logger.info("wake-up channels on %s to subscribe again: %s", name, error)
                 self._lose_node(name)
+        return poked
 
     def _take(self, name: str, pubsub: Any, message: dict[str, Any]) -> None:
         if message.get("type") != "sunsubscribe":

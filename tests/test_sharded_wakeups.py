@@ -7,6 +7,7 @@ caller granted within a few seconds was woken by a wake-up, not by its own polli
 
 from __future__ import annotations
 
+import socket
 import statistics
 import threading
 import time
@@ -18,7 +19,7 @@ import redis
 import redis.cluster
 
 from celery_semaphore import FairSemaphore, Lease
-from celery_semaphore._wakeups import SHARDED_MARK, wake_ups_for
+from celery_semaphore._wakeups import SHARDED_MARK, ShardedSubscription, wake_ups_for
 
 from .redis_server import RedisClusterSet, RedisServer, binary_version
 from .waiting import wait_until
@@ -234,6 +235,31 @@ def test_a_new_channel_is_subscribed_at_once_on_another_master(
                 started = time.monotonic()
                 assert second.subscribe(10)
                 assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redis_cluster", ["path"], indirect=True)
+def test_a_poke_taken_in_right_before_the_wait_is_not_waited_out(
+    cluster_client: redis.cluster.RedisCluster,
+) -> None:
+    """A poke means "a channel was added: read the table again". One that arrives after the
+    listener read the table, but before it starts to wait, is taken in by the read that comes
+    before the wait; the call must then return at once, so that the listener reads the table,
+    not wait out its whole timeout with the new channel unsubscribed (seen: a second channel
+    subscribed 5 s late, one run in ten of this module). Writing the poke before the call puts it
+    in that window every time; the subscription, its socket pair and the cluster are real."""
+    pokes_out, pokes_in = socket.socketpair()
+    pokes_out.setblocking(False)
+    subscription = ShardedSubscription(cluster_client, lambda: None, pokes_out, refresh=False)
+    try:
+        pokes_in.send(b"\0")
+        started = time.monotonic()
+        assert subscription.next_message(5.0) is None
+        assert time.monotonic() - started < 2.0, "the poke was taken in, then the timeout waited out"
+    finally:
+        subscription.close()
+        pokes_out.close()
+        pokes_in.close()
 
 
 @pytest.mark.slow
