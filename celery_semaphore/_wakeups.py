@@ -593,22 +593,23 @@ class WakeUps:
                 if subscription is not None:
                     subscription.close()
                 subscription = None
-                if self._stop_if_nobody_waits():
+                # A lost subscription has to subscribe every channel again anyway, so the idle
+                # ones (kept only to spare the next wait a subscribe) go now.
+                with self._lock:
+                    nobody_waits = self._drop_idle(0.0) is None
+                    for entry in self._channels.values():
+                        entry.ready.clear()
+                        entry.requested = False
+                if nobody_waits:
                     # Nobody was affected (the usual cause: the application closed its client,
-                    # which closes the listener's connection too): no warning, no reconnecting
-                    # to a client that is done with; the next waiter starts a new listener.
+                    # which closes the listener's connection too): no warning, and no knocking
+                    # on a server or a client nobody needs; the next waiter starts a new listener.
                     logger.debug("wake-up subscription ended with nobody waiting: %s", error)
                     return
                 if not failing:
                     logger.warning("wake-up subscription failed (waiters poll meanwhile): %s", error)
                     failing = True
-                with self._lock:
-                    for entry in self._channels.values():
-                        entry.ready.clear()
-                        entry.requested = False
                 self._listening.clear()
-                if not self._keep_going():
-                    return  # nobody waits any more: no reason to keep knocking on a dead server
                 time.sleep(pause)
                 pause = min(pause * 2, RECONNECT_MAX_S)
 
@@ -623,51 +624,31 @@ class WakeUps:
         self._listening.set()  # pokes wait in the socket pair until the first read
         return sharded
 
-    def _stop_if_nobody_waits(self) -> bool:
-        """After the subscription failed: when no caller is registered (channels kept only for
-        reuse, all idle), forget them and the thread, and True. What an idle channel saves is
-        the subscribe of the next wait on it; a lost subscription has to subscribe again anyway."""
-        with self._lock:
-            if self._signals or any(entry.users > 0 for entry in self._channels.values()):
-                return False
-            self._channels.clear()
+    def _drop_idle(self, idle_for: float) -> list[str] | None:
+        """With the lock held: forget the channels nobody has used for ``idle_for`` s and return
+        their names; None, and the thread is forgotten, when nothing is left to listen for."""
+        now = time.monotonic()
+        drop = [
+            name for name, entry in self._channels.items()
+            if entry.users == 0 and now - entry.idle_since >= idle_for
+        ]
+        for name in drop:
+            del self._channels[name]
+        if not self._channels and not self._signals:
             self._thread = None
             self._listening.clear()
-            return True
-
-    def _keep_going(self) -> bool:
-        """Drop channels idle for long; False (and the thread is forgotten) when nothing is
-        left to listen for."""
-        now = time.monotonic()
-        with self._lock:
-            for name in [
-                name for name, entry in self._channels.items()
-                if entry.users == 0 and now - entry.idle_since > IDLE_CHANNEL_S
-            ]:
-                del self._channels[name]
-            if not self._channels and not self._signals:
-                self._thread = None
-                self._listening.clear()
-                return False
-        return True
+            return None
+        return drop
 
     def _sync(self, subscription: Subscription | ShardedSubscription) -> bool:
         """Subscribe to new channels and drop idle ones; False when there is nothing left to
         listen for (the thread then ends, and starts again with the next waiter)."""
-        now = time.monotonic()
         with self._lock:
             add = [name for name, entry in self._channels.items() if not entry.requested]
             for name in add:
                 self._channels[name].requested = True
-            drop = [
-                name for name, entry in self._channels.items()
-                if entry.users == 0 and now - entry.idle_since > IDLE_CHANNEL_S
-            ]
-            for name in drop:
-                del self._channels[name]
-            if not self._channels and not self._signals:
-                self._thread = None
-                self._listening.clear()
+            drop = self._drop_idle(IDLE_CHANNEL_S)
+            if drop is None:
                 return False
         if drop:
             subscription.unsubscribe(*drop)

