@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
-from celery_semaphore._wakeups import wake_ups_for
+from celery_semaphore._wakeups import WakeUps, wake_ups_for
 from celery_semaphore.semaphore import Duplicate
 
 from .concurrency_probe import ConcurrencyProbe
@@ -403,6 +403,21 @@ def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis
             assert not late.event.is_set()
 
 
+def _with_an_idle_channel(semaphore: FairSemaphore) -> WakeUps:
+    """One caller blocks on ``semaphore`` and is handed the slot: its process's listener is left
+    with the channel subscribed and nobody waiting on it."""
+    wake_ups = wake_ups_for(semaphore.client)
+    holder = semaphore.acquire(timeout=0)
+    waiter = threading.Thread(target=lambda: semaphore.acquire(timeout=30).release(), daemon=True)
+    waiter.start()
+    wait_until(lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()), timeout=10,
+               what="the waiter's channel to be subscribed")
+    holder.release()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    return wake_ups
+
+
 def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -412,15 +427,7 @@ def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
     ends quietly, and a later wait on the same client starts a new one and is woken by it."""
     client = redis_server.client()
     semaphore = FairSemaphore(client, "closing", 1, patience=30)
-    wake_ups = wake_ups_for(client)
-    holder = semaphore.acquire(timeout=0)
-    waiter = threading.Thread(target=lambda: semaphore.acquire(timeout=30).release(), daemon=True)
-    waiter.start()
-    wait_until(lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()), timeout=10,
-               what="the waiter's channel to be subscribed")
-    holder.release()
-    waiter.join(timeout=10)
-    assert not waiter.is_alive()
+    wake_ups = _with_an_idle_channel(semaphore)
     listener = wake_ups._thread
     assert listener is not None and listener.is_alive(), "the idle channel keeps the listener"
 
@@ -443,4 +450,38 @@ def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
     again.join(timeout=15)
     assert outcome == [True]
     assert time.monotonic() - started < 5, "woken by the new listener, not by a keep-alive try"
+    client.close()
+
+
+def test_after_a_redis_restart_with_nobody_waiting_the_next_blocked_caller_is_woken(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis restarts (empty) while the listener holds only an idle channel. Nobody was waiting,
+    so nothing is worth a warning, whether the listener notices (and ends) or redis-py reconnects
+    under it. The limit holds across the restart: the slot held through it is registered again
+    by its lease's renewal, a second caller is refused while it is held, and the holder's release
+    hands it the slot at once (not at its keep-alive 10 s later). No slot stays held."""
+    client = own_redis.client()
+    semaphore = FairSemaphore(client, "restart-idle", 1, lease=3, patience=30)
+    _with_an_idle_channel(semaphore)
+    holder = semaphore.acquire(timeout=0)  # held across the restart
+    outcome: list[bool] = []
+    with caplog.at_level(logging.DEBUG, logger="celery_semaphore"):
+        own_redis.restart()
+        # the renewer registers the held slot again in the empty Redis (every lease / 3 = 1 s)
+        wait_until(lambda: semaphore.status().holder_count == 1, timeout=10, what="the held slot registered again")
+        assert not holder.lost
+        second = threading.Thread(
+            target=lambda: outcome.append(bool(semaphore.acquire(timeout=30).release())), daemon=True)
+        second.start()
+        wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the second caller in line")
+        assert semaphore.status().holder_count == 1, "never more than the limit"
+        released_at = time.monotonic()
+        assert holder.release()
+        second.join(timeout=15)
+    assert outcome == [True]
+    assert time.monotonic() - released_at < 5, "woken by the listener, not by a keep-alive try"
+    assert semaphore.status().holder_count == 0
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert [message for message in warnings if "wake-up" in message] == []
     client.close()
