@@ -34,6 +34,17 @@ Every other query option is a redis-py connection option (``socket_timeout``,
 ``socket_connect_timeout``, ``health_check_interval``, ``protocol``, ``ssl_*``, ...). A
 password may also come as a ``password=`` query option.
 
+Every client built here has socket timeouts, :data:`SOCKET_TIMEOUT` and
+:data:`SOCKET_CONNECT_TIMEOUT` unless the URL's ``socket_timeout`` / ``socket_connect_timeout``
+say otherwise (a positive number of seconds). redis-py before 8 has none: a Redis that stops
+answering (SIGSTOP, a frozen VM, a partition that drops packets) would hang every caller for
+ever, the renewer thread included, while the leases it should renew run out in Redis. With a
+timeout a stalled call raises ``redis.TimeoutError``, which the semaphore reports as
+``RedisUnavailable`` (the Celery layer then waits: it fails closed). The Sentinels' own
+connections take the same timeouts unless ``sentinel_socket_timeout`` /
+``sentinel_socket_connect_timeout`` are given, and are not retried by redis-py: a silent
+Sentinel is passed over for the next one at once.
+
 Why parse it all here: redis-py parses a URL lazily and leniently (``redis://h:99999`` fails at
 the first command with a bare ``ValueError``, ``redis://h/abc`` silently means db 0), so a worker
 would start and then fail every task. :func:`parse_backend_url` checks every part once, at
@@ -48,6 +59,7 @@ module imports neither Celery nor kombu.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -59,8 +71,10 @@ from urllib.parse import parse_qsl, unquote, urlencode
 import redis
 import redis.cluster
 import redis.connection
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
+from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from .errors import ConfigurationError
@@ -68,6 +82,8 @@ from .errors import ConfigurationError
 __all__ = [
     "SCHEMES",
     "SENTINEL_CHECK_INTERVAL",
+    "SOCKET_CONNECT_TIMEOUT",
+    "SOCKET_TIMEOUT",
     "BackendSpec",
     "Client",
     "backend_from_broker",
@@ -86,6 +102,20 @@ HEALTH_CHECK_INTERVAL = 30
 #: How often (seconds) a Sentinel-managed client asks the Sentinels where the master is, even
 #: with its connections open: the bound on how long it keeps using a master demoted by a failover.
 SENTINEL_CHECK_INTERVAL = 1.0
+#: Seconds a client of this module waits for a reply before it raises ``redis.TimeoutError``
+#: (``socket_timeout=`` in the URL overrides it). Every command the package sends is one short
+#: script or command, answered in a millisecond or so by a healthy server: waiting 5 s means the
+#: server is not answering (stopped, partitioned, stuck in a ``BUSY`` script), not that it is
+#: slow. It is also well inside the default 60 s lease, whose renewal comes every 20 s: a
+#: renewal round that times out is tried again long before the lease runs out. (redis-py 8
+#: chose the same default; before 8 there was none, and a silent server hung its callers.)
+SOCKET_TIMEOUT = 5.0
+#: Seconds a client of this module waits to open a connection (``socket_connect_timeout=``
+#: overrides it): a connect, TLS handshake included, takes milliseconds on a working network;
+#: an unanswered SYN (a host that vanished) would otherwise wait for the kernel's retries,
+#: about two minutes on Linux.
+SOCKET_CONNECT_TIMEOUT = 5.0
+_TIMEOUT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 
 Kind = Literal["redis", "cluster", "sentinel"]
 #: What :func:`client_for` returns: a Sentinel-managed master is a ``redis.Redis`` too.
@@ -341,6 +371,13 @@ def _typed_options(options: Mapping[str, str], *, tls: bool) -> dict[str, Any]:
         raise _Invalid(str(error)) from None
     for name in ("host", "port", "db", "connection_class"):
         typed.pop(name, None)
+    for name in _TIMEOUT_OPTIONS:
+        # redis-py takes any float, and only the first connect trips over it: 0 makes the socket
+        # non-blocking (every read fails), a negative one raises a bare ValueError, inf or nan
+        # an OverflowError or a wait for ever, which is what the timeout is there to prevent
+        value = typed.get(name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise _Invalid(f"option {name!r}: {options[name]!r} is not a positive number of seconds")
     _try_connection(typed, tls=tls)
     return typed
 
@@ -662,17 +699,45 @@ def client_for(url_or_spec: str | BackendSpec) -> Client:
         return client
 
 
+def _timeouts(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The socket timeouts of a client built from ``options``: the URL's, else the defaults
+    (:data:`SOCKET_TIMEOUT`, :data:`SOCKET_CONNECT_TIMEOUT`). Given explicitly, not left to
+    redis-py, whose defaults are none before version 8."""
+    return {
+        "socket_timeout": options.get("socket_timeout", SOCKET_TIMEOUT),
+        "socket_connect_timeout": options.get("socket_connect_timeout", SOCKET_CONNECT_TIMEOUT),
+    }
+
+
+def _sentinel_kwargs(spec: BackendSpec) -> dict[str, Any]:
+    """The connection options of the Sentinels themselves.
+
+    Timeouts: the ``sentinel_socket_*`` ones if the URL gives either, else the master's (the
+    URL's ``socket_*`` or the defaults), so that one ``socket_timeout=`` bounds every wait of
+    the client. Not retried: redis-py 8 retries a ``Redis`` 10 times on a timeout by default, so
+    a silent Sentinel would hold up every lookup of the master (and with it the acquire or
+    renewal that asked, every :data:`SENTINEL_CHECK_INTERVAL`) for 11 timeouts before the next
+    Sentinel is tried; asking the next Sentinel is the retry.
+    """
+    own = spec.sentinel_options
+    source = own if any(name in own for name in _TIMEOUT_OPTIONS) else spec.options
+    return {**_timeouts(source), "retry": Retry(NoBackoff(), 0), **own}
+
+
 def _build(spec: BackendSpec) -> Client:
     if spec.kind == "redis":
         if spec.url is not None:
-            return redis.Redis.from_url(spec.url, health_check_interval=HEALTH_CHECK_INTERVAL)
+            # the URL's own socket_* options (in spec.options too) win over these keywords
+            return redis.Redis.from_url(
+                spec.url, health_check_interval=HEALTH_CHECK_INTERVAL, **_timeouts(spec.options)
+            )
         host, port = spec.nodes[0]
         return redis.Redis(
             host=host, port=port, db=spec.db, username=spec.username, password=spec.password, ssl=spec.tls,
-            **{"health_check_interval": HEALTH_CHECK_INTERVAL, **spec.options},
+            **{"health_check_interval": HEALTH_CHECK_INTERVAL, **_timeouts(spec.options), **spec.options},
         )  # fmt: skip
     if spec.kind == "cluster":
-        options: dict[str, Any] = {**spec.options, **spec.cluster_options}
+        options: dict[str, Any] = {**_timeouts(spec.options), **spec.options, **spec.cluster_options}
         if spec.tls:
             options["ssl"] = True
         try:
@@ -688,10 +753,12 @@ def _build(spec: BackendSpec) -> Client:
             detail = str(error).replace(spec.password, MASK) if spec.password else str(error)
             raise redis.ConnectionError(f"Redis Cluster {spec.masked_url}: {detail}") from error
     assert spec.service_name is not None
-    sentinel_kwargs = dict(spec.sentinel_options)
-    data_options: dict[str, Any] = {"health_check_interval": HEALTH_CHECK_INTERVAL, **spec.options}
+    data_options: dict[str, Any] = {
+        "health_check_interval": HEALTH_CHECK_INTERVAL, **_timeouts(spec.options), **spec.options,
+    }
     if spec.tls:
         data_options["ssl"] = True
+    sentinel_kwargs = _sentinel_kwargs(spec)
     sentinel = Sentinel(list(spec.nodes), sentinel_kwargs=sentinel_kwargs, **data_options)  # type: ignore[no-untyped-call]
     master = sentinel.master_for(  # type: ignore[no-untyped-call]
         spec.service_name,

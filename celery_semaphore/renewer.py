@@ -12,6 +12,15 @@ inherit its parent's leases.
 When a renewal finds a lease gone (Redis restarted empty, or a stall let it run out) it registers
 the lease again if a slot is free, since the holder is still running and must count; if no slot
 is free the lease is marked lost and logged: the limit may be exceeded until the holder ends.
+
+When no renewal gets through at all (Redis unreachable, or not answering), nobody would say so:
+the lease just runs out in Redis while its holder runs on. So each lease also has a deadline
+here, the last grant or renewal known to have succeeded plus the lease length, and a second
+daemon thread, the watch, marks a lease lost and logs it (naming the semaphore and the holder)
+once that deadline passes. The watch never calls Redis, so it keeps time even while the renewer
+thread is stuck in a call: the package's clients time out (``_backend.SOCKET_TIMEOUT``), but a
+client handed in by the application may not. A later renewal that gets through clears ``lost``
+again (registered again, or found still held).
 """
 
 from __future__ import annotations
@@ -45,24 +54,49 @@ RETRY_AFTER_ERROR = 0.5
 # a second (a lease under 3 s) wakes it early.
 IDLE_WAKE = 1.0
 
+# The watch checks lease deadlines this much after they pass (a margin for the scheduler, so
+# that one wake-up finds the lease due rather than a hair early).
+WATCH_SLACK = 0.01
+
 # Callbacks told of each lease found lost or registered again (metrics hook into this).
 LeaseListener = Callable[["Lease", str], None]
 _listeners: list[LeaseListener] = []
 
 
+class _Held:
+    """What the renewer knows of one tracked lease besides the lease itself."""
+
+    __slots__ = ("lapsed", "ref", "until", "why")
+
+    def __init__(self, lease: Lease) -> None:
+        self.ref = weakref.ref(lease)
+        # monotonic time the lease runs out in Redis unless renewed: the grant, then each
+        # renewal known to have gone through, plus the lease length
+        self.until = lease.acquired_at + lease.semaphore.lease
+        self.why = "no renewal answered"  # why no renewal got through (for the lost log)
+        self.lapsed = False  # the watch marked it lost at its deadline
+
+
 class _Renewer:
     def __init__(self) -> None:
-        self.leases: dict[int, weakref.ref[Lease]] = {}
+        self.leases: dict[int, _Held] = {}
         # Held while a renewal round runs, and by Lease.release while it stops tracking: a
         # renewal can then never register again a token that is being released.
         self.cycle = threading.RLock()
-        self.changed = threading.Condition(threading.Lock())
+        # one lock guards the table; the renewer thread waits on one condition of it, the watch
+        # on the other
+        table = threading.Lock()
+        self.changed = threading.Condition(table)
+        self.watched = threading.Condition(table)
         self.thread: threading.Thread | None = None
+        self.watch: threading.Thread | None = None
         self.wakes_at = math.inf  # monotonic time the thread's current wait ends
+        self.watch_wakes_at = math.inf  # and the watch's
 
     def track(self, lease: Lease) -> None:
+        held = _Held(lease)
         with self.changed:
-            self.leases[id(lease)] = weakref.ref(lease)
+            self.leases[id(lease)] = held
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="celery-semaphore-renewer", daemon=True)
                 self.thread.start()
@@ -70,17 +104,35 @@ class _Renewer:
                 # waking the thread costs a context switch per acquire; only do it when this
                 # lease is due before the thread would wake anyway
                 self.changed.notify()
+            if self.watch is None or not self.watch.is_alive():
+                self.watch = threading.Thread(target=self._watch, name="celery-semaphore-lease-watch", daemon=True)
+                self.watch.start()
+            elif held.until < self.watch_wakes_at:
+                # as above: leases of one length end in the order they were taken, so this is
+                # rare (a lease shorter than the others, or the first after the watch found none)
+                self.watched.notify()
 
     def forget(self, lease: Lease) -> None:
         with self.changed:
-            ref = self.leases.get(id(lease))
-            if ref is not None and ref() is lease:
+            held = self.leases.get(id(lease))
+            if held is not None and held.ref() is lease:
                 del self.leases[id(lease)]
 
     def _live(self) -> list[Lease]:
-        live = [lease for ref in self.leases.values() if (lease := ref()) is not None]
-        self.leases = {id(lease): weakref.ref(lease) for lease in live}
+        """The tracked leases still alive (under ``changed``); the dead ones are dropped."""
+        live: list[Lease] = []
+        for key, held in list(self.leases.items()):
+            lease = held.ref()
+            if lease is None:
+                del self.leases[key]
+            else:
+                live.append(lease)
         return live
+
+    def _held(self, lease: Lease) -> _Held | None:
+        """The record of ``lease`` (under ``changed``), None once it is forgotten."""
+        held = self.leases.get(id(lease))
+        return held if held is not None and held.ref() is lease else None
 
     def _run(self) -> None:
         while True:
@@ -115,11 +167,38 @@ class _Renewer:
         started = time.monotonic()
         try:
             codes = semaphore.renew_many([(lease.token, lease.label) for lease in group], reclaim=True)
-        except SemaphoreError as error:
+        except Exception as error:
+            # SemaphoreError (RedisUnavailable: unreachable, timed out) above all; but anything
+            # else too (a closed client's pool raises OSError or ValueError): the thread must
+            # live on to renew the other leases and this group's next time
             logger.warning("renewing %d lease(s) on %r failed: %s", len(group), semaphore.name, error)
-            for lease in group:
-                lease.renew_due = time.monotonic() + RETRY_AFTER_ERROR
+            why = f"the last renewal failed: {error}" if isinstance(error, SemaphoreError) else repr(error)
+            with self.changed:
+                for lease in group:
+                    lease.renew_due = time.monotonic() + RETRY_AFTER_ERROR
+                    held = self._held(lease)
+                    if held is not None:
+                        held.why = why
             return
+        back = []
+        with self.changed:
+            for lease, code in zip(group, codes, strict=True):
+                held = self._held(lease)
+                if held is None or code == RENEW_LOST:
+                    continue
+                # the lease now runs until at least the call's start plus its length
+                held.until = started + semaphore.lease
+                if held.until < self.watch_wakes_at:
+                    self.watched.notify()  # a lapsed lease the watch no longer waits for
+                if held.lapsed:
+                    held.lapsed = False
+                    if code == RENEW_RENEWED:
+                        # Redis still had it (it was stopped, not restarted, say): never gone
+                        lease.lost = False  # under the lock the watch marks it lost under
+                        back.append(lease)
+        for lease in back:
+            logger.warning("lease %s of %s on %r renewed after its deadline had passed: Redis still held it",
+                           lease.token, lease.label, semaphore.name)
         for lease, code in zip(group, codes, strict=True):
             lease.renew_due = started + semaphore.lease / 3
             if code == RENEW_LOST:
@@ -136,6 +215,40 @@ class _Renewer:
                 logger.warning("lease %s on %r had gone from Redis; registered again", lease.token, semaphore.name)
                 lease.lost = False
                 self._tell(lease, "reclaimed")
+
+    def _watch(self) -> None:
+        """The watch thread: mark lost, and log, each lease whose deadline passed with no
+        renewal getting through. It never calls Redis, so it cannot hang on it."""
+        while True:
+            lapsed: list[tuple[Lease, str]] = []
+            with self.changed:
+                now = time.monotonic()
+                next_deadline = math.inf
+                for lease in self._live():
+                    held = self.leases[id(lease)]
+                    if held.lapsed or lease.released:
+                        continue  # a lapsed lease counts again once a renewal un-lapses it
+                    if held.until > now:
+                        next_deadline = min(next_deadline, held.until)
+                        continue
+                    held.lapsed = True
+                    if not lease.lost:  # (a renewal that found it gone logged it already)
+                        lease.lost = True  # under the lock a renewal clears it under
+                        lapsed.append((lease, held.why))
+                if not lapsed:
+                    # nothing tracked (or only lapsed leases): sleep until track() or a
+                    # renewal that un-lapses one says otherwise
+                    self.watch_wakes_at = next_deadline + WATCH_SLACK
+                    self.watched.wait(timeout=None if next_deadline == math.inf else self.watch_wakes_at - now)
+                    self.watch_wakes_at = math.inf
+                    continue
+            for lease, why in lapsed:
+                logger.error(
+                    "lease %s of %s on %r ran out with no renewal getting through (%s): it is lost, its slot may "
+                    "go to another caller and the limit may be exceeded until this holder ends",
+                    lease.token, lease.label, lease.semaphore.name, why,
+                )  # fmt: skip
+                self._tell(lease, "lost")
 
     @staticmethod
     def _tell(lease: Lease, event: str) -> None:
