@@ -40,10 +40,10 @@ from typing import Any
 from celery import signature
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from ._scripts import scripts_for
+from ._scripts import SemaphoreKeys, scripts_for
 from ._wakeups import WakeHandle, wake_ups_for
 from .multi import MultiSemaphore
-from .semaphore import FairSemaphore
+from .semaphore import FairSemaphore, on_unheard
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -64,17 +64,28 @@ SWEEP_EVERY_S = 1.0
 SWEEP_BATCH = 100
 # A wait whose place in line has not lapsed yet is looked at again this long after it would.
 LOOK_AGAIN_SLACK_S = 1.0
+# Most lines one tick looks at (lines_to_tick.lua).
+TICK_BATCH = 100
 
 
 def parked_keys(prefix: str) -> list[bytes]:
-    """The two keys of the parked-task records of a deployment (one hash tag: on a cluster,
-    one slot for both, which ``claim_parked.lua`` needs)."""
+    """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one
+    slot for all, which the scripts on them need): the records due, their copies, the record of
+    each waiter (park.lua), the lines with parked waiters, and who ticks them this round
+    (lines_to_tick.lua)."""
     base = f"{prefix}:{{parked-tasks}}"
-    return [f"{base}:due".encode(), f"{base}:copies".encode()]
+    return [f"{base}:{name}".encode() for name in ("due", "copies", "waiters", "lines", "tick-round")]
 
 
 def _prefix_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
     return semaphore.semaphores[0].prefix if isinstance(semaphore, MultiSemaphore) else semaphore.prefix
+
+
+def _line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
+    """The member naming a parked waiter's line for the ticks: its keys and its default limit (a
+    MultiSemaphore parks on its first semaphore)."""
+    first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
+    return json.dumps([first.keys.base, first.limit])
 
 
 def serialized(wake_copy: Any) -> bytes | None:
@@ -191,7 +202,7 @@ class Parking:
             return False
         prefix = _prefix_of(semaphore)
         scripts_for(semaphore.client).park(parked_keys(prefix), record=_record_of(semaphore, waiter, run),
-                                           look_in_ms=round(away_for * 1000), copy=copy)
+                                           look_in_ms=round(away_for * 1000), copy=copy, line=_line_of(semaphore))
         with self._lock:
             self._sweep_targets.setdefault((id(semaphore.client), prefix),
                                            _SweepTarget(semaphore.client, prefix, wake_copy.app))
@@ -262,6 +273,59 @@ class Parking:
                 _sent_again(name)
                 self._send(wake_copy, name)
 
+    def _tick_lines(self) -> None:
+        """Once a round (a second), one process of each deployment swept here ticks the lines
+        with parked waiters: a slot freed by a lapsed lease (its holder's worker was killed)
+        reaches the head of such a line within a second, though no script runs there."""
+        with self._lock:
+            targets = list(self._sweep_targets.values())
+        for target in targets:
+            scripts = scripts_for(target.client)
+            try:
+                lines = scripts.lines_to_tick(parked_keys(target.prefix), round_ms=round(SWEEP_EVERY_S * 1000),
+                                              most=TICK_BATCH)
+            except Exception as error:  # Redis down: the next round
+                logger.debug("could not list the lines to tick: %s", error)
+                continue
+            for line in lines:
+                try:
+                    base, limit = json.loads(line)
+                    keys = SemaphoreKeys.of_base(base)
+                    unheard = scripts.tick(keys, default_limit=int(limit))
+                except Exception as error:
+                    logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
+                    continue
+                if unheard:
+                    self._wake(target.client, target.prefix, keys.deadlines, unheard, target.app)
+
+    def wake_unheard(self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
+        """A script this process ran offered ``waiters`` a slot of ``semaphore``, and nobody heard
+        (the process that parked each is gone): send their wake copies from here, now, so that
+        each claims its offer in milliseconds instead of letting it lapse."""
+        first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
+        with self._lock:
+            target = self._sweep_targets.get((id(first.client), first.prefix))
+        self._wake(first.client, first.prefix, first.keys.deadlines, waiters, target.app if target else None)
+
+    def _wake(self, client: Any, prefix: str, deadlines_key: str, waiters: tuple[str, ...], app: Any) -> None:
+        scripts = scripts_for(client)
+        for waiter in waiters:
+            claimed = scripts.claim_parked_waiter(parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter)
+            if claimed is None:
+                continue  # not a parked task (a blocked caller asks again by itself), or taken
+            record, copy = claimed
+            if app is None:
+                from celery import current_app
+
+                app = current_app
+            try:
+                wake_copy = deserialized(copy, app)
+            except Exception as error:
+                logger.warning("could not wake a task that did not hear its turn (%s): its backstop copy is its "
+                               "way back", error)
+                continue
+            self._send(wake_copy, json.loads(record)[4])
+
     def _run(self) -> None:
         while True:
             try:
@@ -269,6 +333,7 @@ class Parking:
             except queue.Empty:
                 self._sweep_here()
                 self._sweep_records()
+                self._tick_lines()
                 continue
             if parked is None:
                 return
@@ -333,3 +398,10 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _wake_unheard(semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
+    parking().wake_unheard(semaphore, waiters)
+
+
+on_unheard(_wake_unheard)

@@ -25,7 +25,8 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 _NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset",
-          "acquire_many", "release_many", "renew_many", "leave_many", "park", "claim_parked")
+          "acquire_many", "release_many", "renew_many", "leave_many", "park", "claim_parked",
+          "claim_parked_waiter", "tick", "lines_to_tick")
 
 # acquire outcomes
 GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
@@ -109,6 +110,12 @@ class SemaphoreKeys:
         records: every key a script touches is declared, and no more is sent than that."""
         return self.encoded[:8]
 
+    @classmethod
+    def of_base(cls, base: str) -> SemaphoreKeys:
+        """The keys of the semaphore whose keys start with ``base`` (as a parked task's record
+        names its line)."""
+        return cls(**{name: f"{base}:{name}" for name in _KEY_NAMES}, base=base)
+
     def wake_channel(self, process_id: str) -> str:
         """The channel a process's waiters on this semaphore are told on: inside the hash tag,
         so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster. A sharded
@@ -117,19 +124,34 @@ class SemaphoreKeys:
         return f"{self.base}:wake:{process_id}"
 
 
+_KEY_NAMES = ("holders", "holder_info", "queue", "present", "deadlines", "waiter_info", "ticket", "limit", "runs",
+              "run_expiry")
+
+
 @dataclass(frozen=True)
 class AcquireReply:
-    outcome: int  # GRANTED, CLAIMED or WAIT
+    outcome: int  # GRANTED, CLAIMED, WAIT, RUNNING or RAN
     position: int
     free: int
     limit: int
     hold_ms: int  # -1: unknown
     ticket: int | None
     turn: int
+    unheard: tuple[str, ...] = ()  # WAIT: waiters offered a slot whose wake-up nobody heard
+    twin_lease_ms: int = 0  # RUNNING: how long the lease of the copy that runs lasts (unless renewed)
 
 
-# A grant or a duplicate is answered with its bare code; its other fields mean nothing then.
-_BARE_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED, RUNNING, RAN)}
+@dataclass(frozen=True)
+class HandOffReply:
+    """The reply of a script that may hand a slot on: its own answer, and the waiters offered a
+    slot whose wake-up nobody heard (lua/_lib.lua, notify)."""
+
+    done: bool
+    unheard: tuple[str, ...] = ()
+
+
+# A grant or a finished run is answered with its bare code; its other fields mean nothing then.
+_BARE_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED, RAN)}
 
 
 @dataclass(frozen=True)
@@ -235,7 +257,9 @@ class Scripts:
         reply = self._scripts["acquire"](keys=keys.encoded if run else keys.line_keys, args=args)
         if not isinstance(reply, list):
             return _BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
-        outcome, position, free, limit, hold_ms, ticket_text, turn = reply
+        if len(reply) == 2:  # RUNNING, with the lease left of the copy that runs
+            return AcquireReply(int(reply[0]), 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
+        outcome, position, free, limit, hold_ms, ticket_text, turn = reply[:7]
         text = _text(ticket_text)
         return AcquireReply(
             outcome=int(outcome),
@@ -245,15 +269,18 @@ class Scripts:
             hold_ms=int(hold_ms),
             ticket=int(float(text)) if text else None,
             turn=int(turn),
+            unheard=tuple(_text(waiter) for waiter in reply[7:]),
         )
 
     def release(
         self, keys: SemaphoreKeys, *, token: str, default_limit: int, run: str = "", remember_ms: int = 0
-    ) -> bool:
+    ) -> HandOffReply:
         if run:
-            return bool(self._scripts["release"](
-                keys=keys.encoded, args=[token, _number(default_limit), run, _number(remember_ms)]))
-        return bool(self._scripts["release"](keys=keys.line_keys, args=[token, _number(default_limit)]))
+            reply = self._scripts["release"](
+                keys=keys.encoded, args=[token, _number(default_limit), run, _number(remember_ms)])
+        else:
+            reply = self._scripts["release"](keys=keys.line_keys, args=[token, _number(default_limit)])
+        return _hand_off_reply(reply)
 
     def renew(
         self, keys: SemaphoreKeys, *, lease_ms: int, default_limit: int, reclaim: bool, holders: list[tuple[str, str]]
@@ -265,9 +292,9 @@ class Scripts:
 
     def leave(
         self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int, wake: str = ""
-    ) -> bool:
+    ) -> HandOffReply:
         args = [waiter, "" if away_ms is None else away_ms, default_limit, wake]
-        return bool(self._scripts["leave"](keys=keys.line_keys, args=args))
+        return _hand_off_reply(self._scripts["leave"](keys=keys.line_keys, args=args))
 
     def status(self, keys: SemaphoreKeys, *, listed: int) -> StatusReply:
         now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters = self._scripts["status"](
@@ -375,20 +402,32 @@ class Scripts:
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
 
-    def park(self, keys: list[bytes], *, record: str, look_in_ms: int, copy: bytes, only_if_absent: bool = False
-             ) -> bool:
+    def park(self, keys: list[bytes], *, record: str, look_in_ms: int, copy: bytes, only_if_absent: bool = False,
+             line: str = "") -> bool:
         """Keep (or, with an empty ``copy``, forget) a parked task's record; ``keys`` are
         ``_parking.parked_keys``. With ``only_if_absent``, a record that exists is left as it is
-        (and False returned)."""
-        args: list[Any] = [record, look_in_ms, copy]
-        if only_if_absent:
-            args.append(b"nx")
-        return bool(self._scripts["park"](keys=keys, args=args))
+        (and False returned). ``line``: the member naming the waiter's line for the ticks."""
+        args: list[Any] = [record, look_in_ms, copy, b"nx" if only_if_absent else b"", line]
+        return bool(self._scripts["park"](keys=keys[:4], args=args))
 
     def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
         """The parked-task records now due, (record, copy) each, taken by this caller alone."""
-        reply = self._scripts["claim_parked"](keys=keys, args=[most])
+        reply = self._scripts["claim_parked"](keys=keys[:3], args=[most])
         return [(_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
+
+    def claim_parked_waiter(self, keys: list[bytes], *, deadlines_key: str, waiter: str) -> tuple[str, bytes] | None:
+        """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
+        this caller alone; None when it has none (or another caller took it)."""
+        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[f"{deadlines_key}\n{waiter}"])
+        return (_text(reply[0]), bytes(reply[1])) if reply else None
+
+    def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:
+        """The lines with parked waiters to tick this round, or [] when another process has it."""
+        return [_text(line) for line in self._scripts["lines_to_tick"](keys=keys[3:5], args=[round_ms, most])]
+
+    def tick(self, keys: SemaphoreKeys, *, default_limit: int) -> tuple[str, ...]:
+        """Purge a line one step and hand freed slots on; the waiters offered one unheard."""
+        return tuple(_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[default_limit]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -411,6 +450,12 @@ def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[by
     """8 keys per semaphore; with a run id, then the first semaphore's run records."""
     flat = [key for semaphore in keys for key in semaphore.line_keys]
     return flat + keys[0].encoded[8:10] if with_runs else flat
+
+
+def _hand_off_reply(reply: Any) -> HandOffReply:
+    if isinstance(reply, list):
+        return HandOffReply(bool(int(reply[0])), tuple(_text(waiter) for waiter in reply[1:]))
+    return HandOffReply(bool(int(reply)))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -83,6 +83,10 @@ _POKE = b""
 # In front of the process id in the channel names of a sharded listener: its wake addresses end
 # in ":wake:s.<id>", and the scripts SPUBLISH on those (lua/_lib.lua, notify).
 SHARDED_MARK = "s."
+# In front of the process id of a listener on a cluster without sharded pub/sub: PUBLISH in a
+# script there counts the subscribers of one node only, so the scripts never judge a wake-up on
+# such an address unheard (lua/_lib.lua, notify). Everywhere else the count is exact.
+CLUSTER_MARK = "c."
 # The first Redis with sharded pub/sub (SSUBSCRIBE, SPUBLISH).
 SHARDED_SINCE = 7
 # After a slot moved, a sharded listener reads the slot map again this often, for this long, and
@@ -471,7 +475,8 @@ class WakeUps:
         # sharded pub/sub on a Redis >= 7 cluster (see the module docstring); the mark in the
         # listener's id puts it in every wake address, where the scripts read it
         self.sharded = uses_sharded_pubsub(client)
-        self.process_id = (SHARDED_MARK if self.sharded else "") + _process_id
+        is_cluster = isinstance(client, redis.cluster.RedisCluster)
+        self.process_id = (SHARDED_MARK if self.sharded else CLUSTER_MARK if is_cluster else "") + _process_id
         # a sharded listener is poked through a local socket pair, not a control channel
         self._poke_in: socket.socket | None = None
         self._poke_out: socket.socket | None = None

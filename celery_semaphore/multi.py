@@ -26,6 +26,7 @@ with a ConfigurationError when it is made.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -216,10 +217,11 @@ class MultiSemaphore:
             return self._scripts.leave_many(self.all_keys, waiter=waiter, default_limits=self.limits,
                                             away_ms=away_ms, wake=wake)
 
-    def release_holders_with_prefix(self, prefix: str) -> int:
+    def release_holders_with_prefix(self, prefix: str, *, rest: re.Pattern[str] | None = None) -> int:
         """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
-        Celery child's task id); how many slot entries were released."""
-        return sum(semaphore.release_holders_with_prefix(prefix) for semaphore in self.semaphores)
+        Celery child's task id), the remainder matching ``rest`` if given (see
+        ``FairSemaphore.release_holders_with_prefix``); how many slot entries were released."""
+        return sum(semaphore.release_holders_with_prefix(prefix, rest=rest) for semaphore in self.semaphores)
 
     # -- holding (Lease and the renewer call these) ----------------------------------------
 

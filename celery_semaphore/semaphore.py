@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -66,6 +67,31 @@ STATUS_LISTING_LIMIT = 1000
 
 _LABEL = f"{socket.gethostname()}:{{pid}}"
 _label_of_pid: tuple[int, str] = (-1, "")
+
+
+# Told (semaphore, waiters) when a script offered a slot to waiters whose wake-up nobody heard
+# (their process is gone): the Celery layer sends a parked task's wake copy itself (_parking.py).
+# Unset, such an offer lapses after its claim window and goes on to the next waiter.
+UnheardHandler = Callable[[Any, "tuple[str, ...]"], None]
+_unheard_handler: UnheardHandler | None = None
+
+
+def on_unheard(handler: UnheardHandler | None) -> None:
+    global _unheard_handler
+    _unheard_handler = handler
+
+
+def tell_unheard(semaphore: Any, waiters: tuple[str, ...]) -> None:
+    """Hand ``waiters`` (offered a slot of ``semaphore``, unheard) to the handler, if any; never
+    raises: the release or try that found them has done its own work."""
+    handler = _unheard_handler
+    if handler is None or not waiters:
+        return
+    try:
+        handler(semaphore, waiters)
+    except Exception as error:
+        logger.warning("could not wake the waiters of %r that did not hear their turn (their offer lapses "
+                       "after its claim window): %s", getattr(semaphore, "name", semaphore), error)
 
 
 def default_label() -> str:
@@ -114,9 +140,12 @@ class Waiting:
 @dataclass(frozen=True)
 class Duplicate:
     """A try under a ``run`` id that another copy of the same run already used: that copy holds
-    the slot now (``running``) or held it and gave it back. This copy must not run."""
+    the slot now (``running``), or the run finished. This copy must not run now; a running twin
+    may still die (its lease then lapses, after ``twin_lease`` seconds unless renewed), and the
+    copy may then run it after all."""
 
     running: bool
+    twin_lease: float = 0.0
 
     @property
     def granted(self) -> bool:
@@ -193,9 +222,11 @@ class Lease:
             raise LeaseLost(self.semaphore.name, self.token)
         self.renew_due = time.monotonic() + self.semaphore.lease / 3
 
-    def release(self) -> bool:
+    def release(self, *, finished: bool = True) -> bool:
         """Give the slot back. True if it was still held; False if the lease had already gone.
-        Safe to call more than once."""
+        Safe to call more than once. ``finished=False``: the slot goes back but the lease's run
+        (if any) is not marked finished, so another copy of it may still run it (a Celery task
+        whose message will be delivered again)."""
         if self.released:
             return False
         with renewer.cycle_lock():
@@ -203,7 +234,7 @@ class Lease:
             # this token, so the release below cannot be undone by a renewal in flight.
             self.released = True
             renewer.forget(self)
-        return self.semaphore.release(self.token, run=self.run, remember_ms=self.remember_ms)
+        return self.semaphore.release(self.token, run=self.run if finished else None, remember_ms=self.remember_ms)
 
     def __enter__(self) -> Lease:
         return self
@@ -403,6 +434,8 @@ class FairSemaphore:
             renewer.track(lease)
             return Granted(lease)
         if reply.outcome == WAIT:
+            if reply.unheard:
+                tell_unheard(self, reply.unheard)
             return Waiting(
                 reply.position,
                 reply.free,
@@ -411,8 +444,10 @@ class FairSemaphore:
                 ticket=reply.ticket,
                 turn=reply.turn,
             )
-        if reply.outcome in (RUNNING, RAN):
-            return Duplicate(running=reply.outcome == RUNNING)
+        if reply.outcome == RUNNING:
+            return Duplicate(running=True, twin_lease=reply.twin_lease_ms / 1000)
+        if reply.outcome == RAN:
+            return Duplicate(running=False)
         raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
     def leave(self, waiter: str, *, away_for: float | None = None, wake: str = "") -> bool:
@@ -427,9 +462,11 @@ class FairSemaphore:
         its turn like a present waiter, the offer published on ``wake`` (see _wakeups.on_wake)."""
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with self._redis_errors("leave"):
-            return self._scripts.leave(
+            reply = self._scripts.leave(
                 self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit, wake=wake
             )
+        tell_unheard(self, reply.unheard)
+        return reply.done
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -438,22 +475,29 @@ class FairSemaphore:
         already gone. Safe to repeat. Prefer ``Lease.release``, which also stops renewal and
         marks the lease's run (if any) finished, so that a later copy of the run is dropped."""
         try:
-            return self._scripts.release(
+            reply = self._scripts.release(
                 self.keys, token=token, default_limit=self.limit, run=run or "", remember_ms=remember_ms
             )
         except _REDIS_ERRORS as error:
             raise translate(error, self.name, "release") from error
+        if reply.unheard:
+            tell_unheard(self, reply.unheard)
+        return reply.done
 
-    def release_holders_with_prefix(self, prefix: str) -> int:
-        """Release every holder whose token starts with ``prefix``; how many were released.
+    def release_holders_with_prefix(self, prefix: str, *, rest: re.Pattern[str] | None = None) -> int:
+        """Release every holder whose token starts with ``prefix`` (and, with ``rest``, whose
+        remainder after it matches ``rest`` in full); how many were released.
 
         For a worker's parent process, which knows the task id of a killed child but not the
-        random part of its token. Several round trips: for that rare path only."""
+        random part of its token: ``rest`` keeps a task id that is the start of another one
+        ("job:1" and "job:1:x") from releasing the other task's slots. Several round trips: for
+        that rare path only."""
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
         with self._redis_errors("release"):
             tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
-        return sum(self.release(token) for token in tokens if not token.startswith("!"))
+        return sum(self.release(token) for token in tokens
+                   if not token.startswith("!") and (rest is None or rest.fullmatch(token[len(prefix):])))
 
     def renew(self, token: str) -> bool:
         """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""

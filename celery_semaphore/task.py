@@ -23,13 +23,17 @@ earlier one, its run and its retry delay against the max wait.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, ClassVar, NoReturn
 
-from celery import Task
-from celery.exceptions import Ignore, Retry
+from celery import Task, states
+from celery.backends.base import DisabledBackend
+from celery.exceptions import Ignore, Reject, Retry
 
 from . import metrics, policy
 from ._options import (
@@ -62,11 +66,22 @@ TICKET_HEADER = "semaphore_ticket"
 WAIT_OF_RETRY_HEADER = "semaphore_wait_of_retry"
 # the queue the task first came from: its copies go back there (the wake copy to its wake queue)
 QUEUE_HEADER = "semaphore_queue"
+# a random id of this wait, made at its first refusal: with the task id and the retry it names the
+# run every copy of the wait asks under, unique per invocation even when task ids repeat
+RUN_HEADER = "semaphore_run"
+# the version of the wait protocol that wrote the headers above (see WaitHistory)
+PROTOCOL_HEADER = "semaphore_protocol"
+PROTOCOL = 2
+# Headers a broker adds to a message it dead-lettered or redelivered: a re-sent copy is a new
+# message, and RabbitMQ quorum queues or delayed delivery may drop one that carries them (Celery
+# strips them from its own retries for the same reason).
+_BROKER_HEADERS = re.compile(r"x-(death|first-death-.*|last-death-.*|delivery-count)$")
 
-# A finished run is remembered this much longer than any copy of it can arrive late: the
+# A finished run is remembered this much longer than any copy of it is due to arrive: the
 # backstop's countdown, or a Redis broker's redelivery of a dead worker's unacked copy
-# (visibility_timeout, plus kombu's restore sweep).
-REMEMBER_SLACK = 300.0
+# (visibility_timeout). A copy can still come later (a backlog, an hour without workers): with
+# a result backend such a copy finds the task's SUCCESS there and is dropped all the same.
+REMEMBER_SLACK = 3600.0
 
 # A waiter away on a countdown keeps its place this much longer than the countdown, to cover
 # the broker's delivery and a busy worker's delay in starting it.
@@ -117,24 +132,66 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         semaphore = semaphore_for_call(self, args, kwargs)
         if request.is_eager:
             lease: Lease | None = self._acquire_eagerly(semaphore)
-        else:
-            lease = self._acquire_in_worker(semaphore, args, kwargs)
+            request.semaphore_lease = lease
+            with _eager_holding(semaphore if lease is not None else None):
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    if lease is not None:
+                        give_back(lease)
+        lease = self._acquire_in_worker(semaphore, args, kwargs)
         request.semaphore_lease = lease
+        finished = True
         try:
             return super().__call__(*args, **kwargs)
+        except Reject as error:
+            finished = not error.requeue  # requeued: Celery delivers it again, and that copy must run
+            raise
+        except Exception:
+            raise  # a failure, the task's own retry, Ignore: Celery delivers this message no more
+        except BaseException:
+            # SystemExit or KeyboardInterrupt: a cold shutdown, a terminated child. Whether Celery
+            # delivers the message again is known only to it (acks_late: it stays unacked and comes
+            # back; the worker's main process marks the run finished where it will not). Without
+            # acks_late the message was acked before the body ran: no copy may run it again.
+            finished = not self._acks_late()
+            raise
         finally:
             if lease is not None:
-                give_back(lease)
+                give_back(lease, finished=finished)
+
+    def _acks_late(self) -> bool:
+        acks_late = getattr(self.request, "acks_late", None)
+        return bool(self.acks_late if acks_late is None else acks_late)
 
     def _label(self) -> str:
         return f"{default_label()} {self.name}[{self.request.id}]"
 
-    def _acquire_eagerly(self, semaphore: AnySemaphore) -> Lease:
+    def _acquire_eagerly(self, semaphore: AnySemaphore) -> Lease | None:
         """Eager mode runs a retry at once and recursively, ignoring its countdown, so a refused
-        eager task waits for its slot here instead (bounded by the max wait)."""
+        eager task waits for its slot here instead (bounded by the max wait). An eager task
+        calling another of a key it holds itself, with no slot left, would wait for ever for a
+        slot only its own caller can give back: that call fails at once instead."""
         started = time.monotonic()
-        max_wait = wait_options(self, config_for(self.app)).max_wait
-        lease = semaphore.acquire(timeout=max_wait, label=self._label())
+        config = config_for(self.app)
+        max_wait = wait_options(self, config).max_wait
+        try:
+            attempt = semaphore.try_acquire(enqueue=False, label=self._label())
+            if isinstance(attempt, Granted):
+                lease = attempt.lease
+            else:
+                if _names_of(semaphore) & _eager_held.names:
+                    raise SemaphoreError(
+                        f"{self.name} was called eagerly inside a task that holds a slot of {semaphore.name!r}, "
+                        f"and no slot of it is free: it would wait for ever for its own caller (limit "
+                        f"{getattr(attempt, 'limit', semaphore.limit)})", key=semaphore.name)
+                lease = semaphore.acquire(timeout=max_wait, label=self._label())
+        except RedisUnavailable as error:
+            if config.fail_open:
+                logger.warning("%s[%s] runs WITHOUT its semaphore %r (fail open): %s", self.name, self.request.id,
+                               semaphore.name, error)
+                return None
+            raise
         metrics.acquired(template_of(self), time.monotonic() - started, lease)
         return lease
 
@@ -145,11 +202,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         options = wait_options(self, config)
         request = self.request
         history = WaitHistory.of(request)
-        token, waiter = f"{request.id}:{new_token()}", _waiter_of(semaphore, request)
+        token, waiter = f"{task_key(request.id)}:{new_token()}", _waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
-        run = f"{request.id}#{request.retries or 0}" if history.waits else None
-        remember = _remember_for(options, config)
+        run = history.run_id(request) if history.waits else None
+        remember = remember_for(options, config)
         family = template_of(self)
         try:
             # a first delivery never asked before: when nobody waits and a slot is free, the
@@ -172,8 +229,16 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             outages.down(semaphore, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
         if isinstance(attempt, Duplicate):
-            logger.info("%s[%s]: another copy of this wait %s; this copy is dropped", self.name, request.id,
-                        "is running" if attempt.running else "has run")
+            if not attempt.running:
+                logger.info("%s[%s]: another copy of this wait has run; this copy is dropped", self.name, request.id)
+                raise Ignore()
+            self._wait_for_twin(semaphore, attempt, history, args, kwargs)
+        if isinstance(attempt, Granted) and history.waits and self._succeeded_since(history.first_refused):
+            # the semaphore's Redis forgot the run (restarted empty, or the copy came after the
+            # run was forgotten), but the result backend remembers that the task succeeded
+            attempt.lease.release()
+            logger.info("%s[%s]: the task has succeeded already (result backend); this copy is dropped", self.name,
+                        request.id)
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
@@ -196,6 +261,67 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             countdown, backstop = max(1, min(countdown, left)), max(1, min(backstop, left))
         self._wait_outside(semaphore, attempt, history, args, kwargs, countdown, backstop)
 
+    def _headers_of_copy(self, history: WaitHistory, ticket: int | None, origin: str | None) -> dict[str, Any]:
+        """The headers of a re-sent copy of this wait: the request's own, less what a broker
+        added to the message it delivered, plus the wait's history."""
+        request = self.request
+        return {
+            **{name: value for name, value in (request.headers or {}).items() if not _BROKER_HEADERS.match(name)},
+            **history.next(ticket, retries=request.retries or 0),
+            **({QUEUE_HEADER: origin} if origin else {}),
+        }
+
+    def _succeeded_since(self, first_refused: float) -> bool:
+        """Whether the app's result backend says this task id succeeded after this wait began
+        (as Celery's own ``worker_deduplicate_successful_tasks`` asks it, but an invocation that
+        reused the id of one that succeeded before must still run); False without a result
+        backend, or if it cannot say."""
+        backend = self.backend
+        if isinstance(backend, DisabledBackend) or self.ignore_result:
+            return False
+        try:
+            meta = backend.get_task_meta(self.request.id)
+        except Exception as error:
+            logger.debug("could not ask the result backend about %s[%s]: %s", self.name, self.request.id, error)
+            return False
+        if not meta or meta.get("status") != states.SUCCESS:
+            return False
+        # A success recorded before this wait began belongs to an earlier invocation that used the
+        # same id. (Two hosts' clocks compared: if the host that ran this wait's body is behind the
+        # one that first refused it, its success may look older, and a late copy then runs again;
+        # that needs the semaphore's Redis to have lost the run too. See docs/design.md.)
+        done = _epoch_seconds(meta.get("date_done"))
+        return done is None or done >= first_refused
+
+    def _wait_for_twin(
+        self, semaphore: AnySemaphore, attempt: Duplicate, history: WaitHistory, args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> NoReturn:
+        """Another copy of this wait holds the slot. It may be running, or its process may be
+        dead (a SIGKILLed worker whose lease has not lapsed yet): dropping this copy would lose
+        the task in the second case. So this copy comes back once the twin's lease would have
+        lapsed: then the run is finished (and this copy dropped), or the twin is gone (and this
+        copy runs the task), or it is still running (and this copy waits again)."""
+        request = self.request
+        config = config_for(self.app)
+        lease = attempt.twin_lease or semaphore.lease
+        longest = policy.backstop(wait_options(self, config).countdown, visibility_timeout=config.visibility_timeout)
+        countdown = max(1, round(min(lease + 1.0, longest)))
+        origin = history.origin or _queue_of(self.app, request)
+        came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
+        headers = self._headers_of_copy(history, history.ticket, origin)
+        again = self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,
+                                            countdown=countdown, headers=headers)
+        logger.info("%s[%s]: another copy of this wait holds the slot; this copy looks again in %d s", self.name,
+                    request.id, countdown)
+        try:
+            again.apply_async()
+        except Exception as error:
+            raise SemaphoreError(f"could not re-send {self.name}[{request.id}] while its twin runs: {error}",
+                                 key=semaphore.name) from error
+        raise Retry(f"another copy holds the slot of {semaphore.name!r}; looking again in {countdown} s",
+                    when=countdown, sig=again)
+
     def _wait_outside(
         self, semaphore: AnySemaphore, attempt: Waiting, history: WaitHistory, args: tuple[Any, ...],
         kwargs: dict[str, Any], countdown: int, backstop_countdown: int,
@@ -204,14 +330,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         raise Retry. While away the task holds up nobody who is present before its turn."""
         request = self.request
         waiter = _waiter_of(semaphore, request)
-        origin = _header(request, QUEUE_HEADER) or _queue_of(self.app, request)
-        headers = {
-            **(request.headers or {}),
-            **history.next(attempt.ticket, retries=request.retries or 0),
-            **({QUEUE_HEADER: origin} if origin else {}),
-        }
+        origin = history.origin or _queue_of(self.app, request)
+        headers = self._headers_of_copy(history, attempt.ticket, origin)
         address = ""
-        run = f"{request.id}#{request.retries or 0}"
+        run = history.run_id(request)
         if origin is not None and not outages.is_down(semaphore):
             wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
             try:
@@ -246,10 +368,50 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         )
 
 
+def task_key(task_id: Any) -> str:
+    """A task id as it appears in waiter ids and holder tokens. Ids starting with "!" or "*"
+    would read as the marks of an offer or of a weighted waiter: those (and "~", so that no two
+    ids meet) get a "~" in front."""
+    text = str(task_id)
+    return "~" + text if text[:1] in ("!", "*", "~") else text
+
+
+# the part of a task's holder token after "<task key>:": the random token, and a weight mark
+TOKEN_REST = re.compile(r"[0-9a-f]{32}(\*\d+)?")
+
+
 def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:
     """The id a task's wait stands in line under: its task id (with the weight in front for a
     MultiSemaphore, whose lines read it from there)."""
-    return semaphore.waiter_id(str(request.id)) if isinstance(semaphore, MultiSemaphore) else str(request.id)
+    key = task_key(request.id)
+    return semaphore.waiter_id(key) if isinstance(semaphore, MultiSemaphore) else key
+
+
+def _names_of(semaphore: AnySemaphore) -> set[str]:
+    if isinstance(semaphore, MultiSemaphore):
+        return {member.name for member in semaphore.semaphores}
+    return {semaphore.name}
+
+
+class _EagerHeld(threading.local):
+    """The semaphores whose slots eager tasks of this thread hold now (eager calls nest)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+
+_eager_held = _EagerHeld()
+
+
+class _eager_holding:
+    def __init__(self, semaphore: AnySemaphore | None) -> None:
+        self.added = _names_of(semaphore) - _eager_held.names if semaphore is not None else set()
+
+    def __enter__(self) -> None:
+        _eager_held.names |= self.added
+
+    def __exit__(self, *exc: object) -> None:
+        _eager_held.names -= self.added
 
 
 def _routing_key(request: Any) -> str | None:
@@ -272,7 +434,21 @@ def _queue_of(app: Any, request: Any) -> str | None:
     return None
 
 
-def _remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
+def _epoch_seconds(date_done: Any) -> float | None:
+    """A result's ``date_done`` (a datetime, or its ISO text) as epoch seconds, None if unknown."""
+    if isinstance(date_done, str):
+        try:
+            date_done = datetime.fromisoformat(date_done)
+        except ValueError:
+            return None
+    if not isinstance(date_done, datetime):
+        return None
+    if date_done.tzinfo is None:
+        date_done = date_done.replace(tzinfo=timezone.utc)  # Celery stores UTC
+    return float(date_done.timestamp())
+
+
+def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
     """How long a finished run of a waited task is remembered, to drop its late copies."""
     return max(options.countdown[1] + AWAY_SLACK, config.visibility_timeout or 0.0) + REMEMBER_SLACK
 
@@ -283,11 +459,20 @@ setattr(SemaphoreTask, MARKER, True)
 
 @dataclass(frozen=True)
 class WaitHistory:
-    """What earlier tries of this wait left in the message headers."""
+    """What earlier tries of this wait left in the message headers.
+
+    The headers carry ``PROTOCOL_HEADER``: a worker of another release reads what it knows of
+    them. Headers without it were written before run ids had a per-wait part (protocol 1):
+    their copies keep asking under the run id of that release, ``<task id>#<retries>``, so that
+    old and new copies of one wait still know each other during a rolling deploy. Headers that
+    do not parse (not written by this package) are ignored with a warning: the copy starts a
+    fresh wait, never gets a place it did not earn, and never fails for it."""
 
     waits: int  # refusals so far
     first_refused: float  # epoch seconds of the first refusal (now, for a fresh wait)
     ticket: int | None  # the place in line to come back to
+    run_part: str | None  # the wait's own part of its run id (None: protocol 1 headers)
+    origin: str | None = None  # the queue the wait began in
 
     @classmethod
     def of(cls, request: Any) -> WaitHistory:
@@ -298,14 +483,38 @@ class WaitHistory:
         retries = request.retries or 0
         of_retry = _header(request, WAIT_OF_RETRY_HEADER)
         first_refused = _header(request, FIRST_REFUSED_HEADER)
-        if first_refused is None or of_retry is None or int(of_retry) != retries:
-            return cls(waits=0, first_refused=time.time(), ticket=None)
-        ticket = _header(request, TICKET_HEADER)
-        return cls(
-            waits=int(_header(request, WAITS_HEADER) or 0),
-            first_refused=float(first_refused),
-            ticket=int(ticket) if ticket else None,
-        )
+        if first_refused is None and of_retry is None:
+            return cls.fresh()
+        try:
+            if int(of_retry) != retries:
+                return cls.fresh()
+            ticket = _header(request, TICKET_HEADER)
+            history = cls(
+                waits=int(_header(request, WAITS_HEADER) or 0),
+                first_refused=float(first_refused),
+                ticket=_ticket(ticket),
+                run_part=_run_part(_header(request, RUN_HEADER), _header(request, PROTOCOL_HEADER)),
+                origin=_queue_name(_header(request, QUEUE_HEADER)),
+            )
+        except (TypeError, ValueError) as error:
+            logger.warning("%s[%s]: ignoring wait headers this package did not write (%s): a fresh wait begins",
+                           getattr(request, "task", "?"), getattr(request, "id", "?"), error)
+            return cls.fresh()
+        if history.waits < 0 or not math.isfinite(history.first_refused):
+            logger.warning("%s[%s]: ignoring wait headers this package did not write: a fresh wait begins",
+                           getattr(request, "task", "?"), getattr(request, "id", "?"))
+            return cls.fresh()
+        return history
+
+    @classmethod
+    def fresh(cls) -> WaitHistory:
+        return cls(waits=0, first_refused=time.time(), ticket=None, run_part=new_token()[:16])
+
+    def run_id(self, request: Any) -> str:
+        """The run every copy of this wait asks under: one per invocation, even when task ids
+        repeat (a fixed id for a nightly job), and one per retry of the task."""
+        base = f"{request.id}#{request.retries or 0}"
+        return base if self.run_part is None else f"{base}#{self.run_part}"
 
     def next(self, ticket: int | None, *, retries: int) -> dict[str, Any]:
         """The headers of the re-sent message that continues this wait."""
@@ -314,7 +523,42 @@ class WaitHistory:
             FIRST_REFUSED_HEADER: self.first_refused,
             TICKET_HEADER: ticket if ticket is not None else self.ticket,
             WAIT_OF_RETRY_HEADER: retries,
+            **({RUN_HEADER: self.run_part, PROTOCOL_HEADER: PROTOCOL} if self.run_part is not None else {}),
         }
+
+
+# tickets are server milliseconds * 1024 plus a counter: positive, exact in a float
+_MOST_TICKET = 2**53
+
+
+def _ticket(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{TICKET_HEADER} {value!r}")
+    ticket = int(value)
+    if not 0 < ticket < _MOST_TICKET:
+        raise ValueError(f"{TICKET_HEADER} {value!r} out of range")
+    return ticket
+
+
+def _run_part(value: Any, protocol: Any) -> str | None:
+    if protocol is None and value is None:
+        return None  # protocol 1
+    if int(protocol) > PROTOCOL:
+        logger.warning("a task's wait headers are of protocol %s, newer than this worker's %d (a rolling deploy?): "
+                       "reading what this release knows of them", protocol, PROTOCOL)
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{1,32}", value):
+        raise ValueError(f"{RUN_HEADER} {value!r}")
+    return value
+
+
+def _queue_name(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{QUEUE_HEADER} {value!r}")
+    return value
 
 
 def _header(request: Any, name: str) -> Any:
@@ -363,11 +607,13 @@ def _leave_quietly(semaphore: AnySemaphore, waiter: str, *, away_for: float | No
             logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)
 
 
-def give_back(lease: Lease) -> None:
+def give_back(lease: Lease, *, finished: bool = True) -> None:
     """Release now; only if Redis is unreachable, keep trying briefly in a daemon thread, so the
-    task's result is not held up. The lease expiring is the backstop."""
+    task's result is not held up. The lease expiring is the backstop. ``finished=False``: Celery
+    will deliver the task again, so its run is not marked finished (that copy must run it)."""
+    run = lease.run if finished else None
     try:
-        if not lease.release() and lease.lost:
+        if not lease.release(finished=finished) and lease.lost:
             logger.warning("%r: the lease had been lost before the task ended", lease)
         return
     except RedisUnavailable as error:
@@ -377,7 +623,7 @@ def give_back(lease: Lease) -> None:
         for attempt in range(RELEASE_TRIES):
             time.sleep(RELEASE_PAUSE * (attempt + 1))
             try:
-                lease.semaphore.release(lease.token, run=lease.run, remember_ms=lease.remember_ms)
+                lease.semaphore.release(lease.token, run=run, remember_ms=lease.remember_ms)
                 return
             except RedisUnavailable:
                 continue

@@ -7,7 +7,8 @@
   would then deliver a waiting task twice) and where Redis may evict lease keys.
 * In the consumer: consume, next to each of the worker's queues, its wake queue, where a waiting
   task is sent again the moment a release hands it a slot (so it does not queue behind a backlog
-  of fresh tasks in the queue it came from).
+  of fresh tasks in the queue it came from); also next to a queue added later (``add_consumer``).
+  Each wake queue is declared like its queue (``_wake_queues.py``).
 * In the parent process: a child killed by ``revoke(terminate=True)``, a hard time limit or a
   crash runs no ``finally``; the parent gives its slot back by task id as a best effort (the lease
   is the guarantee). Celery may report such a failure twice, so this is idempotent.
@@ -15,7 +16,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from celery import bootsteps, signals
@@ -26,12 +33,14 @@ from . import metrics
 from ._backend import BackendSpec, client_for
 from ._keys import sample_key
 from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_option
-from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
+from ._parking import parking, wake_queue
 from ._scripts import preload
+from ._wake_queues import is_wake_queue, wake_aware, wake_queue_for
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
 from .policy import VISIBILITY_MARGIN
+from .validation import to_ms
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -49,16 +58,82 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
 
 class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumes the wake queue of every queue the worker consumes."""
+    """Consumes the wake queue of every queue the worker consumes, from its start or later."""
 
     label = "Semaphore wake queues"
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, consumer: Any) -> None:
-        names = [queue.name for queue in consumer.task_consumer.queues]
-        for name in names:
-            if not name.endswith(WAKE_QUEUE_SUFFIX):
-                consumer.add_task_queue(wake_queue(name))
+        follow_queue_changes(consumer)
+        for queue in list(consumer.task_consumer.queues):
+            consume_wake_queue(consumer, queue.name)
+
+
+_FOLLOWED_FLAG = "_celery_semaphore_follows_queues"
+
+
+def consume_wake_queue(consumer: Any, name: str) -> None:
+    """Consume the wake queue of the queue ``name`` (declared like it) too."""
+    if is_wake_queue(name):
+        return
+    queue = wake_queue_for(consumer.app, name)
+    if not _declarable(consumer, queue):
+        return
+    add_task_queue = getattr(consumer, _FOLLOWED_FLAG, None) or consumer.add_task_queue
+    add_task_queue(queue.name)
+
+
+def _declarable(consumer: Any, queue: Any) -> bool:
+    """Declare ``queue`` on a channel of its own first: a wake queue that exists declared
+    otherwise (a classic one made by an earlier version, now that its queue is a quorum queue)
+    makes RabbitMQ close the channel that declares it, and on the consumer's channel that would
+    stop the worker. Without it the worker runs, and its parked tasks come back at their countdown."""
+    try:
+        channel = consumer.connection.channel()
+    except Exception:  # no connection to try on: the consumer's own declaration will tell
+        return True
+    try:
+        queue(channel).declare()
+    except consumer.connection.channel_errors as error:
+        logger.error(
+            "not consuming the wake queue %s: it exists declared otherwise than its queue (%s); delete it once no "
+            "task waits, and restart: until then waiting tasks come back at their countdown only", queue.name, error,
+        )
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
+    return True
+
+
+def follow_queue_changes(consumer: Any) -> None:
+    """Make ``consumer`` consume a queue's wake queue whenever it starts to consume the queue, and
+    stop when it stops.
+
+    Queues change at run time through the consumer's ``add_task_queue`` and ``cancel_task_queue``
+    (the ``add_consumer`` and ``cancel_consumer`` control commands call them, as does any code
+    holding the consumer), and Celery has no signal for either: so the consumer's own methods are
+    wrapped, on this instance only. The consumer outlives a reconnection (its steps restart, this
+    one too), hence the flag: wrapped once, and the wrapper calls the methods it found."""
+    if getattr(consumer, _FOLLOWED_FLAG, None) is not None:
+        return
+    add_task_queue, cancel_task_queue = consumer.add_task_queue, consumer.cancel_task_queue
+    setattr(consumer, _FOLLOWED_FLAG, add_task_queue)
+
+    def add_with_wake_queue(queue: Any, *args: Any, **kwargs: Any) -> None:
+        add_task_queue(queue, *args, **kwargs)
+        name = getattr(queue, "name", queue)
+        if isinstance(name, str) and name:
+            consume_wake_queue(consumer, name)
+
+    def cancel_with_wake_queue(queue: Any, *args: Any, **kwargs: Any) -> None:
+        cancel_task_queue(queue, *args, **kwargs)
+        # a worker told to leave a queue stops running its woken tasks too
+        if isinstance(queue, str) and queue and not is_wake_queue(queue):
+            cancel_task_queue(wake_queue(queue))
+
+    consumer.add_task_queue = add_with_wake_queue
+    consumer.cancel_task_queue = cancel_with_wake_queue
 
 
 def install(app: Any) -> None:
@@ -101,6 +176,7 @@ def sweep_parked_tasks(app: Any) -> None:
     task parked by a worker that died with its message is sent again by the workers still alive,
     though none of them parked anything yet."""
     try:
+        wake_aware(app)  # a swept wake copy goes to a wake queue declared like its origin, from here too
         config = config_for(app)
         parking().sweep(app, client_for(config.backend), config.prefix)
     except Exception as error:  # a bad setting fails the worker's start check, not this
@@ -170,11 +246,19 @@ def _warn_about_eviction(backend: BackendSpec | str) -> None:
         )
 
 
-def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any) -> None:
+def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any, *, finished_run: str | None = None) -> None:
+    """Give back the slot a task id holds (its child is gone), and with ``finished_run`` mark that
+    run finished: Celery will not deliver the task again, so no other copy of its wait may run it."""
+    from .task import TOKEN_REST, remember_for, task_key
+
     try:
         semaphore = semaphore_for_call(task, tuple(args or ()), dict(kwargs or {}))
-        released = semaphore.release_holders_with_prefix(f"{task_id}:")
-        semaphore.leave(task_id)
+        released = semaphore.release_holders_with_prefix(f"{task_key(task_id)}:", rest=TOKEN_REST)
+        semaphore.leave(task_key(task_id))
+        if finished_run is not None:
+            config = config_for(task.app)
+            semaphore.release("", run=finished_run, remember_ms=to_ms(remember_for(wait_options(task, config),
+                                                                                    config)))
     except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
         return
@@ -183,33 +267,113 @@ def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any) -> None
         logger.info("released %d slot(s) of %s[%s] for a killed child", released, task.name, task_id)
 
 
+def delivers_again(task: Any, exception: BaseException, retries: int) -> bool:
+    """Whether Celery delivers a task's message again after the pool process running it was lost
+    (``exception``: WorkerLostError) or killed by its hard time limit (TimeLimitExceeded), as
+    ``celery.worker.request.Request.on_failure`` decides it."""
+    if not task.acks_late:
+        return False  # acked before the body ran
+    if isinstance(exception, TimeLimitExceeded):
+        acks = getattr(task, "acks_on_timeout", None)
+        if acks is None:
+            acks = getattr(task, "acks_on_failure_or_timeout", True)
+        return not acks
+    if getattr(task, "retry_on_worker_lost", False):
+        max_retries = task.max_retries
+        if max_retries is None or retries < max_retries:
+            return False  # sent again as the task's own retry: a new run
+    return bool(task.reject_on_worker_lost)
+
+
+def run_of(request: Any) -> str | None:
+    """The run a delivery of a waiting task asks under (None for a first delivery, which has no
+    other copy), read from its message headers as the task will read them."""
+    from .task import WaitHistory
+
+    shim = SimpleNamespace(id=request.id, retries=getattr(request, "retries", 0) or 0, task=request.task_name,
+                           headers=dict(getattr(request, "request_dict", None) or {}))
+    history = WaitHistory.of(shim)
+    return history.run_id(shim) if history.waits else None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")  # a zombie runs nothing
+    except (OSError, IndexError):
+        return True
+
+
+def _after_exit(pid: int | None, action: Callable[[], None]) -> None:
+    """Run ``action`` once process ``pid`` has exited (at most CHILD_EXIT_WAIT_S from now), in a
+    thread: on a hard time limit Celery reports the failure before the pool kills the child, and
+    the child's body may run on until then: its slot must not go to another task meanwhile."""
+    if pid is None or pid == os.getpid():
+        action()
+        return
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + CHILD_EXIT_WAIT_S
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(CHILD_EXIT_POLL_S)
+        action()
+
+    threading.Thread(target=wait_then_act, name="celery-semaphore-release-after-exit", daemon=True).start()
+
+
+# How long the main process waits for a timed-out child to exit before giving its slot back
+# anyway (the pool kills it right after reporting), and how often it looks.
+CHILD_EXIT_WAIT_S = 10.0
+CHILD_EXIT_POLL_S = 0.01
+
+
 class SemaphoreRequest(Request):  # type: ignore[misc]
     """A semaphore task's request as the worker's main process handles it. When the pool process
     running it is lost (killed, out of memory, a hard time limit), its slot is given back by task
     id *before* Celery acts on the message: with ``acks_late`` and ``reject_on_worker_lost`` (or
-    a time limit not acked) Celery requeues the message at once, and that delivery must find the
-    slot free, else it would be dropped as the twin of a run that looks alive until its lease
-    runs out (and a copy dropped then is a task lost)."""
+    a time limit not acked) Celery requeues the message at once, and that delivery should find
+    the slot free. Where Celery will not deliver the message again (no ``acks_late``, and the
+    rest of Celery's rules in ``delivers_again``), the run is also marked finished, so that no
+    other copy of the task's wait (its backstop or wake copy) runs the body a second time."""
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exception = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback
         cancelled = getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False)
         lost = isinstance(exception, (WorkerLostError, TimeLimitExceeded, SystemExit, KeyboardInterrupt))
         if lost and not cancelled and is_semaphore_task(self.task):
-            _release_by_task_id(self.task, self.id, self.args, self.kwargs)
+            as_lost = exception if isinstance(exception, TimeLimitExceeded) else WorkerLostError()
+            try:
+                run = None if delivers_again(self.task, as_lost, self._context.retries or 0) else run_of(self)
+            except Exception as error:  # never in the way of Celery's own handling
+                logger.warning("could not tell the run of %s[%s]: %s", self.task.name, self.id, error)
+                run = None
+            task, task_id, args, kwargs = self.task, self.id, self.args, self.kwargs
+
+            def give_back() -> None:
+                _release_by_task_id(task, task_id, args, kwargs, finished_run=run)
+
+            if isinstance(exception, TimeLimitExceeded):
+                _after_exit(self.worker_pid, give_back)
+            else:
+                give_back()
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     if is_semaphore_task(sender) and request is not None:
-        _release_by_task_id(sender, request.id, request.args, request.kwargs)
+        # a revoked task runs no more: no copy of its wait may run it either
+        try:
+            run = run_of(request)
+        except Exception:
+            run = None
+        _release_by_task_id(sender, request.id, request.args, request.kwargs, finished_run=run)
 
 
 def _on_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
     args: Any = None, kwargs: Any = None, **_: Any,
 ) -> None:
-    if is_semaphore_task(sender) and task_id and isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+    if is_semaphore_task(sender) and task_id and isinstance(exception, WorkerLostError):
         _release_by_task_id(sender, task_id, args, kwargs)
 
 

@@ -55,3 +55,60 @@ def test_an_eager_task_past_its_max_wait_raises_semaphore_unavailable(redis_serv
         blocked.delay()
     assert caught.value.key == "eager.blocked"
     assert blocked.delay().get(disable_sync_subtasks=False) == "ran"
+
+
+def test_a_nested_eager_call_of_a_key_its_caller_holds_fails_at_once(redis_server: RedisServer) -> None:
+    """An eager task holding the only slot of a key calls a task of the same key: that call could
+    only wait for its own caller, for ever. It fails at once, naming the key."""
+    import time
+
+    from celery_semaphore import SemaphoreError
+
+    app = eager_app(redis_server)
+
+    @limit_concurrency(1, key="shared-key", app=app, lazy=False, shared=False, name="eager.inner")
+    def inner() -> str:
+        return "inner ran"
+
+    @limit_concurrency(1, key="shared-key", app=app, lazy=False, shared=False, name="eager.outer")
+    def outer() -> str:
+        return str(inner.delay().get(disable_sync_subtasks=False))
+
+    started = time.monotonic()
+    with pytest.raises(SemaphoreError, match="shared-key") as caught:
+        outer.delay()
+    assert time.monotonic() - started < 2, "at once, not after a wait"
+    assert caught.value.key == "shared-key"
+    assert redis_server.client().zcard("semaphore:{shared-key}:holders") == 0  # the outer slot came back
+
+
+def test_a_nested_eager_call_with_a_slot_free_runs(redis_server: RedisServer) -> None:
+    """With a slot left, the nested call of the same key takes it and runs."""
+    app = eager_app(redis_server)
+
+    @limit_concurrency(2, key="roomy-key", app=app, lazy=False, shared=False, name="eager.inner2")
+    def inner() -> str:
+        return "inner ran"
+
+    @limit_concurrency(2, key="roomy-key", app=app, lazy=False, shared=False, name="eager.outer2")
+    def outer() -> str:
+        return str(inner.delay().get(disable_sync_subtasks=False))
+
+    assert outer.delay().get(disable_sync_subtasks=False) == "inner ran"
+
+
+def test_fail_open_runs_an_eager_task_when_redis_is_unreachable() -> None:
+    """semaphore_fail_open holds in eager mode too: with the semaphore's Redis unreachable the
+    task runs (with a warning) instead of failing."""
+    from .redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
+    app = Celery("eager", broker="memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, semaphore_backend_url=url,
+                    semaphore_fail_open=True)
+
+    @limit_concurrency(1, app=app, lazy=False, shared=False, name="eager.open")
+    def work() -> str:
+        return "ran"
+
+    assert work.delay().get(disable_sync_subtasks=False) == "ran"

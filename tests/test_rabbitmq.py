@@ -34,6 +34,11 @@ def _reachable(url: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def amqp_url() -> str:
+    return amqp_url_or_skip()
+
+
+def amqp_url_or_skip() -> str:
+    """The RabbitMQ broker to test against; the test is skipped, saying why, where there is none."""
     if not AMQP_URL:
         pytest.skip("CELERY_SEMAPHORE_TEST_AMQP_URL is not set: no RabbitMQ broker to test against")
     problem = _reachable(AMQP_URL)

@@ -19,7 +19,9 @@ def test_a_second_copy_is_told_running_then_done(redis_client: redis.Redis) -> N
     first = semaphore.try_acquire(token="t1:a", waiter="t1", run="t1#0", remember=60)
     assert isinstance(first, Granted)
     second = semaphore.try_acquire(token="t1:b", waiter="t1", run="t1#0", remember=60)
-    assert second == Duplicate(running=True)
+    assert isinstance(second, Duplicate) and second.running
+    # the lease the twin holds (the default, 60 s) is what the copy waits out before it looks again
+    assert 55 < second.twin_lease <= 60
     assert semaphore.status().holder_count == 1
     first.lease.release()
     third = semaphore.try_acquire(token="t1:c", waiter="t1", run="t1#0", remember=60)
@@ -61,3 +63,29 @@ def test_another_run_of_the_same_task_is_not_a_duplicate(redis_client: redis.Red
     retry = semaphore.try_acquire(token="t4:b", waiter="t4", run="t4#1", remember=60)
     assert isinstance(retry, Granted)
     retry.lease.release()
+
+
+def test_a_release_that_does_not_finish_the_run_lets_another_copy_run_it(redis_client: redis.Redis) -> None:
+    """A body that raised Reject(requeue=True), or was stopped by a cold shutdown with acks_late:
+    its slot goes back but its run is not finished, so the requeued copy runs it."""
+    semaphore = FairSemaphore(redis_client, "runs-e", 1)
+    first = semaphore.try_acquire(token="t5:a", waiter="t5", run="t5#0#ab", remember=60)
+    assert isinstance(first, Granted)
+    assert first.lease.release(finished=False) is True
+    again = semaphore.try_acquire(token="t5:b", waiter="t5", run="t5#0#ab", remember=60)
+    assert isinstance(again, Granted)
+    again.lease.release()
+    assert semaphore.try_acquire(token="t5:c", waiter="t5", run="t5#0#ab", remember=60) == Duplicate(running=False)
+
+
+def test_a_run_marked_finished_from_outside_drops_every_later_copy(redis_client: redis.Redis) -> None:
+    """The worker's main process marks the run of a lost child finished where Celery will not
+    deliver the task again (no acks_late): a later copy of the wait is dropped, not run."""
+    semaphore = FairSemaphore(redis_client, "runs-f", 1)
+    first = semaphore.try_acquire(token="t6:a", waiter="t6", run="t6#0#cd", remember=60)
+    assert isinstance(first, Granted)
+    assert semaphore.release_holders_with_prefix("t6:") == 1
+    semaphore.release("", run="t6#0#cd", remember_ms=60_000)  # as worker._release_by_task_id does
+    late = semaphore.try_acquire(token="t6:b", waiter="t6", run="t6#0#cd", remember=60)
+    assert late == Duplicate(running=False)
+    first.lease.released = True

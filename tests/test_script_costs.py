@@ -230,28 +230,45 @@ def test_the_uncontended_paths_return_before_the_rest_of_the_helpers_are_made() 
 
 def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: redis.Redis) -> None:
     """Every worker process sweeps the parked-task records once a second: a sweep with nothing
-    due is TIME and one ZRANGEBYSCORE, however many records wait (not yet due); keeping a record
-    is TIME, ZADD, HSET and the two keys' expiries (on Redis 6.2, without PEXPIRE GT, each
-    expiry reads the TTL first)."""
+    due is TIME and one ZRANGEBYSCORE, however many records wait (not yet due). Keeping a record
+    is TIME, ZADD, two HSETs (the copy, and the waiter's entry that lets a process whose offer
+    went unheard find it), ZADD GT of its line for the ticks, and the four keys' expiries (on
+    Redis 6.2, without PEXPIRE GT, each expiry reads the TTL first). A tick round another
+    process has taken costs a ZCARD and a SET; with no parked waiter anywhere, the ZCARD alone."""
+    import json
+
     from celery_semaphore._parking import parked_keys
     from celery_semaphore._scripts import scripts_for
 
+    def record(i: object) -> str:
+        return json.dumps(["cost:{x}:deadlines", "cost:{x}:runs", f"w{i}", f"w{i}#0#ab", "x"])
+
     scripts = scripts_for(redis_client)
     keys = parked_keys("cost")
-    scripts.park(keys, record="r0", look_in_ms=60_000, copy=b"c")  # loads the script
+    line = json.dumps(["cost:{x}", 1])
+    scripts.park(keys, record=record(0), look_in_ms=60_000, copy=b"c", line=line)  # loads the script
     for parked in (1, 1000):
         for i in range(parked):
-            scripts.park(keys, record=f"r{i}", look_in_ms=60_000, copy=b"c")
+            scripts.park(keys, record=record(i), look_in_ms=60_000, copy=b"c", line=line)
         redis_client.config_resetstat()
         assert scripts.claim_parked(keys, most=100) == []
         counts = calls(redis_client)
         assert scripted(counts) == 2, counts
         assert counts["zrangebyscore"] == 1
     redis_client.config_resetstat()
-    # due later than every record before it, so both expiries move on (one due within the same
+    # due later than every record before it, so the expiries move on (one due within the same
     # millisecond as the last would leave them as they are, at the cost of reading their TTLs)
-    scripts.park(keys, record="r-new", look_in_ms=120_000, copy=b"c")
+    scripts.park(keys, record=record("new"), look_in_ms=120_000, copy=b"c", line=line)
     counts = calls(redis_client)
     major = int(redis_client.info("server")["redis_version"].split(".")[0])
-    assert scripted(counts) <= (5 if major >= 7 else 7), counts
+    assert scripted(counts) <= (10 if major >= 7 else 14), counts
     assert {"zadd", "hset", "time"} <= set(counts)
+    assert scripts.lines_to_tick(keys, round_ms=1000, most=100) == [line]
+    redis_client.config_resetstat()
+    assert scripts.lines_to_tick(keys, round_ms=1000, most=100) == []  # this round is taken
+    assert scripted(calls(redis_client)) == 2
+    idle = parked_keys("cost-idle")
+    redis_client.config_resetstat()
+    assert scripts.lines_to_tick(idle, round_ms=1000, most=100) == []
+    assert scripted(calls(redis_client)) == 1
+    assert redis_client.keys("cost-idle*") == []

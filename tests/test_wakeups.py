@@ -261,7 +261,8 @@ def test_a_second_copy_of_a_run_is_told_it_is_a_duplicate(redis_client: redis.Re
     semaphore = FairSemaphore(redis_client, "runs", 2)
     first = semaphore.try_acquire(token="t1", waiter="task-1", run="task-1#0", remember=60)
     assert isinstance(first, Granted)
-    assert semaphore.try_acquire(token="t2", waiter="task-1", run="task-1#0", remember=60) == Duplicate(running=True)
+    twin = semaphore.try_acquire(token="t2", waiter="task-1", run="task-1#0", remember=60)
+    assert isinstance(twin, Duplicate) and twin.running
     again = semaphore.try_acquire(token="t1", waiter="task-1", run="task-1#0", remember=60)
     assert isinstance(again, Granted)
     assert semaphore.status().holder_count == 1

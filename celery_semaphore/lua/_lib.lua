@@ -103,9 +103,11 @@ local function hold(token, now, lease_ms, label, holders_were_empty)
 end
 
 -- Runs (K_RUNS, K_RUN_EXPIRY): of the copies of one Celery wait, exactly one runs. Whether a copy
--- asking under "run" with "token" must not run: 'running' (another copy holds the slot now),
--- 'ran' (a copy released it normally), or nil (no other copy, or the other's lease went without
--- a release: its process was killed mid-run, and this copy, a redelivery say, runs it after all).
+-- asking under "run" with "token" must not run now: 'running' (another copy holds the slot now;
+-- also returned: how many ms its lease has left, after which this copy may look again), 'ran'
+-- (the run finished: a copy released it normally, or a worker marked it finished because Celery
+-- will not deliver it again), or nil (no other copy, or the other's lease went without a release:
+-- its process was killed mid-run, and this copy, a redelivery say, runs it after all).
 -- K_HOLDERS must point at the semaphore the run's token holds.
 local function run_taken(run, token, now)
   local previous = redis.call('HGET', K_RUNS, run)
@@ -119,8 +121,9 @@ local function run_taken(run, token, now)
   if previous == '' then
     return 'ran'
   end
-  if redis.call('ZSCORE', K_HOLDERS, previous) then
-    return 'running'
+  local deadline = tonumber(redis.call('ZSCORE', K_HOLDERS, previous))
+  if deadline and deadline > now then
+    return 'running', deadline - now
   end
   return nil
 end
@@ -181,12 +184,26 @@ end
 -- to the one shard owning the slot instead of over the whole cluster bus; any other address with
 -- PUBLISH. A server before 7 has no SPUBLISH: there it PUBLISHes (nobody hears it; the waiter's
 -- own asks every patience/3 cover it) rather than fail the script.
+-- A waiter nobody heard (no subscriber: its process is gone, a pool child recycled by
+-- max_tasks_per_child say, or its listener is reconnecting) is added to "unheard", which the
+-- scripts that hand slots on return: their caller sends a parked task's wake copy itself
+-- (_parking.wake_unheard), so the offer is claimed in milliseconds instead of lapsing. PUBLISH
+-- on a cluster counts only this node's subscribers: an address marked "c." (a cluster listener
+-- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard.
+local unheard = {}
 local function notify(address, waiter)
   if address and address ~= '' then
+    local heard
     if HAS_GT and string.find(address, ':wake:s%.[^:]*$') then
-      redis.call('SPUBLISH', address, waiter)
+      heard = redis.call('SPUBLISH', address, waiter)
     else
-      redis.call('PUBLISH', address, waiter)
+      heard = redis.call('PUBLISH', address, waiter)
+      if string.find(address, ':wake:c%.[^:]*$') then
+        heard = 1
+      end
+    end
+    if heard == 0 then
+      unheard[#unheard + 1] = waiter
     end
   end
 end

@@ -27,8 +27,9 @@
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns, when granted, the bare integer outcome (1 or 2: the common answer stays short to parse);
--- for a duplicate run, 3 (its other copy holds the slot now) or 4 (it held it and gave it back);
--- when refused, {outcome, position, free, limit, hold, ticket, turn}:
+-- for a duplicate run, {3, lease_ms} (its other copy holds the slot now, its lease lasting
+-- lease_ms more unless renewed) or 4 (the run finished);
+-- when refused, {outcome, position, free, limit, hold, ticket, turn, unheard...}:
 --   outcome  1 = granted: the slot is held under token (also when token already held it, so
 --            a resend by redis-py after a connection error is harmless); 2 = granted by
 --            claiming the offer a release made to this waiter; 0 = wait
@@ -38,6 +39,7 @@
 --   hold     moving average of recent hold times in ms, or -1 while none is known (or granted)
 --   ticket   the waiter's ticket as a decimal string ("" when granted or not queued)
 --   turn     the waiter's 0-based place among present waiters: slots are offered by this
+--   unheard  the waiters this try offered a slot to whose wake-up nobody heard (see notify)
 
 local GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 local token, waiter = ARGV[1], ARGV[2]
@@ -50,9 +52,9 @@ local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 local now = now_ms()
 
 if run ~= '' then
-  local taken = run_taken(run, token, now)
+  local taken, lease_left_ms = run_taken(run, token, now)
   if taken == 'running' then
-    return RUNNING
+    return {RUNNING, lease_left_ms}
   elseif taken == 'ran' then
     return RAN
   end
@@ -104,7 +106,8 @@ if not enqueue then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
     return granted(GRANTED)
   end
-  return {WAIT, redis.call('ZCARD', K_QUEUE), left, limit, average, '', redis.call('ZCARD', K_PRESENT)}
+  return {WAIT, redis.call('ZCARD', K_QUEUE), left, limit, average, '', redis.call('ZCARD', K_PRESENT),
+          unpack(unheard)}
 end
 
 local ticket = redis.call('ZSCORE', K_QUEUE, waiter)
@@ -140,4 +143,4 @@ if chosen then
 end
 extend_line(patience_ms + GRACE_MS)
 return {WAIT, redis.call('ZRANK', K_QUEUE, waiter), left, limit, average, string.format('%.0f', ticket),
-        redis.call('ZRANK', K_PRESENT, waiter)}
+        redis.call('ZRANK', K_PRESENT, waiter), unpack(unheard)}

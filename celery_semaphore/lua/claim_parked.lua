@@ -1,6 +1,7 @@
 -- claim_parked: take the parked-task records that are due, each by one sweep only.
 --   KEYS[1] due     ZSET  (see park.lua)
 --   KEYS[2] copies  HASH
+--   KEYS[3] waiters HASH
 --   ARGV[1] most    records to take at once
 -- Returns record, copy, record, copy, ... ("" for a copy that is gone), the records removed:
 -- the caller sends each copy whose wait no copy asked for (a lapsed place, no run granted).
@@ -13,6 +14,11 @@ local claimed = {}
 for _, record in ipairs(due) do
   claimed[#claimed + 1] = record
   claimed[#claimed + 1] = redis.call('HGET', KEYS[2], record) or ''
+  local ok, fields = pcall(cjson.decode, record)
+  local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3] and (fields[1] .. '\n' .. fields[3])
+  if by_waiter and redis.call('HGET', KEYS[3], by_waiter) == record then
+    redis.call('HDEL', KEYS[3], by_waiter)
+  end
 end
 redis.call('ZREM', KEYS[1], unpack(due))
 redis.call('HDEL', KEYS[2], unpack(due))

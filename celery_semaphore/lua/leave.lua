@@ -8,7 +8,8 @@
 --   ARGV[4] wake     with away_ms: "" to be passed by while away; or a wake address, to stay
 --                    *parked*: offered its turn like a present waiter, the offer told on that
 --                    address (a Celery worker that sends the task back at once)
--- Returns 1 if the waiter was in line (or held an offer), 0 if not. Safe to repeat.
+-- Returns 1 if the waiter was in line (or held an offer), 0 if not; followed by the waiters whose
+-- wake-up nobody heard, if any ({1, unheard...}; see notify in _lib.lua). Safe to repeat.
 -- A slot offered to a waiter that gives up or steps away unparked goes on to the next present
 -- waiter at once; a parked waiter keeps its offer, told again on its new address.
 
@@ -29,7 +30,7 @@ if away_ms and in_line and wake ~= '' then
     hand_off(now, current_limit(tonumber(ARGV[3])), nil)
   end
   extend_line(away_ms + GRACE_MS)
-  return 1
+  return {1, unpack(unheard)}
 end
 local had_offer = redis.call('ZREM', K_HOLDERS, '!' .. waiter)
 if away_ms and in_line then
@@ -43,7 +44,4 @@ end
 if had_offer == 1 then
   settle(now or now_ms(), current_limit(tonumber(ARGV[3])))
 end
-if in_line or had_offer == 1 then
-  return 1
-end
-return 0
+return {(in_line or had_offer == 1) and 1 or 0, unpack(unheard)}

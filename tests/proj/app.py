@@ -288,3 +288,64 @@ def _record_chaos_delivery(task_id: str | None = None, task: Any = None, **_: An
     before delivery) can be told from one lost while it waited."""
     if getattr(task, "name", None) == "proj.chaos":
         probe("chaos").client.rpush("probe:chaos:deliveries", f"{task_id} {os.getpid()} {time.time()}")
+
+
+# --- exactly once, whatever happens to the workers (issue 16) ------------------------------
+
+def _first_run_of(key: str, task_id: str) -> bool:
+    """Whether this is the first body run of ``task_id`` under the probe ``key`` (counted in Redis,
+    so across processes and workers)."""
+    return int(probe(key).client.hincrby(f"probe:{key}:runs", task_id, 1)) == 1
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
+          name="proj.reject_once", bind=True, acks_late=True)
+def reject_once(self: Any, seconds: float, key: str = "reject_once") -> str:
+    """Rejects its message with requeue on its first run (a body that cannot work now and hands
+    the message back to the broker); the requeued delivery must run and complete."""
+    _held_by_process(key, seconds, self.request.id)
+    if _first_run_of(key, self.request.id):
+        raise Reject("not now", requeue=True)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
+          semaphore_lease=15, name="proj.long_acks_late", bind=True, acks_late=True)
+def long_acks_late(self: Any, seconds: float, key: str = "long_acks_late") -> str:
+    """acks_late, a 15 s lease: the first run takes ``seconds`` (its worker is killed meanwhile),
+    a later one a moment."""
+    first = _first_run_of(key, self.request.id)
+    _held_by_process(key, seconds if first else 0.1, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=4,
+          name="proj.at_most_once", bind=True)
+def at_most_once(self: Any, seconds: float, key: str = "at_most_once") -> str:
+    """No acks_late: Celery delivers it at most once; its waits are re-sent (4 s backstop)."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
+          name="proj.recycled", bind=True)
+def recycled(self: Any, seconds: float, key: str = "recycled") -> str:
+    """Waits outside the worker with a 30 s backstop: only hand-off brings it back in time."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
+          semaphore_lease=3, name="proj.short_lease", bind=True, acks_late=True)
+def short_lease(self: Any, seconds: float, key: str = "short_lease") -> str:
+    """A 3 s lease and a 30 s backstop: a slot whose holder's worker died comes back with the
+    lease, and must reach a parked waiter then, not at its backstop."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=2, semaphore_inline_wait=0, semaphore_countdown=30,
+          name="proj.two_slots", bind=True)
+def two_slots(self: Any, seconds: float, key: str = "two_slots") -> str:
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)

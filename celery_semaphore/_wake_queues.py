@@ -1,0 +1,116 @@
+"""Wake queues declared like the queues they serve.
+
+A wake copy (``_parking.py``) is sent to ``<queue>.semaphore-wake``, and the workers consume that
+queue next to ``<queue>``. Every process that declares it (each worker consuming it, each process
+sending a wake copy to it) must declare it the same way: RabbitMQ refuses a second declaration
+that differs (``PRECONDITION_FAILED - inequivalent arg 'x-queue-type'`` when one side makes it
+classic and the other quorum), and Celery itself refuses to route to a name missing from
+``app.amqp.queues`` under ``task_create_missing_queues=False``. Left to Celery, the two sides
+took their declaration from different rules (the worker's ``add_task_queue`` defaults, the
+sender's missing-queue defaults), neither of which looks at the queue being served.
+
+So here every wake queue is derived from one source, the declaration of its origin queue in
+``app.amqp.queues``: the same queue type and arguments, durability and exchange, bound under its
+own name as routing key. It is derived on lookup: the app's ``Queues`` mapping resolves any
+``*.semaphore-wake`` name itself, so Celery's router finds the right declaration wherever a wake
+copy is sent from, by name: the process that parked the task, or any process sweeping a parked
+record written by another (``_parking.py``), with no Queue object in the serialized copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kombu.entity import Exchange, Queue
+
+from ._parking import WAKE_QUEUE_SUFFIX, wake_queue
+
+# Exchange types whose routing ignores the routing key: a wake queue bound to one would get a copy
+# of every fresh task sent there, so it gets a direct exchange of its own instead.
+_KEYLESS_EXCHANGE_TYPES = frozenset({"fanout", "headers"})
+
+# Queue settings a wake queue takes from its origin (RabbitMQ compares them on each declaration).
+# Not taken: the name, the routing key and bindings (its own), an alias (one name, one queue), and
+# ``no_declare``: a wake queue nobody declares does not exist, and wake copies sent to it vanish.
+_COPIED = (
+    "durable", "exclusive", "auto_delete", "no_ack", "expires", "message_ttl", "max_length",
+    "max_length_bytes", "max_priority",
+)
+
+_lock = threading.Lock()
+_aware_classes: dict[type, type] = {}
+
+
+def is_wake_queue(name: str) -> bool:
+    return name.endswith(WAKE_QUEUE_SUFFIX)
+
+
+def wake_queue_for(app: Any, origin_name: str) -> Queue:
+    """The wake queue of the queue ``origin_name``, declared like it and registered in
+    ``app.amqp.queues`` (so that a wake copy routed by name finds this declaration). A queue the
+    app declares itself under the wake queue's name (in ``task_queues``) is left as it is."""
+    queues = wake_aware(app)
+    return queues[wake_queue(origin_name)]  # type: ignore[no-any-return]
+
+
+def wake_aware(app: Any) -> Any:
+    """Make ``app.amqp.queues`` resolve wake queue names itself, and return it.
+
+    The mapping's class is swapped for a subclass (one per class, so an app's own ``queues_cls``
+    keeps its behaviour) rather than the mapping replaced: Celery's router holds the mapping it
+    was made with, and must see the wake queues too. Called once the configuration is final (a
+    worker's start, a pool process's start, the first park), never when a task class is bound:
+    ``app.amqp.queues`` is built once, from the settings of the moment it is first read."""
+    queues = app.amqp.queues
+    cls = type(queues)
+    if not issubclass(cls, _WakeQueues):
+        with _lock:
+            aware = _aware_classes.get(cls)
+            if aware is None:
+                aware = _aware_classes[cls] = type(f"WakeAware{cls.__name__}", (_WakeQueues, cls), {})
+            if not isinstance(queues, _WakeQueues):
+                queues.__class__ = aware
+    return queues
+
+
+class _WakeQueues:
+    """Mixed into the class of ``app.amqp.queues``: an unknown wake queue name is a declaration
+    derived from its origin's, added to the mapping, whatever ``task_create_missing_queues`` says
+    (Celery's own answer would be a missing-queue default or a KeyError)."""
+
+    __slots__ = ()
+
+    def __missing__(self, name: str) -> Any:
+        if not is_wake_queue(name):
+            return super().__missing__(name)  # type: ignore[misc]
+        origin = _origin_of(self, name.removesuffix(WAKE_QUEUE_SUFFIX))
+        return self.add(declared_like(origin, name))  # type: ignore[attr-defined]
+
+
+def _origin_of(queues: Any, name: str) -> Queue:
+    """The origin queue as this process declares it; one it does not know (a queue only another
+    process declared: added by ``add_consumer`` in a worker's main process, or made on the fly by
+    a sender) as Celery makes a queue it does not know, which is how that process made it too."""
+    if name in queues:  # ``in``: a lookup would add the origin to the mapping
+        return queues[name]  # type: ignore[no-any-return]
+    new_missing = getattr(queues, "new_missing", None)
+    if new_missing is not None:
+        return new_missing(name)  # type: ignore[no-any-return]
+    return Queue(name, Exchange(name), name)  # type: ignore[no-untyped-call]
+
+
+def declared_like(origin: Queue, name: str) -> Queue:
+    """A queue called ``name`` declared like ``origin``: same queue type and arguments (so
+    ``x-queue-type``), durability and exchange, bound under ``name`` as routing key so that a
+    message for it reaches it alone (on an exchange that routes by key)."""
+    exchange = origin.exchange
+    if exchange is None or exchange.type in _KEYLESS_EXCHANGE_TYPES:
+        exchange = Exchange(name, "direct", durable=origin.durable)  # type: ignore[no-untyped-call]
+    settings = {attribute: getattr(origin, attribute, None) for attribute in _COPIED}
+    for attribute in ("queue_arguments", "consumer_arguments"):  # copies: Celery may add to them
+        arguments = getattr(origin, attribute, None)
+        settings[attribute] = dict(arguments) if arguments else None
+    return Queue(  # type: ignore[no-untyped-call]
+        name, exchange, name, **{attribute: value for attribute, value in settings.items() if value is not None},
+    )

@@ -1,0 +1,158 @@
+"""A task that waited runs exactly once, whatever happens to its workers (real workers, Redis broker).
+
+Each test makes a task wait for its slot (refused, parked, woken by the release), so that it
+exists in several copies (its wake copy, its backstop copy, a broker's redelivery), then does
+to it what production does: kills its worker, rejects its message, SIGKILLs its child, reuses
+its id. What Celery promises decides the outcome: with ``acks_late`` a message is delivered
+at least once (the task must complete, once); without it at most once (the body must never
+run twice).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_semaphore import semaphore_for
+from celery_semaphore.task import task_key
+
+from .conftest import CeleryStack
+from .waiting import wait_until
+from .workers import Worker, worker_group
+
+pytestmark = pytest.mark.workers
+
+QUEUE = "once"
+# a worker SIGKILLed with unacked messages: the Redis broker gives them to another worker after this
+VISIBILITY_TIMEOUT = 4
+
+
+@pytest.fixture(scope="module")
+def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
+    conf = {"broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT}}
+    with worker_group(celery_stack.env, queue=QUEUE, names=("once1", "once2"), concurrency=2, conf=conf,
+                      kill_at_end=True) as group:
+        yield group
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack, workers: list[Worker]) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def runs(proj: Any, key: str, which: str = "starts") -> list[tuple[str, int, float]]:
+    """(task id, process id, time) of each body start (or end) recorded under ``key``."""
+    entries = proj.probe(key).client.lrange(f"probe:{key}:{which}", 0, -1)
+    return [(task_id.decode(), int(pid), float(at)) for task_id, pid, at in (entry.split() for entry in entries)]
+
+
+def parked(proj: Any, semaphore_key: str, task_id: str) -> bool:
+    waiter = task_key(task_id)  # the id a task stands in line under
+    return any(w.waiter == waiter and w.present for w in semaphore_for(proj.app, semaphore_key).status().waiters)
+
+
+def waited_then_started(proj: Any, task: Any, key: str, *args: Any, task_id: str | None = None,
+                        workers: list[Worker] | None = None) -> AsyncResult:
+    """Send ``task`` while its only slot is held, so that it parks; release; wait for its body."""
+    holder = semaphore_for(proj.app, task.name).acquire(timeout=5)
+    result = task.apply_async(args, queue=QUEUE, task_id=task_id)
+    wait_until(lambda: parked(proj, task.name, result.id), timeout=30, what="the task parked")
+    before = len([run for run in runs(proj, key) if run[0] == result.id])
+    holder.release()
+    try:
+        wait_until(lambda: len([run for run in runs(proj, key) if run[0] == result.id]) > before, timeout=30,
+                   what="its body started")
+    except AssertionError:
+        print("".join(worker.log() for worker in workers or []))
+        raise
+    return result
+
+
+def worker_of(workers: list[Worker], pid: int) -> Worker:
+    return next(worker for worker in workers if pid in worker.children())
+
+
+def test_a_whole_worker_killed_mid_run_with_acks_late_loses_nothing(proj: Any, workers: list[Worker]) -> None:
+    """The redelivered copy finds the dead holder's lease (15 s) still live. It must not be
+    dropped as a duplicate: it waits until the lease lapses, then runs the task, once more."""
+    key = "long_acks_late"
+    result = waited_then_started(proj, proj.long_acks_late, key, 60, workers=workers)
+    ((_, pid, _),) = runs(proj, key)
+    victim = worker_of(workers, pid)
+    victim.kill()  # the whole worker: no parent is left to give the slot back
+    survivors = [worker for worker in workers if worker is not victim]
+    try:
+        assert result.get(timeout=60) == result.id
+        starts, ends = runs(proj, key), runs(proj, key, "ends")
+        assert [run[0] for run in starts] == [result.id, result.id], "killed once, run once more"
+        assert len(ends) == 1
+        assert ends[0][1] != pid
+    finally:
+        workers[:] = [*survivors, victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency)
+                      .start()]
+
+
+def test_a_body_that_rejects_with_requeue_runs_again(proj: Any, workers: list[Worker]) -> None:
+    """Reject(requeue=True) hands the message back: the requeued delivery is no duplicate of a
+    finished run, and completes."""
+    key = "reject_once"
+    result = waited_then_started(proj, proj.reject_once, key, 0.1, workers=workers)
+    assert result.get(timeout=30) == result.id
+    assert [run[0] for run in runs(proj, key, "ends")] == [result.id, result.id]
+
+
+def test_a_child_killed_mid_run_without_acks_late_never_runs_twice(proj: Any, workers: list[Worker]) -> None:
+    """Without acks_late Celery records WorkerLostError and delivers the task no more; the
+    backstop copy (4 s) of the wait arrives later and must be dropped, not run the body again."""
+    key = "at_most_once"
+    result = waited_then_started(proj, proj.at_most_once, key, 30)
+    ((_, pid, _),) = runs(proj, key)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(Exception, match=r"(?i)worker|lost|signal"):
+        result.get(timeout=30)
+    # the backstop copy comes 4 s after the park, and is dropped as a finished run
+    wait_until(lambda: any(f"{result.id}]: another copy of this wait has run" in worker.log() for worker in workers),
+               timeout=30, what="the backstop copy dropped")
+    assert [run[0] for run in runs(proj, key)] == [result.id]
+
+
+def test_a_reused_task_id_runs_each_time(proj: Any, workers: list[Worker]) -> None:
+    """A fixed id ("run once a night") used twice, both invocations having waited: each runs."""
+    key = "recycled"
+    task_id = f"nightly-{time.time_ns()}"
+    first = waited_then_started(proj, proj.recycled, key, 0.1, task_id=task_id, workers=workers)
+    assert first.get(timeout=30) == task_id
+    second = waited_then_started(proj, proj.recycled, key, 0.1, task_id=task_id, workers=workers)
+    assert second.get(timeout=30) == task_id
+    wait_until(lambda: len(runs(proj, key, "ends")) >= 2, timeout=10, what="both runs ended")
+    assert [run[0] for run in runs(proj, key, "ends")].count(task_id) == 2
+
+
+@pytest.mark.parametrize("task_id", ["!bang", "*3*star", "~tilde"])
+def test_task_ids_that_look_like_markers_wait_and_run(proj: Any, workers: list[Worker], task_id: str) -> None:
+    """Ids starting with the marks of an offer or a weighted waiter wait and run like any other."""
+    key = "recycled"
+    unique = f"{task_id}-{time.time_ns()}"
+    result = waited_then_started(proj, proj.recycled, key, 0.1, task_id=unique, workers=workers)
+    assert result.get(timeout=30) == unique
+
+
+def test_wait_headers_not_ours_are_ignored_with_a_warning(proj: Any, workers: list[Worker]) -> None:
+    """A message whose semaphore headers do not parse starts a fresh wait: it runs, it does not
+    fail, and it takes no place it did not earn."""
+    key = "recycled"
+    result = proj.recycled.apply_async(
+        (0.1,), queue=QUEUE,
+        headers={"semaphore_first_refused": "x", "semaphore_wait_of_retry": 0, "semaphore_waits": 1,
+                 "semaphore_ticket": "not a ticket"})
+    assert result.get(timeout=30) == result.id
+    assert any(f"{result.id}]: ignoring wait headers" in worker.log() for worker in workers)
+    assert result.id in [run[0] for run in runs(proj, key, "ends")]

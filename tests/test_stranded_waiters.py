@@ -1,0 +1,84 @@
+"""No waiter is stranded when processes come and go (real workers, Redis broker).
+
+A parked task is woken on its pool process's channel. When that process is gone (recycled by
+``worker_max_tasks_per_child``, OOM-killed, its worker SIGKILLed), nobody hears the offer: the
+process that made it sends the task's wake copy itself, from the record kept in Redis. And when
+a holder's worker dies, its lease lapses with no script running on a line of parked waiters: a
+tick, once a second from one worker process, hands the slot on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_semaphore import semaphore_for
+from celery_semaphore.task import task_key
+
+from .conftest import CeleryStack
+from .waiting import wait_until
+from .workers import worker_group
+
+pytestmark = pytest.mark.workers
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def runs(proj: Any, key: str, which: str = "starts") -> list[tuple[str, int, float]]:
+    entries = proj.probe(key).client.lrange(f"probe:{key}:{which}", 0, -1)
+    return [(task_id.decode(), int(pid), float(at)) for task_id, pid, at in (entry.split() for entry in entries)]
+
+
+def makespan(proj: Any, queue: str, count: int) -> float:
+    """Seconds from sending ``count`` 0.5 s tasks of limit 1 to the last result."""
+    started = time.monotonic()
+    results: list[AsyncResult] = [proj.recycled.apply_async((0.5,), queue=queue) for _ in range(count)]
+    for result in results:
+        assert result.get(timeout=120) == result.id
+    return time.monotonic() - started
+
+
+def test_worker_max_tasks_per_child_strands_no_waiter(proj: Any, celery_stack: CeleryStack) -> None:
+    """6 tasks of 0.5 s at limit 1, concurrency 3, every refused task parked (its pool process
+    recycled right after parking): within 2x the same run without recycling, not one start per
+    30 s backstop."""
+    with worker_group(celery_stack.env, queue="steady", names=("steady",), concurrency=3):
+        baseline = makespan(proj, "steady", 6)
+    with worker_group(celery_stack.env, queue="recycling", names=("recycling",), concurrency=3,
+                      conf={"worker_max_tasks_per_child": 1}) as group:
+        recycled = makespan(proj, "recycling", 6)
+        log = group[0].log()
+    print(f"makespan: {recycled:.2f} s with worker_max_tasks_per_child=1, {baseline:.2f} s without")
+    assert recycled <= 2 * baseline, log[-4000:]
+    assert proj.probe("recycled").client.get("probe:recycled:max") in (None, b"1")
+
+
+def test_a_slot_whose_holders_worker_was_killed_reaches_a_parked_waiter_within_the_lease(
+    proj: Any, celery_stack: CeleryStack,
+) -> None:
+    """Limit 1, a 3 s lease: the holder's whole worker is SIGKILLed; the task parked on another
+    worker starts within the lease + 2 s of the kill, not at its 30 s backstop."""
+    key = "short_lease"
+    with worker_group(celery_stack.env, queue="lease-holder", names=("lease-holder",), concurrency=1,
+                      kill_at_end=True) as holders, \
+            worker_group(celery_stack.env, queue="lease-waiter", names=("lease-waiter",), concurrency=1) as waiters:
+        holder = proj.short_lease.apply_async((60,), queue="lease-holder")
+        wait_until(lambda: any(run[0] == holder.id for run in runs(proj, key)), timeout=30, what="the holder runs")
+        waiter = proj.short_lease.apply_async((0.1,), queue="lease-waiter")
+        semaphore = semaphore_for(proj.app, "proj.short_lease")
+        wait_until(lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
+                   timeout=30, what="the waiter parked")
+        killed_at = time.time()
+        holders[0].kill()
+        assert waiter.get(timeout=60) == waiter.id, waiters[0].log()[-4000:]
+        ((_, _, started_at),) = [run for run in runs(proj, key) if run[0] == waiter.id]
+        print(f"the parked waiter started {started_at - killed_at:.2f} s after the holder's worker was killed")
+        assert started_at - killed_at <= 3 + 2
