@@ -69,7 +69,8 @@ QUEUE_HEADER = "semaphore_queue"
 # a random id of this wait, made at its first refusal: with the task id and the retry it names the
 # run every copy of the wait asks under, unique per invocation even when task ids repeat
 RUN_HEADER = "semaphore_run"
-# the version of the wait protocol that wrote the headers above (see WaitHistory)
+# the version of the wait protocol that wrote the headers above (see WaitHistory; the same number
+# as worker.STATE_PROTOCOL, the version of the state in Redis)
 PROTOCOL_HEADER = "semaphore_protocol"
 PROTOCOL = 2
 # Headers a broker adds to a message it dead-lettered or redelivered: a re-sent copy is a new

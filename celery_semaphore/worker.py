@@ -193,6 +193,7 @@ def check_app(app: Any) -> None:
         if config.visibility_timeout is not None and high >= config.visibility_timeout * VISIBILITY_MARGIN:
             near_visibility_timeout.append(task.name)
         check_limits(task, config)
+    check_state_protocol(config)
     if near_visibility_timeout:
         logger.warning(
             "countdowns of %s may reach half the Redis broker's visibility_timeout (%s s), past which the broker "
@@ -200,6 +201,34 @@ def check_app(app: Any) -> None:
             ", ".join(sorted(near_visibility_timeout)), config.visibility_timeout,
         )
     _warn_about_eviction(config.backend)
+
+
+# The version of what this release keeps in Redis and in task headers (task.PROTOCOL): workers of
+# two releases sharing a prefix must read each other's state (a rolling deploy), so a release
+# that changes it incompatibly raises it, and older workers refuse to start against it.
+STATE_PROTOCOL = 2
+
+
+def check_state_protocol(config: SemaphoreConfig) -> None:
+    """Refuse to start against semaphore state written by a newer, incompatible release (it
+    would be misread silently); record this release's protocol where the state is older or new.
+    Redis unreachable at start changes nothing here: tasks fail closed as usual."""
+    key = f"{config.prefix}:protocol"
+    try:
+        client = client_for(config.backend)
+        stored = client.get(key)
+        if stored is None or int(stored) < STATE_PROTOCOL:
+            client.set(key, STATE_PROTOCOL)
+            return
+    except Exception as error:
+        logger.debug("could not read the semaphore state's protocol: %s", error)
+        return
+    if int(stored) > STATE_PROTOCOL:
+        raise ConfigurationError(
+            "semaphore_prefix", config.prefix,
+            f"the semaphore state under this prefix is of protocol {int(stored)}, written by a newer celery-semaphore "
+            f"than this worker's ({STATE_PROTOCOL}): upgrade this worker, or give the new release its own prefix "
+            "(docs/deploying.md, rolling deploys)")
 
 
 def check_limits(task: Any, config: SemaphoreConfig) -> None:

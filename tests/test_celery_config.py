@@ -276,3 +276,22 @@ def test_eviction_is_warned_of_only_where_redis_can_evict(caplog: pytest.LogCapt
             with caplog.at_level("WARNING", logger="celery_semaphore"):
                 _warn_about_eviction(server.url)
             assert any("may evict" in r.getMessage() for r in caplog.records) is warned, (maxmemory, policy)
+
+
+def test_a_worker_refuses_state_of_a_newer_protocol_and_records_its_own(redis_server: RedisServer) -> None:
+    """Workers of two releases share the keys during a rolling deploy: a worker records the
+    protocol of the state it writes, and one of an older release refuses to start against state
+    a newer, incompatible release wrote (instead of misreading it), naming the prefix."""
+    from celery_semaphore.worker import STATE_PROTOCOL, check_state_protocol
+
+    app = make_app(semaphore_backend_url=redis_server.url, semaphore_prefix="rolling")
+    client = redis_server.client()
+    check_state_protocol(config_for(app))
+    assert client.get("rolling:protocol") == str(STATE_PROTOCOL).encode()
+    client.set("rolling:protocol", STATE_PROTOCOL + 1)
+    with pytest.raises(ConfigurationError, match=r"semaphore_prefix.*newer celery-semaphore") as caught:
+        check_state_protocol(config_for(app))
+    assert caught.value.value == "rolling"
+    client.set("rolling:protocol", 1)  # state of an older release: read as it is, and recorded anew
+    check_state_protocol(config_for(app))
+    assert client.get("rolling:protocol") == str(STATE_PROTOCOL).encode()

@@ -378,3 +378,28 @@ def test_a_waiter_asking_from_another_process_is_told_there(redis_client: redis.
     assert [v.rsplit(b"|", 1) for v in now] == [[f.split(b"|")[0], b"chan-2"] for f in first]
     multi.leave("w")
     holder.release()
+
+
+def test_a_multi_waiter_freed_between_its_refusal_and_its_park_is_told_when_it_parks(
+    redis_client: redis.Redis,
+) -> None:
+    """The release that frees a multi waiter's slots lands after its refusal and before its park:
+    it tells an address nobody listens on yet. Parking then tells the waiter at once (it heads
+    every line and its weight fits), instead of leaving every line it heads idle until its
+    backstop copy comes."""
+    a = FairSemaphore(redis_client, "a", 1)
+    b = FairSemaphore(redis_client, "b", 1)
+    holder = b.acquire(timeout=0)
+    multi = MultiSemaphore([a, b])
+    assert isinstance(multi.try_acquire(waiter="w"), Waiting)  # refused, not parked yet
+    holder.release()  # tells nobody: the waiter has no address yet
+    listener = redis_client.pubsub()
+    listener.subscribe("park-channel")
+    wait_until(lambda: listener.get_message(timeout=0.1), timeout=5, what="subscribed")
+    assert multi.leave("w", away_for=30, wake="park-channel")
+    told = wait_until(lambda: listener.get_message(timeout=0.1), timeout=5, what="the parked waiter told")
+    assert told["data"] == b"*1*w"
+    granted = multi.try_acquire(waiter="w")
+    assert isinstance(granted, Granted)
+    granted.lease.release()
+    listener.close()

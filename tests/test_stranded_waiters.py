@@ -82,3 +82,24 @@ def test_a_slot_whose_holders_worker_was_killed_reaches_a_parked_waiter_within_t
         ((_, _, started_at),) = [run for run in runs(proj, key) if run[0] == waiter.id]
         print(f"the parked waiter started {started_at - killed_at:.2f} s after the holder's worker was killed")
         assert started_at - killed_at <= 3 + 2
+
+
+def test_under_a_hard_time_limit_the_next_body_starts_only_once_the_killed_one_stopped(
+    proj: Any, celery_stack: CeleryStack,
+) -> None:
+    """A body that ignores the SIGTERM of its hard time limit runs on until the SIGKILL that
+    follows; its slot must not go to the next task before then. Each body beats in Redis every
+    5 ms (an independent probe): the second body starts after the first one's last beat."""
+    key = "stubborn"
+    with worker_group(celery_stack.env, queue="stubborn", names=("stubborn",), concurrency=2):
+        first = proj.stubborn.apply_async(queue="stubborn")
+        wait_until(lambda: any(run[0] == first.id for run in runs(proj, key)), timeout=30, what="the first runs")
+        second = proj.after_stubborn.apply_async(queue="stubborn")
+        assert second.get(timeout=30) == second.id
+        with pytest.raises(Exception, match=r"(?i)time ?limit"):
+            first.get(timeout=30)
+    alive = {task_id.decode(): float(at) for task_id, at in proj.probe(key).client.hgetall(
+        f"probe:{key}:alive").items()}
+    ((_, _, second_started),) = [run for run in runs(proj, key) if run[0] == second.id]
+    print(f"the second body started {second_started - alive[first.id]:+.3f} s after the first one's last beat")
+    assert second_started > alive[first.id]

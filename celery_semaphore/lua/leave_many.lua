@@ -33,9 +33,10 @@ for i = 1, n do
   elseif drop_waiter(waiter) == 1 then
     was_in_line = 1
   end
-  -- unless parked (it was just refused, and heads the same lines as before), it may have
-  -- headed this line: those behind it move up
-  if not (away_ms and wake ~= '') and redis.call('ZCARD', K_PRESENT) > 0 then
+  -- it may have headed this line: those behind it move up; or, parking, it is told at once if
+  -- its weight fits now (a release between its refusal and this park told an address nobody
+  -- listened on yet, and nothing else would tell it again before its backstop)
+  if redis.call('ZCARD', K_PRESENT) > 0 then
     hand_off(now, current_limit(tonumber(ARGV[2 + i])), nil)
   end
 end

@@ -349,3 +349,68 @@ def short_lease(self: Any, seconds: float, key: str = "short_lease") -> str:
 def two_slots(self: Any, seconds: float, key: str = "two_slots") -> str:
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+# --- the full chaos run (tests/test_chaos.py, issue 16) -------------------------------------
+
+def rejects_first_attempt(task_id: str) -> bool:
+    """Whether ``proj.chaos_full`` rejects the first attempt of ``task_id`` (about 1 in 20): a hash
+    of the id, so the worker that runs it and the test that counts agree without telling each other."""
+    import zlib  # here, not at the top: this section is appended to the module
+
+    return zlib.crc32(task_id.encode()) % 20 == 0
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=3, semaphore_inline_wait=0, semaphore_countdown=(1, 3),
+          name="proj.chaos_full", bind=True, acks_late=True, reject_on_worker_lost=True)
+def chaos_full(self: Any, seconds: float, key: str = "chaos_full") -> str:
+    """proj.chaos with the default 60 s lease (a whole worker's death strands its slots for up to
+    a minute), a result backend (a copy whose run record the semaphore's Redis lost finds the
+    success there), and ``Reject(requeue=True)`` on some first attempts.
+
+    Attempts are counted per task id in Redis (HINCRBY), so "first" holds across processes.
+    Records, with the process id: each start; each end, in a ``finally`` so that a run cut short
+    by SystemExit (a cold shutdown's SIGTERM of the pool) ends before its slot is given back; each
+    body that completed normally (no record when it was rejected or cut short)."""
+    client = probe(key).client
+    task_id, pid = str(self.request.id), os.getpid()
+    attempt = int(client.hincrby(f"probe:{key}:attempts", task_id, 1))
+    client.rpush(f"probe:{key}:starts", f"{task_id} {pid} {time.time()}")
+    try:
+        if attempt == 1 and rejects_first_attempt(task_id):
+            client.rpush(f"probe:{key}:rejects", f"{task_id} {pid} {time.time()}")
+            raise Reject("not on the first attempt", requeue=True)
+        time.sleep(seconds)  # the work being limited
+        client.rpush(f"probe:{key}:completed", f"{task_id} {pid} {time.time()}")
+    finally:
+        client.rpush(f"probe:{key}:ends", f"{task_id} {pid} {time.time()}")
+    return task_id
+
+
+@signals.task_prerun.connect
+def _record_chaos_full_delivery(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    """Every delivery of a proj.chaos_full task (copies dropped or re-sent included), so a task
+    no worker ever saw can be told from one lost while it waited."""
+    if getattr(task, "name", None) == "proj.chaos_full":
+        probe("chaos_full").client.rpush("probe:chaos_full:deliveries", f"{task_id} {os.getpid()} {time.time()}")
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.stubborn", bind=True, time_limit=1)
+def stubborn(self: Any, key: str = "stubborn") -> str:
+    """Overruns its hard time limit and ignores the SIGTERM that comes first: it runs on until
+    the SIGKILL. Beats "<task id> <time>" every 5 ms, so a test sees exactly how long it lived."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    client = probe(key).client
+    client.rpush(f"probe:{key}:starts", f"{self.request.id} {os.getpid()} {time.time()}")
+    while True:
+        client.hset(f"probe:{key}:alive", self.request.id, time.time())
+        time.sleep(0.005)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key="proj.stubborn", name="proj.after_stubborn", bind=True)
+def after_stubborn(self: Any, key: str = "stubborn") -> str:
+    """Waits for the slot proj.stubborn holds; records its start."""
+    probe(key).client.rpush(f"probe:{key}:starts", f"{self.request.id} {os.getpid()} {time.time()}")
+    return str(self.request.id)
