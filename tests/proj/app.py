@@ -414,3 +414,10 @@ def after_stubborn(self: Any, key: str = "stubborn") -> str:
     """Waits for the slot proj.stubborn holds; records its start."""
     probe(key).client.rpush(f"probe:{key}:starts", f"{self.request.id} {os.getpid()} {time.time()}")
     return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.rolling", bind=True)
+def rolling(self: Any, seconds: float, key: str = "rolling") -> str:
+    """The default wait policy, limit 1: for the rolling-restart test."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
