@@ -22,6 +22,9 @@ earlier one, its run and its retry delay against the max wait.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import logging
 import math
 import re
@@ -69,6 +72,8 @@ QUEUE_HEADER = "semaphore_queue"
 # a random id of this wait, made at its first refusal: with the task id and the retry it names the
 # run every copy of the wait asks under, unique per invocation even when task ids repeat
 RUN_HEADER = "semaphore_run"
+# a keyed digest of the ticket, the task id and the wait id (see TicketSigner)
+TICKET_SIGNATURE_HEADER = "semaphore_ticket_sig"
 # the version of the wait protocol that wrote the headers above (see WaitHistory; the same number
 # as worker.STATE_PROTOCOL, the version of the state in Redis)
 PROTOCOL_HEADER = "semaphore_protocol"
@@ -202,7 +207,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         config = config_for(self.app)
         options = wait_options(self, config)
         request = self.request
-        history = WaitHistory.of(request)
+        history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
         token, waiter = f"{task_key(request.id)}:{new_token()}", _waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
@@ -268,7 +273,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request = self.request
         return {
             **{name: value for name, value in (request.headers or {}).items() if not _BROKER_HEADERS.match(name)},
-            **history.next(ticket, retries=request.retries or 0),
+            **history.next(ticket, retries=request.retries or 0, signer=TicketSigner.of(config_for(self.app)),
+                           task_id=request.id),
             **({QUEUE_HEADER: origin} if origin else {}),
         }
 
@@ -474,6 +480,7 @@ class WaitHistory:
     ticket: int | None  # the place in line to come back to
     run_part: str | None  # the wait's own part of its run id (None: protocol 1 headers)
     origin: str | None = None  # the queue the wait began in
+    ticket_signature: str | None = None  # as the headers carry it, checked by ``checked``
 
     @classmethod
     def of(cls, request: Any) -> WaitHistory:
@@ -496,6 +503,7 @@ class WaitHistory:
                 ticket=_ticket(ticket),
                 run_part=_run_part(_header(request, RUN_HEADER), _header(request, PROTOCOL_HEADER)),
                 origin=_queue_name(_header(request, QUEUE_HEADER)),
+                ticket_signature=_header(request, TICKET_SIGNATURE_HEADER),
             )
         except (TypeError, ValueError) as error:
             logger.warning("%s[%s]: ignoring wait headers this package did not write (%s): a fresh wait begins",
@@ -507,6 +515,18 @@ class WaitHistory:
             return cls.fresh()
         return history
 
+    def checked(self, signer: TicketSigner, request: Any) -> WaitHistory:
+        """This history, less a ticket that this deployment did not give out: a place in line
+        is taken back only with a ticket signed here (a forged or foreign one would jump the
+        line). Such a copy keeps waiting, from the back."""
+        if self.ticket is None or (self.run_part is not None and signer.signs(
+                self.ticket_signature, task_id=request.id, run_part=self.run_part, ticket=self.ticket)):
+            return self
+        logger.warning("%s[%s]: ignoring a semaphore_ticket this deployment did not sign (another producer, or a "
+                       "release before protocol 2): it waits from the back of the line",
+                       getattr(request, "task", "?"), getattr(request, "id", "?"))
+        return dataclasses.replace(self, ticket=None, ticket_signature=None)
+
     @classmethod
     def fresh(cls) -> WaitHistory:
         return cls(waits=0, first_refused=time.time(), ticket=None, run_part=new_token()[:16])
@@ -517,15 +537,53 @@ class WaitHistory:
         base = f"{request.id}#{request.retries or 0}"
         return base if self.run_part is None else f"{base}#{self.run_part}"
 
-    def next(self, ticket: int | None, *, retries: int) -> dict[str, Any]:
+    def next(self, ticket: int | None, *, retries: int, signer: TicketSigner | None = None,
+             task_id: str | None = None) -> dict[str, Any]:
         """The headers of the re-sent message that continues this wait."""
+        ticket = ticket if ticket is not None else self.ticket
+        signature = None
+        if ticket is not None and signer is not None and self.run_part is not None and task_id is not None:
+            signature = signer.sign(task_id=task_id, run_part=self.run_part, ticket=ticket)
         return {
             WAITS_HEADER: self.waits + 1,
             FIRST_REFUSED_HEADER: self.first_refused,
-            TICKET_HEADER: ticket if ticket is not None else self.ticket,
+            TICKET_HEADER: ticket,
             WAIT_OF_RETRY_HEADER: retries,
             **({RUN_HEADER: self.run_part, PROTOCOL_HEADER: PROTOCOL} if self.run_part is not None else {}),
+            **({TICKET_SIGNATURE_HEADER: signature} if signature is not None else {}),
         }
+
+
+class TicketSigner:
+    """Signs the tickets that waiting tasks carry in their headers, so that a copy takes back
+    only a place this deployment gave it. The key is made from what writing the semaphore's
+    Redis takes (its user, password and database, and the prefix): whoever could forge a
+    signature could rewrite the line itself. Hosts that reach the same Redis by other names
+    still agree."""
+
+    _by_config: ClassVar[dict[int, tuple[Any, TicketSigner]]] = {}
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    @classmethod
+    def of(cls, config: SemaphoreConfig) -> TicketSigner:
+        cached = cls._by_config.get(id(config))
+        if cached is not None and cached[0] is config:
+            return cached[1]
+        backend: Any = config.backend
+        material = backend if isinstance(backend, str) else f"{backend.username}|{backend.password}|{backend.db}"
+        signer = cls(hashlib.sha256(f"celery-semaphore ticket|{material}|{config.prefix}".encode()).digest())
+        cls._by_config[id(config)] = (config, signer)
+        return signer
+
+    def sign(self, *, task_id: str, run_part: str, ticket: int) -> str:
+        message = f"{task_id}|{run_part}|{ticket}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:32]
+
+    def signs(self, signature: Any, *, task_id: str, run_part: str, ticket: int) -> bool:
+        return isinstance(signature, str) and hmac.compare_digest(
+            signature, self.sign(task_id=task_id, run_part=run_part, ticket=ticket))
 
 
 # tickets are server milliseconds * 1024 plus a counter: positive, exact in a float
