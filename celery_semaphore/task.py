@@ -272,7 +272,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         added to the message it delivered, plus the wait's history."""
         request = self.request
         return {
-            **{name: value for name, value in (request.headers or {}).items() if not _BROKER_HEADERS.match(name)},
+            **without_broker_headers(request.headers),
             **history.next(ticket, retries=request.retries or 0, signer=TicketSigner.of(config_for(self.app)),
                            task_id=request.id),
             **({QUEUE_HEADER: origin} if origin else {}),
@@ -373,6 +373,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             when=countdown,
             sig=backstop,
         )
+
+
+def without_broker_headers(headers: dict[str, Any] | None) -> dict[str, Any]:
+    """A delivered message's headers less those its broker added (dead-lettering, delivery
+    counts): a copy re-sent with them may be dropped (RabbitMQ quorum queues, delayed delivery)."""
+    return {name: value for name, value in (headers or {}).items() if not _BROKER_HEADERS.match(name)}
 
 
 def task_key(task_id: Any) -> str:

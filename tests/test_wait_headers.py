@@ -80,3 +80,13 @@ def test_headers_of_a_release_before_protocol_2_keep_their_run_id() -> None:
     history = WaitHistory.of(request(semaphore_first_refused=1.0, semaphore_wait_of_retry=0, semaphore_waits=2))
     assert history.run_id(request()) == "task-1#0"
     assert history.waits == 2
+
+
+def test_a_re_sent_copy_leaves_the_brokers_headers_behind() -> None:
+    """A copy re-sent with the dead-lettering headers of the message it came in (as Celery strips
+    them from its own retries) may be dropped by RabbitMQ quorum queues or delayed delivery."""
+    from celery_semaphore.task import without_broker_headers
+
+    delivered = {"x-death": [{"count": 1}], "x-first-death-queue": "q", "x-last-death-reason": "rejected",
+                 "x-delivery-count": 2, "semaphore_waits": 1, "tenant": "a"}
+    assert without_broker_headers(delivered) == {"semaphore_waits": 1, "tenant": "a"}
