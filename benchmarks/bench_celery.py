@@ -4,8 +4,9 @@
 
 Every figure is measured with real ``celery worker`` processes (prefork, started by the test
 helpers, stopped by PID), throwaway redis-servers on loopback (a broker Redis that also holds
-results and the probes, and a separate semaphore Redis), and RabbitMQ at AMQP_URL where it
-answers (else the RabbitMQ scenario is reported as skipped). Each figure is set against a baseline
+results and the probes, and a separate semaphore Redis), and RabbitMQ at AMQP_URL
+(``CELERY_SEMAPHORE_TEST_AMQP_URL``) where it answers (else the RabbitMQ scenarios are reported
+as skipped, with the reason). Each figure is set against a baseline
 measured in the same run, and each scenario is repeated ``--rounds`` times (the cases of a round
 interleaved, in a rotating order, so that a noisy moment on a shared host hits every case alike);
 the tables give the median and the min-max spread.
@@ -36,10 +37,30 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   queue, where it is refused and leaves the worker; when the holder's ``__call__`` returns (right
   after its release) a timestamp is taken, and the sample is the time from there to the
   waiter's body start. A waiter that first asked only after the release is not a hand-off and is
-  not counted. Figures: p50 / p90 / p99 / max ms over all rounds' samples, and per round.
+  not counted. Figures: p50 / p90 / p99 / max ms over all rounds' samples, and per round; the
+  links not waiting, deliveries per waiter, the longest time from sending a link to its first
+  ask (a link held long before any pool child ran it asks after the release: no sample, but
+  seen here) and the round's seconds.
+* ``handoff-amqp`` and ``handoff-quorum``: the same hand-off on RabbitMQ, with classic queues
+  and with quorum queues (``task_default_queue_type = "quorum"``, as Celery 5.5+ documents). For
+  quorum queues both sides declare every queue the same way: the workers' app and the sending app
+  get ``task_default_queue_type`` and ``task_create_missing_queue_type = "quorum"`` (a queue
+  named at send time, or a wake queue swept by another process, is otherwise declared classic,
+  and RabbitMQ refuses the second declaration), and the workers keep
+  ``worker_detect_quorum_queues`` on (quorum queues take no global QoS). The wake queues
+  (``<queue>.semaphore-wake``) are the library's, declared like the queue they serve. Each
+  round's queues have names of their own and are deleted, wake queues included, at its end.
+  The exchange stays Celery's default, direct, on which Celery 5.7 cannot use native delayed
+  delivery: a refused task's countdown (backstop) copy is held by the worker until its ETA, and
+  under quorum queues' static per-consumer prefetch (``worker_prefetch_multiplier`` x pool
+  size) enough held copies stop the worker receiving anything (wake copies included) until the
+  first countdowns end: watch "not waiting", "max send->ask" and the round's seconds.
 * ``overhead``: the same do-nothing task with and without the semaphore (a key whose limit is
   never reached), one worker with one child, sent as a backlog: median ``task_prerun`` to
   ``task_postrun`` ms per task, and the difference.
+
+Targets: issue 8's (order, backlogs, ``handoff``, ``overhead``), and issue 17's: the hand-off's
+p50 <= 15 ms and p99 <= 60 ms on RabbitMQ too, classic and quorum queues.
 
 First asks, starts, ends, releases and deliveries are recorded by the workers' app
 (benchmarks/bench_celery_app.py) from Celery signals and in the task bodies, independently of
@@ -155,6 +176,19 @@ class RoundFailed(RuntimeError):
     the benchmark goes on with the next one."""
 
 
+def queue_conf(queue_type: str) -> dict[str, Any]:
+    """Celery settings that declare every queue of an app as ``queue_type`` ("classic" or
+    "quorum"), for the workers' app and the sending app alike: ``task_default_queue_type`` for
+    the default queue (the workers' own), ``task_create_missing_queue_type`` for a queue named
+    only at send time (the sender's, and the origin of a wake queue that a worker sweeps for
+    another: celery_semaphore/_wake_queues.py). Quorum queues take no global QoS, so the workers
+    keep ``worker_detect_quorum_queues`` on (Celery's default, spelled out)."""
+    if queue_type == "classic":
+        return {}
+    return {"task_default_queue_type": queue_type, "task_create_missing_queue_type": queue_type,
+            "worker_detect_quorum_queues": True}
+
+
 def amqp_problem(url: str) -> str | None:
     """Why RabbitMQ cannot be used, or None when it answers."""
     try:
@@ -174,18 +208,21 @@ class Lab:
         self.env = dict(stack.env)
         self.redis_broker = stack.env["PROJ_BROKER_URL"]
         self.probe = redis.Redis.from_url(stack.env["PROJ_PROBE_URL"])
-        self._senders: dict[str, Celery] = {}
+        self._senders: dict[tuple[str, str], Celery] = {}
         self._send_lock = threading.Lock()
         self.nonce = uuid.uuid4().hex[:6]
 
-    def sender(self, broker_url: str) -> Celery:
+    def sender(self, broker_url: str, queue_type: str = "classic") -> Celery:
         """A bare app to publish with: the benchmark process never imports the library, so it
-        runs (and reports the workers' start-up error) even while the library is broken."""
-        if broker_url not in self._senders:
-            self._senders[broker_url] = Celery(
+        runs (and reports the workers' start-up error) even while the library is broken. With
+        quorum queues it declares the queues it sends to as the workers do (``queue_conf``)."""
+        if (broker_url, queue_type) not in self._senders:
+            app = Celery(
                 "bench-sender", broker=broker_url, backend=self.stack.env["PROJ_RESULT_URL"], set_as_current=False
             )
-        return self._senders[broker_url]
+            app.conf.update(queue_conf(queue_type))
+            self._senders[broker_url, queue_type] = app
+        return self._senders[broker_url, queue_type]
 
     def clean(self, broker_url: str) -> None:
         """Start every round from empty Redis databases (no workers run at this point): what an
@@ -222,9 +259,10 @@ class Lab:
             for worker in group:
                 worker.stop()
 
-    def send(self, broker_url: str, name: str, calls: Sequence[tuple[Any, ...]], queue: str) -> list[str]:
+    def send(self, broker_url: str, name: str, calls: Sequence[tuple[Any, ...]], queue: str,
+             queue_type: str = "classic") -> list[str]:
         """Publish the calls back to back on one producer; the task ids, in sending order."""
-        app = self.sender(broker_url)
+        app = self.sender(broker_url, queue_type)
         with self._send_lock, app.producer_or_acquire() as producer:
             return [str(app.send_task(name, args, queue=queue, producer=producer).id) for args in calls]
 
@@ -265,12 +303,18 @@ class Lab:
 
     def delete_amqp_queue(self, broker_url: str, queue: str) -> None:
         """RabbitMQ is shared: drop the round's queue, and the wake queue the library's workers
-        may have declared next to it (``<queue>.semaphore-wake``), whatever is left in them."""
+        may have declared next to it (``<queue>.semaphore-wake``), whatever is left in them, and
+        the direct exchange named after the queue that Celery declared for both (the round's own:
+        its name is unique). Celery's native delayed delivery topology (``celery_delayed_*``,
+        declared by workers that consume quorum queues) is shared by every app: left alone."""
         if broker_url.startswith("amqp"):
             for name in (queue, queue + WAKE_QUEUE_SUFFIX):
                 with contextlib.suppress(Exception), \
                         Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
                     connection.channel().queue_delete(name)
+            with contextlib.suppress(Exception), \
+                    Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
+                connection.channel().exchange_delete(queue)
 
 
 # -- scenarios ---------------------------------------------------------------------------------
@@ -295,11 +339,15 @@ class Fairness:
 
 @dataclass(frozen=True)
 class Handoff:
+    """Chains of limit-1 keys across two workers: release to the next waiter's body start."""
+
     name: str
     title: str
     chains: int
     links: int
     hold: float
+    broker: str = "redis"  # "redis" or "amqp"
+    queue_type: str = "classic"  # of every queue, on RabbitMQ: "classic" or "quorum"
     cases: tuple[str, ...] = ("semaphore",)
 
 
@@ -316,14 +364,19 @@ Scenario = Fairness | Handoff | Overhead
 
 
 def scenarios(quick: bool) -> list[Scenario]:
-    """Issue 8's targets; ``--quick`` keeps their shape with fewer tasks, for development."""
+    """Issue 8's and issue 17's targets; ``--quick`` keeps their shape with fewer tasks, for development."""
     order_tasks, backlog_tasks = (30, 200) if quick else (60, 1000)
+    chains, links = (2, 10) if quick else (4, 30)
     return [
         Fairness("order", "order and utilization, sent at once", order_tasks, 0.3, 3, "redis"),
         Fairness("backlog-redis", "backlog, Redis broker", backlog_tasks, 0.1, 5, "redis"),
         Fairness("backlog-amqp", "backlog, RabbitMQ", backlog_tasks, 0.1, 5, "amqp"),
         Handoff("handoff", "hand-off to a task waiting outside the worker (inline_wait = 0), across workers",
-                chains=2 if quick else 4, links=10 if quick else 30, hold=0.3),
+                chains=chains, links=links, hold=0.3),
+        Handoff("handoff-amqp", "the same hand-off, RabbitMQ, classic queues",
+                chains=chains, links=links, hold=0.3, broker="amqp"),
+        Handoff("handoff-quorum", "the same hand-off, RabbitMQ, quorum queues",
+                chains=chains, links=links, hold=0.3, broker="amqp", queue_type="quorum"),
         Overhead("overhead", "per-task cost, a limit never reached, 1 worker x 1 child", 100 if quick else 300),
     ]
 
@@ -356,14 +409,14 @@ def fairness_round(lab: Lab, spec: Fairness, case: str, round_no: int, broker_ur
             all_starts = [e for e in _events(lab.probe, "bench:starts") if e.key == probe_key]
             ends = [e for e in _events(lab.probe, "bench:ends") if e.key == probe_key]
             asks = [e for e in _events(lab.probe, "bench:asks") if e.task in set(ids)]
-            calls = [e for e in _events(lab.probe, "bench:calls") if e.task in set(ids)]
+            called = [e for e in _events(lab.probe, "bench:calls") if e.task in set(ids)]
             maximum = int(lab.probe.get(f"probe:{probe_key}:max") or 0)
     finally:
         lab.delete_amqp_queue(broker_url, queue)
     starts = _first_by_task(all_starts)
     started = [e.task for e in sorted(starts.values(), key=lambda e: e.at)]
     # first asks stamped as the task's __call__ began (right before the ask), and at task_prerun
-    pairs, displacement = inversions(_in_time_order(calls), started)
+    pairs, displacement = inversions(_in_time_order(called), started)
     prerun_pairs, prerun_displacement = inversions(_in_time_order(asks), started)
     all_pairs = spec.tasks * (spec.tasks - 1) // 2
     makespan = max(e.at for e in ends) - min(e.at for e in starts.values())
@@ -385,24 +438,29 @@ def fairness_round(lab: Lab, spec: Fairness, case: str, round_no: int, broker_ur
     }
 
 
-def handoff_round(lab: Lab, spec: Handoff, round_no: int) -> dict[str, Any]:
+def handoff_round(lab: Lab, spec: Handoff, round_no: int, broker_url: str) -> dict[str, Any]:
     """Chains of limit-1 keys: each link is sent to the other worker the moment the previous
     link's body starts, so it is refused and waits outside the worker while its predecessor
-    holds the slot; the sample is the predecessor's release to this link's body start."""
-    broker_url = lab.redis_broker
-    queues = [f"bc-handoff-r{round_no}-{lab.nonce}-{side}" for side in "ab"]
-    conf = {"semaphore_limits": {"bc:*": 1}, "semaphore_inline_wait": 0}
+    holds the slot; the sample is the predecessor's release to this link's body start. The
+    round's queues (and their wake queues) are deleted at its end, on RabbitMQ."""
+    queues = [f"bc-{spec.name}-r{round_no}-{lab.nonce}-{side}" for side in "ab"]
+    conf = {"semaphore_limits": {"bc:*": 1}, "semaphore_inline_wait": 0, **queue_conf(spec.queue_type)}
     chains: list[list[str]] = [[] for _ in range(spec.chains)]
+    sent: dict[str, float] = {}
     errors: list[str] = []
     lab.clean(broker_url)
 
     def chain(index: int) -> None:
-        key = f"handoff-r{round_no}-c{index}-{lab.nonce}"
-        client = redis.Redis.from_url(lab.stack.env["PROJ_PROBE_URL"])
+        key = f"{spec.name}-r{round_no}-c{index}-{lab.nonce}"
+        # a socket timeout past the BLPOP's own (redis-py 8 reads for 5 s by default): a link slow
+        # to start is reported as such, not as a socket error
+        client = redis.Redis.from_url(lab.stack.env["PROJ_PROBE_URL"], socket_timeout=STALL_S + 10)
         try:
             for link in range(spec.links):
                 queue = queues[(index + link) % 2]
-                (task_id,) = lab.send(broker_url, "bench.fair", [(spec.hold, key)], queue)
+                sending = time.time()
+                (task_id,) = lab.send(broker_url, "bench.fair", [(spec.hold, key)], queue, spec.queue_type)
+                sent[task_id] = sending
                 chains[index].append(task_id)
                 if client.blpop([f"bench:start:{task_id}"], timeout=STALL_S) is None:
                     errors.append(f"chain {index}: link {link} ({task_id}) did not start within {STALL_S:.0f} s")
@@ -412,20 +470,24 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int) -> dict[str, Any]:
         finally:
             client.close()
 
-    with lab.workers(broker_url, queues, CHILDREN, conf) as group:
-        threads = [threading.Thread(target=chain, args=(i,), daemon=True) for i in range(spec.chains)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise RoundFailed("; ".join(errors) + "\n" + "\n".join(w.log()[-2000:] for w in group))
-        ids = [task_id for links in chains for task_id in links]
-        lab.wait_for(ids, "bench:ends", group, timeout=120)
-        runs = lab.counts("bench:runs", ids)
-        released = _first_by_task(_events(lab.probe, "bench:released"))
-        starts = _first_by_task(_events(lab.probe, "bench:starts"))
-        asks = _first_by_task(_events(lab.probe, "bench:asks"))
+    try:
+        with lab.workers(broker_url, queues, CHILDREN, conf) as group:
+            threads = [threading.Thread(target=chain, args=(i,), daemon=True) for i in range(spec.chains)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if errors:
+                raise RoundFailed("; ".join(errors) + "\n" + "\n".join(w.log()[-2000:] for w in group))
+            ids = [task_id for links in chains for task_id in links]
+            lab.wait_for(ids, "bench:ends", group, timeout=120)
+            runs = lab.counts("bench:runs", ids)
+            released = _first_by_task(_events(lab.probe, "bench:released"))
+            starts = _first_by_task(_events(lab.probe, "bench:starts"))
+            asks = _first_by_task(_events(lab.probe, "bench:asks"))
+    finally:
+        for queue in queues:
+            lab.delete_amqp_queue(broker_url, queue)
     samples: list[float] = []
     cross = not_waiting = 0
     for links in chains:
@@ -437,6 +499,9 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int) -> dict[str, Any]:
             samples.append((start.at - release.at) * 1000)
             cross += release.worker != start.worker
     waiter_runs = [count for links in chains for count in lab.counts("bench:runs", links[1:])] or [0]
+    # a link that reached no pool child for long (held behind a full prefetch, say) asks only
+    # after its predecessor's release and is no sample: this shows it
+    send_to_ask = [(asks[task].at - at) * 1000 for task, at in sent.items() if task in asks]
     return {
         "samples_ms": samples,
         "samples": len(samples),
@@ -448,6 +513,7 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int) -> dict[str, Any]:
         "max_ms": max(samples, default=float("nan")),
         "runs_per_waiter": statistics.fmean(waiter_runs),
         "runs_per_task": statistics.fmean(runs),
+        "max_send_to_ask_ms": max(send_to_ask, default=float("nan")),
     }
 
 
@@ -529,7 +595,7 @@ def run_scenario(lab: Lab, spec: Scenario, rounds: int, only: set[str] | None, a
         except RoundFailed as error:
             outcome.errors.append(f"overhead: {error}")
         return outcome
-    if isinstance(spec, Fairness) and spec.broker == "amqp" and amqp is None:
+    if isinstance(spec, Fairness | Handoff) and spec.broker == "amqp" and amqp is None:
         problem = amqp_problem(AMQP_URL)
         outcome.skipped = f"RabbitMQ at {AMQP_URL} not reachable: {problem}"
         return outcome
@@ -539,10 +605,10 @@ def run_scenario(lab: Lab, spec: Scenario, rounds: int, only: set[str] | None, a
             print(f"  {spec.name}/{case} round {round_no + 1}/{rounds} ...", file=sys.stderr, flush=True)
             began = time.monotonic()
             try:
+                broker = amqp if spec.broker == "amqp" and amqp else lab.redis_broker
                 if isinstance(spec, Handoff):
-                    result = handoff_round(lab, spec, round_no)
+                    result = handoff_round(lab, spec, round_no, broker)
                 else:
-                    broker = amqp if spec.broker == "amqp" and amqp else lab.redis_broker
                     result = fairness_round(lab, spec, case, round_no, broker)
             except RoundFailed as error:
                 outcome.errors.append(f"{spec.name}/{case} round {round_no + 1}: {error}")
@@ -615,21 +681,25 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
             rows.append([case, *(show(figures(outcome, case, name), digits) for _, name, digits in FAIRNESS_COLUMNS)])
     elif isinstance(spec, Handoff):
         head = (f"{spec.name}: {spec.title}: {spec.chains} chains x {spec.links} links, hold {spec.hold} s, "
-                f"limit 1 per chain, {WORKERS} workers x {CHILDREN}")
+                f"limit 1 per chain, {WORKERS} workers x {CHILDREN}, {spec.broker} broker"
+                + (f", {spec.queue_type} queues" if spec.broker == "amqp" else ""))
         rows = [["", "samples", "cross-worker", "not waiting", "p50 ms", "p90 ms", "p99 ms", "max ms",
-                 "runs/waiter"]]
+                 "runs/waiter", "max send->ask ms", "round s"]]
         for result in outcome.rounds.get("semaphore", []):
             rows.append([f"round {result['round']}", str(result["samples"]), str(result["cross_worker"]),
                          str(result["not_waiting"]),
                          *(f"{result[k]:.1f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
-                         f"{result['runs_per_waiter']:.2f}"])
+                         f"{result['runs_per_waiter']:.2f}", f"{result['max_send_to_ask_ms']:.0f}",
+                         f"{result['seconds']:.1f}"])
         pooled = [s for r in outcome.rounds.get("semaphore", []) for s in r["samples_ms"]]
         if pooled:
             rows.append(["all rounds", str(len(pooled)),
                          *(str(sum(int(r[name]) for r in outcome.rounds["semaphore"]))
                            for name in ("cross_worker", "not_waiting")),
                          *(f"{percentile(pooled, q):.1f}" for q in (50, 90, 99, 100)),
-                         show(figures(outcome, "semaphore", "runs_per_waiter"), 2)])
+                         show(figures(outcome, "semaphore", "runs_per_waiter"), 2),
+                         show(figures(outcome, "semaphore", "max_send_to_ask_ms"), 0),
+                         show(figures(outcome, "semaphore", "seconds"), 1)])
     else:
         head = f"{spec.name}: {spec.title}: {spec.tasks} tasks per case and round"
         rows = [["case", "prerun->postrun median ms", "p90 ms", "wall ms/task", "delta median ms", "delta wall ms"]]
@@ -671,11 +741,12 @@ def targets(specs: Sequence[Scenario]) -> list[Target]:
             Target(name, "inversions_pct", 1.0, "inverted start-order pairs, % of all"),
             Target(name, "max_concurrency", limits.get(name, 5), "max concurrency (limit)", worst=True),
         ]
-    found += [
-        Target("handoff", "p50_ms", 15, "release -> waiter body start p50 ms (pooled)"),
-        Target("handoff", "p99_ms", 60, "release -> waiter body start p99 ms (pooled)"),
-        Target("overhead", "delta_ms", 2, "per-task overhead, median ms"),
-    ]
+    for name in ("handoff", "handoff-amqp", "handoff-quorum"):  # issue 17: the same on RabbitMQ
+        found += [
+            Target(name, "p50_ms", 15, "release -> waiter body start p50 ms (pooled)"),
+            Target(name, "p99_ms", 60, "release -> waiter body start p99 ms (pooled)"),
+        ]
+    found += [Target("overhead", "delta_ms", 2, "per-task overhead, median ms")]
     return found
 
 
@@ -690,7 +761,7 @@ def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[s
         for case in ("semaphore", "countdown"):
             if not outcome.rounds.get(case):
                 continue
-            if target.scenario == "handoff":
+            if isinstance(outcome.spec, Handoff):
                 pooled = [s for r in outcome.rounds[case] for s in r["samples_ms"]]
                 value = percentile(pooled, 50 if target.figure == "p50_ms" else 99)
                 measured = f"{value:.1f} (rounds: {show(figures(outcome, case, target.figure), 1)})"
@@ -737,7 +808,9 @@ task's __call__ began (right before it asked); prerun inv./displ.: the same agai
 stamped at task_prerun, before the benchmark's own bookkeeping of the run. runs: times
 a task ran in a pool child (task_prerun); msgs: its messages received by a worker. max conc.: most
 bodies running at once (concurrency probe). ran twice: bodies run a second time (must be 0).
-naive: one-shot try + self.retry(countdown=1); countdown: semaphore_inline_wait = 0."""
+naive: one-shot try + self.retry(countdown=1); countdown: semaphore_inline_wait = 0.
+hand-off: not waiting: links that first asked after their predecessor's release (no sample);
+max send->ask: longest time from sending a link to its first ask; round s: the round's wall time."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -746,7 +819,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="fewer tasks (order 30, backlogs 200, hand-off 2 x 10, overhead 100), for development")
     parser.add_argument("--only", help="comma-separated scenarios or scenario/case: order, backlog-redis, "
-                                       "backlog-amqp, handoff, overhead (e.g. order/semaphore)")
+                                       "backlog-amqp, handoff, handoff-amqp, handoff-quorum, overhead "
+                                       "(e.g. order/semaphore)")
     parser.add_argument("--json", help="also write every round's figures, versions and the commit here")
     args = parser.parse_args(argv)
     only = {name.strip() for name in args.only.split(",")} if args.only else None
@@ -763,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "quick": args.quick,
         **versions(),
     }
-    amqp_needed = any(isinstance(spec, Fairness) and spec.broker == "amqp" for spec in specs)
+    amqp_needed = any(isinstance(spec, Fairness | Handoff) and spec.broker == "amqp" for spec in specs)
     amqp = AMQP_URL if amqp_needed and amqp_problem(AMQP_URL) is None else None
     meta["rabbitmq"] = AMQP_URL if amqp else "not used" if not amqp_needed else "unreachable: skipped"
     outcomes: dict[str, Outcome] = {}
@@ -790,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(LEGEND)
     verdicts = judge(outcomes, targets(specs))
     if verdicts:
-        print("\nissue 8 targets: median (min-max) over the rounds; judged on the median, max concurrency on "
+        print("\nissue 8 and 17 targets: median (min-max) over the rounds; judged on the median, max concurrency on "
               "the worst round")
         rows = [["scenario", "case", "figure", "measured", "naive", "target", "met"]]
         rows += [[v["scenario"], v["case"], v["figure"], v["measured"], v["naive"], v["target"],
