@@ -27,7 +27,9 @@ import hashlib
 import hmac
 import logging
 import math
+import os
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -208,7 +210,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         options = wait_options(self, config)
         request = self.request
         history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
-        token, waiter = f"{task_key(request.id)}:{new_token()}", _waiter_of(semaphore, request)
+        token, waiter = f"{task_key(request.id)}:{process_token()}", _waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
         run = history.run_id(request) if history.waits else None
@@ -389,8 +391,21 @@ def task_key(task_id: Any) -> str:
     return "~" + text if text[:1] in ("!", "*", "~") else text
 
 
-# the part of a task's holder token after "<task key>:": the random token, and a weight mark
-TOKEN_REST = re.compile(r"[0-9a-f]{32}(\*\d+)?")
+# A task's holder token is "<task key>:<host><pid><random>" (8, 8 and 16 hex digits; a weight
+# mark may follow): the worker's main process, which knows the task id and the pid of a child it
+# lost but not the random part, gives back exactly that child's slot, never the slot another copy
+# of the same task holds in another process (a wake copy and its backstop, a redelivery).
+_HOST_PART = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def process_token() -> str:
+    """The part of a task's holder token after "<task key>:", for this process."""
+    return f"{_HOST_PART}{os.getpid() & 0xFFFFFFFF:08x}{new_token()[:16]}"
+
+
+def token_rest_of(pid: int) -> re.Pattern[str]:
+    """What follows "<task key>:" in the tokens of process ``pid`` of this host."""
+    return re.compile(rf"{_HOST_PART}{pid & 0xFFFFFFFF:08x}[0-9a-f]{{16}}(\*\d+)?")
 
 
 def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:

@@ -275,14 +275,19 @@ def _warn_about_eviction(backend: BackendSpec | str) -> None:
         )
 
 
-def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any, *, finished_run: str | None = None) -> None:
-    """Give back the slot a task id holds (its child is gone), and with ``finished_run`` mark that
-    run finished: Celery will not deliver the task again, so no other copy of its wait may run it."""
-    from .task import TOKEN_REST, remember_for, task_key
+def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any, *, pid: int | None,
+                        finished_run: str | None = None) -> None:
+    """Give back the slot that task id holds in pool process ``pid`` (gone, or about to be), take
+    the task out of the line, and with ``finished_run`` mark that run finished: Celery will not
+    deliver the task again, so no other copy of its wait may run it. Only that process's slot: a
+    copy of the same task may hold another, rightly, in another process."""
+    from .task import remember_for, task_key, token_rest_of
 
+    released = 0
     try:
         semaphore = semaphore_for_call(task, tuple(args or ()), dict(kwargs or {}))
-        released = semaphore.release_holders_with_prefix(f"{task_key(task_id)}:", rest=TOKEN_REST)
+        if pid is not None:
+            released = semaphore.release_holders_with_prefix(f"{task_key(task_id)}:", rest=token_rest_of(pid))
         semaphore.leave(task_key(task_id))
         if finished_run is not None:
             config = config_for(task.app)
@@ -376,10 +381,10 @@ class SemaphoreRequest(Request):  # type: ignore[misc]
             except Exception as error:  # never in the way of Celery's own handling
                 logger.warning("could not tell the run of %s[%s]: %s", self.task.name, self.id, error)
                 run = None
-            task, task_id, args, kwargs = self.task, self.id, self.args, self.kwargs
+            task, task_id, args, kwargs, pid = self.task, self.id, self.args, self.kwargs, self.worker_pid
 
             def give_back() -> None:
-                _release_by_task_id(task, task_id, args, kwargs, finished_run=run)
+                _release_by_task_id(task, task_id, args, kwargs, pid=pid, finished_run=run)
 
             if isinstance(exception, TimeLimitExceeded):
                 _after_exit(self.worker_pid, give_back)
@@ -395,15 +400,18 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
             run = run_of(request)
         except Exception:
             run = None
-        _release_by_task_id(sender, request.id, request.args, request.kwargs, finished_run=run)
+        _release_by_task_id(sender, request.id, request.args, request.kwargs, pid=getattr(request, "worker_pid", None),
+                            finished_run=run)
 
 
 def _on_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
     args: Any = None, kwargs: Any = None, **_: Any,
 ) -> None:
+    # The request class did the release (it knows the lost process); a task class with a Request
+    # of its own gets here only: its slot comes back with its lease, and it leaves the line now.
     if is_semaphore_task(sender) and task_id and isinstance(exception, WorkerLostError):
-        _release_by_task_id(sender, task_id, args, kwargs)
+        _release_by_task_id(sender, task_id, args, kwargs, pid=None)
 
 
 signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_semaphore.revoked")
