@@ -26,7 +26,7 @@ from redis.exceptions import NoScriptError
 
 _NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset",
           "acquire_many", "release_many", "renew_many", "leave_many", "park", "claim_parked",
-          "claim_parked_waiter", "tick", "lines_to_tick")
+          "claim_parked_waiter", "tick", "lines_to_tick", "remember_wait")
 
 # acquire outcomes
 GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
@@ -424,6 +424,10 @@ class Scripts:
     def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:
         """The lines with parked waiters to tick this round, or [] when another process has it."""
         return [_text(line) for line in self._scripts["lines_to_tick"](keys=keys[3:5], args=[round_ms, most])]
+
+    def remember_wait(self, keys: SemaphoreKeys, *, first_delivery: str, wait_id: str, remember_ms: int) -> None:
+        """Note the wait a first delivery began (lua/remember_wait.lua)."""
+        self._scripts["remember_wait"](keys=keys.encoded, args=[first_delivery, wait_id, _number(remember_ms)])
 
     def tick(self, keys: SemaphoreKeys, *, default_limit: int) -> tuple[str, ...]:
         """Purge a line one step and hand freed slots on; the waiters offered one unheard."""

@@ -52,11 +52,13 @@ from ._options import (
     wait_options,
 )
 from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
+from ._scripts import scripts_for
 from .catalogue import semaphore_for_call
 from .config import SemaphoreConfig, config_for
 from .errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .multi import MultiSemaphore
 from .semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, new_token
+from .validation import to_ms
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
 AnySemaphore = FairSemaphore | MultiSemaphore
@@ -210,6 +212,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         options = wait_options(self, config)
         request = self.request
         history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
+        if not history.waits and (request.delivery_info or {}).get("redelivered"):
+            history = _continued_wait(semaphore, request, history)
         token, waiter = f"{task_key(request.id)}:{process_token()}", _waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
@@ -343,6 +347,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         headers = self._headers_of_copy(history, attempt.ticket, origin)
         address = ""
         run = history.run_id(request)
+        if not history.waits and history.run_part is not None:
+            # before any copy exists: a redelivery of this message (acks_late, its worker killed
+            # before the ack) must continue this wait, not begin a second one
+            _remember_wait(semaphore, request, history.run_part, remember_for(wait_options(self, config_for(self.app)),
+                                                                            config_for(self.app)))
         if origin is not None and not outages.is_down(semaphore):
             wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
             try:
@@ -375,6 +384,44 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             when=countdown,
             sig=backstop,
         )
+
+
+def _first_delivery_note(request: Any) -> str:
+    return f"{request.id}#{request.retries or 0}#"
+
+
+def _runs_home(semaphore: AnySemaphore) -> FairSemaphore:
+    """The semaphore whose keys hold the run records (a MultiSemaphore's first)."""
+    return semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
+
+
+def _remember_wait(semaphore: AnySemaphore, request: Any, wait_id: str, remember: float) -> None:
+    home = _runs_home(semaphore)
+    try:
+        scripts_for(home.client).remember_wait(home.keys, first_delivery=_first_delivery_note(request),
+                                               wait_id=wait_id, remember_ms=to_ms(remember))
+    except Exception as error:  # Redis down: the copies still run once; a redelivery may wait twice
+        logger.warning("could not note the wait of %s[%s] (a redelivery of its message would wait anew): %s",
+                       getattr(request, "task", "?"), request.id, error)
+
+
+def _continued_wait(semaphore: AnySemaphore, request: Any, history: WaitHistory) -> WaitHistory:
+    """A redelivered first delivery whose first try began a wait (its worker died before the
+    ack): that wait, so this delivery asks under its run (dropped if it ran, waiting while it
+    runs, running it if nobody did). Otherwise the fresh history."""
+    home = _runs_home(semaphore)
+    try:
+        wait_id = home.client.hget(home.keys.runs, _first_delivery_note(request))
+    except Exception as error:
+        logger.debug("could not look up the wait of a redelivered %s[%s]: %s", getattr(request, "task", "?"),
+                     request.id, error)
+        return history
+    if not wait_id:
+        return history
+    text = wait_id.decode() if isinstance(wait_id, bytes) else str(wait_id)
+    logger.info("%s[%s]: a redelivery of a message whose wait began already; it continues that wait",
+                getattr(request, "task", "?"), request.id)
+    return dataclasses.replace(history, waits=1, run_part=text)
 
 
 def without_broker_headers(headers: dict[str, Any] | None) -> dict[str, Any]:

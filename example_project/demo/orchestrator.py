@@ -449,10 +449,13 @@ class Demo:
         if self.settings is None or not self.settings.isolated or self.data is None:
             return
         if self.settings.data_url:
+            semaphore = None
             for host in self.sites.hosts if self.sites is not None else []:
                 semaphore = semaphore_for(tasks.app, f"crawl:{host}")
                 semaphore.clear_limit()
                 semaphore.reset()
+            if semaphore is not None:  # the version of the state its workers recorded at start
+                semaphore.client.delete(f"{self.settings.semaphore_prefix}:protocol")
         batch: list[Any] = []
         for key in self.data.scan_iter(match=f"{self.settings.prefix}:*", count=500):
             batch.append(key)
