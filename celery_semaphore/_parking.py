@@ -312,7 +312,10 @@ class Parking:
         for waiter in waiters:
             claimed = scripts.claim_parked_waiter(parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter)
             if claimed is None:
-                continue  # not a parked task (a blocked caller asks again by itself), or taken
+                # parked here only (its copy cannot be serialized), or not a parked task at all
+                # (a blocked caller asks again by itself), or another process took it
+                self._send_parked_here(deadlines_key, waiter)
+                continue
             record, copy = claimed
             if app is None:
                 from celery import current_app
@@ -325,6 +328,16 @@ class Parking:
                                "way back", error)
                 continue
             self._send(wake_copy, json.loads(record)[4])
+
+    def _send_parked_here(self, deadlines_key: str, waiter: str) -> None:
+        with self._lock:
+            found = [(key, parked) for key, parked in self._parked.items()
+                     if parked.waiter == waiter and parked.semaphore.keys.deadlines == deadlines_key]
+            for key, _ in found:
+                del self._parked[key]
+        for _, parked in found:
+            parked.handle.close()
+            self._send(parked.wake_copy, parked.name)
 
     def _run(self) -> None:
         while True:

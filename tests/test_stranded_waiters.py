@@ -54,10 +54,15 @@ def test_worker_max_tasks_per_child_strands_no_waiter(proj: Any, celery_stack: C
         baseline = makespan(proj, "steady", 6)
     with worker_group(celery_stack.env, queue="recycling", names=("recycling",), concurrency=3,
                       conf={"worker_max_tasks_per_child": 1}) as group:
-        recycled = makespan(proj, "recycling", 6)
+        # a second run only if the first missed: on a loaded machine the pool's forks of new
+        # children (one per task here) can cost a second; a stranded waiter costs 30 s a task
+        runs_s = [makespan(proj, "recycling", 6)]
+        if runs_s[0] > 2 * baseline:
+            runs_s.append(makespan(proj, "recycling", 6))
         log = group[0].log()
-    print(f"makespan: {recycled:.2f} s with worker_max_tasks_per_child=1, {baseline:.2f} s without")
-    assert recycled <= 2 * baseline, log[-4000:]
+    print(f"makespan: {', '.join(f'{s:.2f}' for s in runs_s)} s with worker_max_tasks_per_child=1, "
+          f"{baseline:.2f} s without")
+    assert min(runs_s) <= 2 * baseline, log[-4000:]
     assert proj.probe("recycled").client.get("probe:recycled:max") in (None, b"1")
 
 

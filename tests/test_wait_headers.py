@@ -3,6 +3,7 @@ is not (no worker needed: the headers are read from a request's fields, as the t
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,6 +40,7 @@ def test_a_ticket_this_deployment_signed_keeps_its_place() -> None:
 def test_a_forged_or_foreign_ticket_is_ignored_with_a_warning(forge: str, caplog: pytest.LogCaptureFixture) -> None:
     """A ticket lower than everyone's would jump the line: a copy takes back only a place this
     deployment gave it, and otherwise waits from the back (it is not failed, and not dropped)."""
+    caplog.set_level(logging.WARNING, logger="celery_semaphore")  # whatever an earlier test set
     sign = signer()
     headers = continued(sign, 123_456)
     if forge == "unsigned":
@@ -69,6 +71,7 @@ def test_hosts_reaching_the_same_redis_by_other_names_agree() -> None:
 ])
 def test_headers_that_do_not_parse_start_a_fresh_wait(headers: dict[str, Any], caplog: pytest.LogCaptureFixture,
                                                       ) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_semaphore")
     history = WaitHistory.of(request(**headers))
     assert (history.waits, history.ticket) == (0, None)
     assert "ignoring wait headers" in caplog.text

@@ -11,7 +11,7 @@
 -- Returns 1 if the waiter was in line (or held an offer), 0 if not; followed by the waiters whose
 -- wake-up nobody heard, if any ({1, unheard...}; see notify in _lib.lua). Safe to repeat.
 -- A slot offered to a waiter that gives up or steps away unparked goes on to the next present
--- waiter at once; a parked waiter keeps its offer, told again on its new address.
+-- waiter at once; a parked waiter keeps its offer, and is returned as unheard: its caller wakes it.
 
 local waiter = ARGV[1]
 local away_ms = tonumber(ARGV[2])
@@ -24,7 +24,10 @@ if away_ms and in_line and wake ~= '' then
   redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (string.match(info, '^(%d+)') or now) .. '|' .. wake)
   redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
   if redis.call('ZSCORE', K_HOLDERS, '!' .. waiter) then
-    notify(wake, waiter)  -- offered already, perhaps told where nobody listened
+    -- offered already (between its refusal and this park), told where nobody listened: the
+    -- caller, the parking process itself, sends its wake copy now, in the same call (a pool
+    -- process recycled after this task would not live to hear a publish)
+    unheard[#unheard + 1] = waiter
   else
     redis.call('ZADD', K_PRESENT, in_line, waiter)
     hand_off(now, current_limit(tonumber(ARGV[3])), nil)
