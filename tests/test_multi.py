@@ -345,25 +345,6 @@ def test_a_parked_multi_waiter_keeps_heading_its_lines(redis_client: redis.Redis
     holder.release()
 
 
-def _scripted_calls(client: redis.Redis) -> int:
-    skip = {"evalsha", "eval", "info", "config", "config|resetstat", "script", "script|load", "ping", "hello",
-            "client", "publish"}
-    stats = client.info("commandstats")
-    return sum(int(stat["calls"]) for name, stat in stats.items() if name.removeprefix("cmdstat_") not in skip)
-
-
-def test_an_uncontended_multi_cycle_costs_per_semaphore_what_one_key_costs(redis_client: redis.Redis) -> None:
-    """acquire(timeout=0) + release over n semaphores (any weight) makes 10 n + 1 Redis calls: 11
-    for one, like FairSemaphore's cycle; 21 for two (no purge and no line touched on the fast path)."""
-    sems = [FairSemaphore(redis_client, f"cost{i}", 5) for i in range(2)]
-    for semaphores, weight, expected in [([sems[0]], 1, 11), ([sems[0]], 3, 11), (sems, 1, 21), (sems, 2, 21)]:
-        multi = MultiSemaphore(semaphores, weight=weight)
-        multi.acquire(timeout=0).release()  # loads the scripts
-        redis_client.config_resetstat()
-        multi.acquire(timeout=0).release()
-        assert _scripted_calls(redis_client) == expected, (len(semaphores), weight)
-
-
 def test_a_waiter_asking_from_another_process_is_told_there(redis_client: redis.Redis) -> None:
     """A multi waiter that asks again with a new wake address (a re-sent copy in another worker
     process) is told on the new one, in every line, keeping its first-ask time."""

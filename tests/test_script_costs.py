@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_semaphore import FairSemaphore, Granted, Waiting
+from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, Waiting
 from celery_semaphore._scripts import SemaphoreKeys
 
 from .conftest import FLAVOURS, emptied_server, servers_by_flavour
@@ -272,3 +272,40 @@ def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: 
     assert scripts.lines_to_tick(idle, round_ms=1000, most=100) == []
     assert scripted(calls(redis_client)) == 1
     assert redis_client.keys("cost-idle*") == []
+
+
+# Moved here from test_semaphore.py and test_multi.py: they count every command the server runs,
+# so they need this module's own servers (see redis_server above).
+
+def test_acquire_and_release_are_one_round_trip_each(redis_client: redis.Redis) -> None:
+    """INFO commandstats: one EVALSHA per acquire and one per release, nothing else."""
+    semaphore = FairSemaphore(redis_client, "trips", 1)
+    semaphore.acquire(timeout=0).release()  # loads the scripts
+    redis_client.config_resetstat()
+    lease = semaphore.acquire(timeout=0)
+    after_acquire = redis_client.info("commandstats")
+    lease.release()
+    after_release = redis_client.info("commandstats")
+    assert after_acquire["cmdstat_evalsha"]["calls"] == 1
+    assert after_release["cmdstat_evalsha"]["calls"] == 2
+    assert "cmdstat_script" not in after_release
+    assert "cmdstat_eval" not in after_release
+
+
+def _scripted_calls(client: redis.Redis) -> int:
+    skip = {"evalsha", "eval", "info", "config", "config|resetstat", "script", "script|load", "ping", "hello",
+            "client", "publish"}
+    stats = client.info("commandstats")
+    return sum(int(stat["calls"]) for name, stat in stats.items() if name.removeprefix("cmdstat_") not in skip)
+
+
+def test_an_uncontended_multi_cycle_costs_per_semaphore_what_one_key_costs(redis_client: redis.Redis) -> None:
+    """acquire(timeout=0) + release over n semaphores (any weight) makes 10 n + 1 Redis calls: 11
+    for one, like FairSemaphore's cycle; 21 for two (no purge and no line touched on the fast path)."""
+    sems = [FairSemaphore(redis_client, f"cost{i}", 5) for i in range(2)]
+    for semaphores, weight, expected in [([sems[0]], 1, 11), ([sems[0]], 3, 11), (sems, 1, 21), (sems, 2, 21)]:
+        multi = MultiSemaphore(semaphores, weight=weight)
+        multi.acquire(timeout=0).release()  # loads the scripts
+        redis_client.config_resetstat()
+        multi.acquire(timeout=0).release()
+        assert _scripted_calls(redis_client) == expected, (len(semaphores), weight)
