@@ -82,6 +82,10 @@ TICKET_SIGNATURE_HEADER = "semaphore_ticket_sig"
 # as worker.STATE_PROTOCOL, the version of the state in Redis)
 PROTOCOL_HEADER = "semaphore_protocol"
 PROTOCOL = 2
+# when the task's message was first sent (epoch seconds, the sender's clock): a success in the
+# result backend recorded since then belongs to this invocation, even for a redelivered message
+# whose wait the semaphore's Redis forgot
+SENT_HEADER = "semaphore_sent"
 # Headers a broker adds to a message it dead-lettered or redelivered: a re-sent copy is a new
 # message, and RabbitMQ quorum queues or delayed delivery may drop one that carries them (Celery
 # strips them from its own retries for the same reason).
@@ -133,6 +137,16 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
         install(app)
         return bound
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, producer: Any = None,
+                    link: Any = None, link_error: Any = None, shadow: str | None = None, **options: Any) -> Any:
+        """Stamps the message with its send time (kept by every copy of its waits): a copy that
+        finds the task's success in the result backend can tell this invocation's success from
+        that of an earlier one that used the same id."""
+        headers = options.get("headers") or {}
+        if SENT_HEADER not in headers:
+            options["headers"] = {**headers, SENT_HEADER: time.time()}
+        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -245,7 +259,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 logger.info("%s[%s]: another copy of this wait has run; this copy is dropped", self.name, request.id)
                 raise Ignore()
             self._wait_for_twin(semaphore, attempt, history, args, kwargs)
-        if isinstance(attempt, Granted) and history.waits and self._succeeded_since(history.first_refused):
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        if (isinstance(attempt, Granted) and (history.waits or redelivered)
+                and self._succeeded_since(history.since())):
             # the semaphore's Redis forgot the run (restarted empty, or the copy came after the
             # run was forgotten), but the result backend remembers that the task succeeded
             attempt.lease.release()
@@ -284,7 +300,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             **({QUEUE_HEADER: origin} if origin else {}),
         }
 
-    def _succeeded_since(self, first_refused: float) -> bool:
+    def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began
         (as Celery's own ``worker_deduplicate_successful_tasks`` asks it, but an invocation that
         reused the id of one that succeeded before must still run); False without a result
@@ -299,12 +315,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             return False
         if not meta or meta.get("status") != states.SUCCESS:
             return False
-        # A success recorded before this wait began belongs to an earlier invocation that used the
-        # same id. (Two hosts' clocks compared: if the host that ran this wait's body is behind the
-        # one that first refused it, its success may look older, and a late copy then runs again;
-        # that needs the semaphore's Redis to have lost the run too. See docs/design.md.)
+        # A success recorded before this invocation's message was sent (or, unstamped, before this
+        # wait began) belongs to an earlier invocation that used the same id. (Two hosts' clocks
+        # compared: if the host that ran the body is behind the sender's, its success may look
+        # older, and a late copy then runs again; that needs the semaphore's Redis to have lost
+        # the run too. See docs/design.md.)
         done = _epoch_seconds(meta.get("date_done"))
-        return done is None or done >= first_refused
+        return done is None or done >= since
 
     def _wait_for_twin(
         self, semaphore: AnySemaphore, attempt: Duplicate, history: WaitHistory, args: tuple[Any, ...],
@@ -549,6 +566,7 @@ class WaitHistory:
     run_part: str | None  # the wait's own part of its run id (None: protocol 1 headers)
     origin: str | None = None  # the queue the wait began in
     ticket_signature: str | None = None  # as the headers carry it, checked by ``checked``
+    sent: float | None = None  # epoch seconds the task's message was first sent (None: not stamped)
 
     @classmethod
     def of(cls, request: Any) -> WaitHistory:
@@ -559,11 +577,12 @@ class WaitHistory:
         retries = request.retries or 0
         of_retry = _header(request, WAIT_OF_RETRY_HEADER)
         first_refused = _header(request, FIRST_REFUSED_HEADER)
+        sent = _sent_at(request)
         if first_refused is None and of_retry is None:
-            return cls.fresh()
+            return cls.fresh(sent)
         try:
             if int(of_retry) != retries:
-                return cls.fresh()
+                return cls.fresh(sent)
             ticket = _header(request, TICKET_HEADER)
             history = cls(
                 waits=int(_header(request, WAITS_HEADER) or 0),
@@ -572,15 +591,16 @@ class WaitHistory:
                 run_part=_run_part(_header(request, RUN_HEADER), _header(request, PROTOCOL_HEADER)),
                 origin=_queue_name(_header(request, QUEUE_HEADER)),
                 ticket_signature=_header(request, TICKET_SIGNATURE_HEADER),
+                sent=sent,
             )
         except (TypeError, ValueError) as error:
             logger.warning("%s[%s]: ignoring wait headers this package did not write (%s): a fresh wait begins",
                            getattr(request, "task", "?"), getattr(request, "id", "?"), error)
-            return cls.fresh()
+            return cls.fresh(sent)
         if history.waits < 0 or not math.isfinite(history.first_refused):
             logger.warning("%s[%s]: ignoring wait headers this package did not write: a fresh wait begins",
                            getattr(request, "task", "?"), getattr(request, "id", "?"))
-            return cls.fresh()
+            return cls.fresh(sent)
         return history
 
     def checked(self, signer: TicketSigner, request: Any) -> WaitHistory:
@@ -596,8 +616,15 @@ class WaitHistory:
         return dataclasses.replace(self, ticket=None, ticket_signature=None)
 
     @classmethod
-    def fresh(cls) -> WaitHistory:
-        return cls(waits=0, first_refused=time.time(), ticket=None, run_part=new_token()[:16])
+    def fresh(cls, sent: float | None = None) -> WaitHistory:
+        return cls(waits=0, first_refused=time.time(), ticket=None, run_part=new_token()[:16], sent=sent)
+
+    def since(self) -> float:
+        """From when a success in the result backend is this invocation's: since its message was
+        sent where the sender stamped it, else since this wait began. (A redelivered message
+        whose wait the semaphore's Redis lost began a new wait later than the first one: a
+        success between the two is still its own.)"""
+        return self.first_refused if self.sent is None else min(self.sent, self.first_refused)
 
     def run_id(self, request: Any) -> str:
         """The run every copy of this wait asks under: one per invocation, even when task ids
@@ -619,6 +646,7 @@ class WaitHistory:
             WAIT_OF_RETRY_HEADER: retries,
             **({RUN_HEADER: self.run_part, PROTOCOL_HEADER: PROTOCOL} if self.run_part is not None else {}),
             **({TICKET_SIGNATURE_HEADER: signature} if signature is not None else {}),
+            **({SENT_HEADER: self.sent} if self.sent is not None else {}),
         }
 
 
@@ -686,6 +714,15 @@ def _queue_name(value: Any) -> str | None:
     if not isinstance(value, str):
         raise TypeError(f"{QUEUE_HEADER} {value!r}")
     return value
+
+
+def _sent_at(request: Any) -> float | None:
+    value = _header(request, SENT_HEADER)
+    try:
+        sent = float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+    return sent if sent is not None and math.isfinite(sent) else None
 
 
 def _header(request: Any, name: str) -> Any:

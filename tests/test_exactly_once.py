@@ -211,3 +211,38 @@ def test_wait_headers_not_ours_are_ignored_with_a_warning(proj: Any, workers: li
     assert result.get(timeout=30) == result.id
     assert any(f"{result.id}]: ignoring wait headers" in worker.log() for worker in workers)
     assert result.id in [run[0] for run in runs(proj, key, "ends")]
+
+
+def test_a_redelivered_first_message_does_not_rerun_a_success_the_redis_forgot(
+    celery_stack: CeleryStack, proj: Any
+) -> None:
+    """A refused first delivery sends the copy of its wait; its worker dies before the ack; the
+    semaphore's Redis restarts empty (the note that tied the message to its wait is gone). The
+    copy runs the task; the broker then delivers the first message again (acks_late), which
+    looks like a new wait to Redis. It must find the task's success in the result backend (its
+    message's send stamp says the success is its own) and be dropped, not run the body twice."""
+    key, queue = "dies_at_first_refusal", "once_refusal"
+    # the first message comes back after 12 s, well after the copy (2 s backstop) has run; a
+    # prefetch of one leaves the copy in the queue while the first message is unacked
+    conf = {"broker_transport_options": {"visibility_timeout": 12, "unacked_restore_interval": 1,
+                                         "unacked_restore_throttle": 1}, "worker_prefetch_multiplier": 1}
+    env = {**celery_stack.env, "PROJ_QUEUE": queue}
+    first = Worker(env, name="refusal1", concurrency=1, conf=conf).start()
+    second = None
+    try:
+        semaphore_for(proj.app, proj.dies_at_first_refusal.name).acquire(timeout=5)  # the task is refused
+        result = proj.dies_at_first_refusal.apply_async(queue=queue)
+        assert first.process is not None
+        wait_until(lambda: first.process is not None and first.process.poll() is not None, timeout=30,
+                   what="the worker killed at the task's first refusal")
+        celery_stack.semaphore.restart()  # the note of the wait and the slot held above are gone
+        second = Worker(env, name="refusal2", concurrency=1, conf=conf).start()
+        assert result.get(timeout=30) == result.id, second.log()  # the copy of the wait ran the task
+        # the only other message of the task is its first one (the wake copy went with the Redis)
+        wait_until(lambda: "the task has succeeded already" in second.log() or len(runs(proj, key, "ends")) > 1,
+                   timeout=40, what="the first message delivered again, and dropped or run")
+        assert [run[0] for run in runs(proj, key, "ends")] == [result.id], second.log()
+    finally:
+        for worker in (first, second):
+            if worker is not None:
+                worker.kill()

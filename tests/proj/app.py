@@ -371,7 +371,8 @@ def chaos_full(self: Any, seconds: float, key: str = "chaos_full") -> str:
     Attempts are counted per task id in Redis (HINCRBY), so "first" holds across processes.
     Records, with the process id: each start; each end, in a ``finally`` so that a run cut short
     by SystemExit (a cold shutdown's SIGTERM of the pool) ends before its slot is given back; each
-    body that completed normally (no record when it was rejected or cut short)."""
+    body that returned (no record when it was rejected or cut short); and (below) each run that
+    completed: its success stored in the result backend, as Celery counts a task done."""
     client = probe(key).client
     task_id, pid = str(self.request.id), os.getpid()
     attempt = int(client.hincrby(f"probe:{key}:attempts", task_id, 1))
@@ -381,7 +382,7 @@ def chaos_full(self: Any, seconds: float, key: str = "chaos_full") -> str:
             client.rpush(f"probe:{key}:rejects", f"{task_id} {pid} {time.time()}")
             raise Reject("not on the first attempt", requeue=True)
         time.sleep(seconds)  # the work being limited
-        client.rpush(f"probe:{key}:completed", f"{task_id} {pid} {time.time()}")
+        client.rpush(f"probe:{key}:returned", f"{task_id} {pid} {time.time()}")
     finally:
         client.rpush(f"probe:{key}:ends", f"{task_id} {pid} {time.time()}")
     return task_id
@@ -393,6 +394,15 @@ def _record_chaos_full_delivery(task_id: str | None = None, task: Any = None, **
     no worker ever saw can be told from one lost while it waited."""
     if getattr(task, "name", None) == "proj.chaos_full":
         probe("chaos_full").client.rpush("probe:chaos_full:deliveries", f"{task_id} {os.getpid()} {time.time()}")
+
+
+@signals.task_success.connect
+def _record_chaos_full_completion(sender: Any = None, result: Any = None, **_: Any) -> None:
+    """A proj.chaos_full run whose success was stored (Celery sends task_success after that).
+    A body that returned but whose process was killed before its success was stored did not
+    complete: with acks_late Celery delivers its message again, and it runs again."""
+    if getattr(sender, "name", None) == "proj.chaos_full":
+        probe("chaos_full").client.rpush("probe:chaos_full:completed", f"{result} {os.getpid()} {time.time()}")
 
 
 @app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.stubborn", bind=True, time_limit=1)
@@ -421,3 +431,28 @@ def rolling(self: Any, seconds: float, key: str = "rolling") -> str:
     """The default wait policy, limit 1: for the rolling-restart test."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=(1, 2),
+          name="proj.dies_at_first_refusal", bind=True, acks_late=True)
+def dies_at_first_refusal(self: Any, key: str = "dies_at_first_refusal") -> str:
+    """acks_late, a 2 s backstop: its first refusal kills its whole worker (below) after the
+    copy of its wait was sent and before its message was acked."""
+    _held_by_process(key, 0.1, self.request.id)
+    return str(self.request.id)
+
+
+@signals.task_retry.connect
+def _kill_the_worker_at_a_first_refusal(request: Any = None, **_: Any) -> None:
+    """Fault injection, for a moment no outside signal can hit: proj.dies_at_first_refusal's
+    first refusal SIGKILLs its worker's main process (then its own), after the refused
+    delivery re-sent the copy of its wait and before the main process acked the message, so
+    that the broker delivers that first message again."""
+    import signal
+
+    if getattr(request, "task", None) != "proj.dies_at_first_refusal":
+        return
+    if int(probe("dies_at_first_refusal").client.hincrby("probe:dies_at_first_refusal:refusals", str(request.id),
+                                                         1)) == 1:
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
