@@ -19,12 +19,19 @@ record written by another (``_parking.py``), with no Queue object in the seriali
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from typing import Any
 
 from kombu.entity import Exchange, Queue
 
 from ._parking import WAKE_QUEUE_SUFFIX, wake_queue
+
+# A waiting task's copy that is due later (its backstop) waits in ``<queue>.semaphore-backstop``,
+# held by the workers' main processes until it is due (``_backstop.py``): derived the same way.
+BACKSTOP_QUEUE_SUFFIX = ".semaphore-backstop"
+_DERIVED_SUFFIXES = (WAKE_QUEUE_SUFFIX, BACKSTOP_QUEUE_SUFFIX)
 
 # Exchange types whose routing ignores the routing key: a wake queue bound to one would get a copy
 # of every fresh task sent there, so it gets a direct exchange of its own instead.
@@ -38,6 +45,8 @@ _COPIED = (
     "max_length_bytes", "max_priority",
 )
 
+logger = logging.getLogger("celery_semaphore")
+
 _lock = threading.Lock()
 _aware_classes: dict[type, type] = {}
 
@@ -46,12 +55,35 @@ def is_wake_queue(name: str) -> bool:
     return name.endswith(WAKE_QUEUE_SUFFIX)
 
 
+def is_derived_queue(name: str) -> bool:
+    """A wake or backstop queue: one that serves another, never served itself."""
+    return name.endswith(_DERIVED_SUFFIXES)
+
+
+def backstop_queue(queue_name: str) -> str:
+    return queue_name if queue_name.endswith(BACKSTOP_QUEUE_SUFFIX) else queue_name + BACKSTOP_QUEUE_SUFFIX
+
+
+def origin_of_derived(name: str) -> str:
+    """The queue a wake or backstop queue serves."""
+    for suffix in _DERIVED_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
 def wake_queue_for(app: Any, origin_name: str) -> Queue:
     """The wake queue of the queue ``origin_name``, declared like it and registered in
     ``app.amqp.queues`` (so that a wake copy routed by name finds this declaration). A queue the
     app declares itself under the wake queue's name (in ``task_queues``) is left as it is."""
     queues = wake_aware(app)
     return queues[wake_queue(origin_name)]  # type: ignore[no-any-return]
+
+
+def backstop_queue_for(app: Any, origin_name: str) -> Queue:
+    """The backstop queue of the queue ``origin_name``, declared like it (as ``wake_queue_for``)."""
+    queues = wake_aware(app)
+    return queues[backstop_queue(origin_name)]  # type: ignore[no-any-return]
 
 
 def wake_aware(app: Any) -> Any:
@@ -75,20 +107,20 @@ def wake_aware(app: Any) -> Any:
 
 
 class _WakeQueues:
-    """Mixed into the class of ``app.amqp.queues``: an unknown wake queue name is a declaration
+    """Mixed into the class of ``app.amqp.queues``: an unknown wake (or backstop) queue name is a declaration
     derived from its origin's, added to the mapping, whatever ``task_create_missing_queues`` says
     (Celery's own answer would be a missing-queue default or a KeyError)."""
 
     __slots__ = ()
 
     def __missing__(self, name: str) -> Any:
-        if not is_wake_queue(name):
+        if not is_derived_queue(name):
             return super().__missing__(name)  # type: ignore[misc]
-        origin = _origin_of(self, name.removesuffix(WAKE_QUEUE_SUFFIX))
+        origin = origin_declaration(self, origin_of_derived(name))
         return self.add(declared_like(origin, name))  # type: ignore[attr-defined]
 
 
-def _origin_of(queues: Any, name: str) -> Queue:
+def origin_declaration(queues: Any, name: str) -> Queue:
     """The origin queue as this process declares it; one it does not know (a queue only another
     process declared: added by ``add_consumer`` in a worker's main process, or made on the fly by
     a sender) as Celery makes a queue it does not know, which is how that process made it too."""
@@ -114,3 +146,26 @@ def declared_like(origin: Queue, name: str) -> Queue:
     return Queue(  # type: ignore[no-untyped-call]
         name, exchange, name, **{attribute: value for attribute, value in settings.items() if value is not None},
     )
+
+
+def declarable(connection: Any, queue: Queue) -> bool:
+    """Declare ``queue`` on a channel of its own first: a wake or backstop queue that exists
+    declared otherwise (a classic one made by an earlier version, now that its queue is a quorum
+    queue) makes RabbitMQ close the channel that declares it, and on the consumer's channel that
+    would stop the worker. Without it the worker runs, and its parked tasks come back later."""
+    try:
+        channel = connection.channel()
+    except Exception:  # no connection to try on: the consumer's own declaration will tell
+        return True
+    try:
+        queue(channel).declare()  # type: ignore[no-untyped-call]
+    except connection.channel_errors as error:
+        logger.error(
+            "not consuming %s: it exists declared otherwise than its queue (%s); delete it once no task waits, and "
+            "restart: until then waiting tasks of that queue come back later than they could", queue.name, error,
+        )
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
+    return True

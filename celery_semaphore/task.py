@@ -41,6 +41,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import metrics, policy
+from ._backstop import DUE_HEADER
 from ._options import (
     FROM_SETTINGS,
     MARKER,
@@ -53,6 +54,7 @@ from ._options import (
 )
 from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from ._scripts import scripts_for
+from ._wake_queues import backstop_queue
 from .catalogue import semaphore_for_call
 from .config import SemaphoreConfig, config_for
 from .errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
@@ -300,6 +302,20 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             **({QUEUE_HEADER: origin} if origin else {}),
         }
 
+    def _copy_due_in(self, countdown: float, origin: str | None, came_woken: bool, headers: dict[str, Any],
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A copy of this wait that is due in ``countdown`` seconds. Sent at once to the backstop
+        queue of its queue, where a worker's main process holds it until it is due and then
+        sends it on (``_backstop.py``): held as a Celery countdown instead, it would fill the
+        prefetch window of the worker that fetched it. A task whose queue cannot be told (routed
+        by a topic exchange, say) gets a Celery countdown, as Celery routes it."""
+        request = self.request
+        if origin is not None:
+            return self.signature_from_request(request, args, kwargs, queue=backstop_queue(origin),
+                                               headers={**headers, DUE_HEADER: time.time() + countdown})
+        return self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,
+                                           countdown=countdown, headers=headers)
+
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began
         (as Celery's own ``worker_deduplicate_successful_tasks`` asks it, but an invocation that
@@ -340,8 +356,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         origin = history.origin or _queue_of(self.app, request)
         came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
         headers = self._headers_of_copy(history, history.ticket, origin)
-        again = self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,
-                                            countdown=countdown, headers=headers)
+        again = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs)
         logger.info("%s[%s]: another copy of this wait holds the slot; this copy looks again in %d s", self.name,
                     request.id, countdown)
         try:
@@ -382,8 +397,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         away_for = countdown + AWAY_SLACK
         # back where it came from: a copy that came through the wake queue goes to its origin
         came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
-        backstop = self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,
-                                               countdown=countdown, headers=headers)
+        backstop = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs)
         # Step away, parked: a parked waiter is offered its turn like a present one and woken
         # through this process; should its place lapse, its ticket travels in the headers and
         # puts it back where it was.

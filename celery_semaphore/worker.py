@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -31,11 +30,12 @@ from celery.worker.request import Request
 
 from . import metrics
 from ._backend import BackendSpec, client_for
+from ._backstop import BackstopStep, follow_backstops
 from ._keys import sample_key
 from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from ._parking import parking, wake_queue
 from ._scripts import preload
-from ._wake_queues import is_wake_queue, wake_aware, wake_queue_for
+from ._wake_queues import declarable, is_derived_queue, wake_aware, wake_queue_for
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
 from .errors import ConfigurationError, SemaphoreError
@@ -74,36 +74,13 @@ _FOLLOWED_FLAG = "_celery_semaphore_follows_queues"
 
 def consume_wake_queue(consumer: Any, name: str) -> None:
     """Consume the wake queue of the queue ``name`` (declared like it) too."""
-    if is_wake_queue(name):
+    if is_derived_queue(name):
         return
     queue = wake_queue_for(consumer.app, name)
-    if not _declarable(consumer, queue):
-        return
-    add_task_queue = getattr(consumer, _FOLLOWED_FLAG, None) or consumer.add_task_queue
-    add_task_queue(queue.name)
-
-
-def _declarable(consumer: Any, queue: Any) -> bool:
-    """Declare ``queue`` on a channel of its own first: a wake queue that exists declared
-    otherwise (a classic one made by an earlier version, now that its queue is a quorum queue)
-    makes RabbitMQ close the channel that declares it, and on the consumer's channel that would
-    stop the worker. Without it the worker runs, and its parked tasks come back at their countdown."""
-    try:
-        channel = consumer.connection.channel()
-    except Exception:  # no connection to try on: the consumer's own declaration will tell
-        return True
-    try:
-        queue(channel).declare()
-    except consumer.connection.channel_errors as error:
-        logger.error(
-            "not consuming the wake queue %s: it exists declared otherwise than its queue (%s); delete it once no "
-            "task waits, and restart: until then waiting tasks come back at their countdown only", queue.name, error,
-        )
-        return False
-    finally:
-        with contextlib.suppress(Exception):
-            channel.close()
-    return True
+    if declarable(consumer.connection, queue):
+        add_task_queue = getattr(consumer, _FOLLOWED_FLAG, None) or consumer.add_task_queue
+        add_task_queue(queue.name)
+    follow_backstops(consumer, name)
 
 
 def follow_queue_changes(consumer: Any) -> None:
@@ -129,7 +106,7 @@ def follow_queue_changes(consumer: Any) -> None:
     def cancel_with_wake_queue(queue: Any, *args: Any, **kwargs: Any) -> None:
         cancel_task_queue(queue, *args, **kwargs)
         # a worker told to leave a queue stops running its woken tasks too
-        if isinstance(queue, str) and queue and not is_wake_queue(queue):
+        if isinstance(queue, str) and queue and not is_derived_queue(queue):
             cancel_task_queue(wake_queue(queue))
 
     consumer.add_task_queue = add_with_wake_queue
@@ -143,6 +120,7 @@ def install(app: Any) -> None:
     setattr(app, _INSTALLED_FLAG, True)
     app.steps["worker"].add(SemaphoreStep)
     app.steps["consumer"].add(WakeQueueStep)
+    app.steps["consumer"].add(BackstopStep)
 
     def warm(**_: Any) -> None:
         connect_early(app)

@@ -8,6 +8,9 @@ be consumed, and be declared the same way by the worker and by the process sendi
 - RabbitMQ quorum queues: the wake queue of a quorum queue is a quorum queue, on both sides.
 - ``add_consumer``: a queue a running worker starts to consume brings its wake queue along.
 - ``task_create_missing_queues=False``: the wake queue needs no entry in ``task_queues``.
+- Backstop copies wait in ``<queue>.semaphore-backstop`` until due, held by a worker's main
+  process, and then reach the queue; a quorum queue's backstop queue is a quorum queue.
+- ``self.retry(queue=...)``: the retry's own wait comes back to the retry's queue.
 
 The RabbitMQ cases need CELERY_SEMAPHORE_TEST_AMQP_URL (they are skipped, with the reason,
 without it); they use queues named for this run and delete them at the end.
@@ -37,6 +40,7 @@ from .workers import Worker
 pytestmark = pytest.mark.workers
 
 WAKE = ".semaphore-wake"
+BACKSTOP_QUEUE = ".semaphore-backstop"
 # proj.handoff, but waiting 30 s for its backstop copy: a start within 2.5 s is the wake copy's
 BACKSTOP = {"task_annotations": {"proj.handoff": {"semaphore_countdown": 30}}}
 WOKEN_WITHIN_S = 2.5
@@ -73,7 +77,7 @@ class Broker:
         with Connection(self.url) as connection:
             for name in self.names:
                 for delete in ("queue_delete", "exchange_delete"):
-                    for entity in (name, name + WAKE):
+                    for entity in (name, name + WAKE, name + BACKSTOP_QUEUE):
                         with contextlib.suppress(Exception):
                             getattr(connection.channel(), delete)(entity)
 
@@ -192,3 +196,88 @@ def test_wake_copies_need_no_missing_queues(celery_stack: CeleryStack, broker: B
         for started in workers:
             started.stop()
 
+
+
+def test_a_backstop_copy_waits_in_its_backstop_queue_until_due(celery_stack: CeleryStack, broker: Broker) -> None:
+    """A parked task that is never woken (its slot stays held) comes back through its backstop
+    copy: sent at once to ``<queue>.semaphore-backstop``, held by the worker's main process, and
+    sent on to the queue when it is due (3 s here), not before."""
+    backstop_copy_waits_until_due(celery_stack, broker, "classic")
+
+
+@pytest.mark.rabbitmq
+def test_a_backstop_copy_of_a_quorum_queue_waits_in_a_quorum_backstop_queue(celery_stack: CeleryStack) -> None:
+    """The same with ``task_default_queue_type="quorum"``: the backstop queue is a quorum queue
+    (RabbitMQ refuses the declaration below otherwise), and its copies are not held in the
+    workers' prefetch windows, whose size quorum queues fix."""
+    broker = Broker(amqp_url_or_skip())
+    try:
+        backstop_copy_waits_until_due(celery_stack, broker, "quorum")
+    finally:
+        broker.delete_queues()
+
+
+def backstop_copy_waits_until_due(celery_stack: CeleryStack, broker: Broker, queue_type: str) -> None:
+    import tests.proj.app as proj
+
+    queue = broker.queue(f"backstop-{queue_type}")
+    conf: dict[str, Any] = {"task_annotations": {"proj.handoff": {"semaphore_countdown": 3}}}
+    if queue_type == "quorum":
+        conf["task_default_queue_type"] = "quorum"
+    env = {**celery_stack.env, "PROJ_BROKER_URL": broker.url, "PROJ_QUEUE": queue}
+    workers = [Worker(env, name=f"backstop-{uuid.uuid4().hex[:6]}", concurrency=2, conf=conf).start()]
+    holder = semaphore_for(proj.app, "proj.handoff").acquire(timeout=5)
+    try:
+        sender = sender_app(celery_stack, broker, {**conf, "task_default_queue": queue})
+        result = sender.send_task("proj.handoff", (0.1, f"backstop-{uuid.uuid4().hex[:8]}"), queue=queue)
+        received = f"proj.handoff[{result.id}] received"
+        wait_until(lambda: parked(proj, "proj.handoff", result.id), timeout=30, what="the task parked")
+        parked_at = time.time()
+        wait_until(lambda: logs(workers).count(received) >= 2, timeout=15, interval=0.05,
+                   what="the backstop copy delivered")
+        came_back_after = time.time() - parked_at
+        assert 2.0 <= came_back_after <= 6.0, f"the backstop copy came {came_back_after:.2f} s after the park"
+        if broker.url.startswith("amqp"):
+            arguments = {"x-queue-type": "quorum"} if queue_type == "quorum" else None
+            with Connection(broker.url) as connection:  # refused unless declared exactly so
+                _, _, consumers = connection.channel().queue_declare(
+                    queue + BACKSTOP_QUEUE, durable=True, auto_delete=False, arguments=arguments)
+            assert consumers == 1, "the worker's main process holds the backstop queue"
+        holder.release()
+        assert result.get(timeout=30) == result.id
+    finally:
+        holder.release()  # a second release is a no-op
+        for started in workers:
+            started.stop()
+    assert "Traceback" not in logs(workers)
+
+
+def test_a_retry_to_another_queue_waits_in_that_queue(celery_stack: CeleryStack, broker: Broker) -> None:
+    """A task that waited in one queue retries itself into another (``self.retry(queue=...)``),
+    and the retry must wait too: its wake copy goes to the wake queue of the retry's queue (the
+    wait it began there), not of the first one. Only a worker of the second queue may run it."""
+    import tests.proj.app as proj
+
+    first, second = broker.queue("retry-first"), broker.queue("retry-second")
+    key = f"retry-{uuid.uuid4().hex[:8]}"
+    workers = [worker(celery_stack, broker, first, "retry-first", {}),
+               worker(celery_stack, broker, second, "retry-second", {})]
+    semaphore = semaphore_for(proj.app, "proj.retries_elsewhere")
+    try:
+        sender = sender_app(celery_stack, broker, {"task_default_queue": first})
+        result = sender.send_task("proj.retries_elsewhere", (second, key), queue=first)
+        wait_until(lambda: len(proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)) == 1, timeout=30,
+                   what="the first run, which retries into the second queue")
+        # queue behind the first run, so that the retry finds the slot held and waits
+        holder = semaphore.acquire(timeout=10)
+        try:
+            wait_until(lambda: parked(proj, "proj.retries_elsewhere", result.id), timeout=30,
+                       what="the retry parked")
+        finally:
+            holder.release()
+        assert result.get(timeout=30) == result.id
+    finally:
+        for started in workers:
+            started.stop()
+    runs = [entry.decode().split() for entry in proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)]
+    assert [queue for _, _, queue in runs] == [first, second], logs(workers)[-4000:]

@@ -456,3 +456,19 @@ def _kill_the_worker_at_a_first_refusal(request: Any = None, **_: Any) -> None:
                                                          1)) == 1:
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
+          name="proj.retries_elsewhere", bind=True)
+def retries_elsewhere(self: Any, queue: str, key: str) -> str:
+    """Its first run records "<task id> <pid> <queue it came from>", holds the slot 0.5 s (so
+    that a caller can queue up behind it) and retries itself into ``queue``; the retry records
+    its queue and ends."""
+    client = probe(key).client
+    delivery = self.request.delivery_info or {}
+    came_from = str(delivery.get("routing_key") or "").removesuffix(".semaphore-wake")
+    client.rpush(f"probe:{key}:starts", f"{self.request.id} {os.getpid()} {came_from}")
+    if self.request.retries == 0:
+        time.sleep(0.5)
+        raise self.retry(queue=queue, countdown=0)
+    return str(self.request.id)

@@ -1,0 +1,190 @@
+"""Copies of a waiting task that are due later wait in a backstop queue, not in a worker's
+prefetch window.
+
+A waiting task leaves the worker and comes back later: woken through its wake queue when a
+release hands it a slot, or, should that wake-up be lost, by its backstop copy once that is
+due. Sent as a Celery countdown (an ETA message), every backstop copy is fetched at once by
+some worker and held there, unacknowledged, until it is due, and it fills that worker's
+prefetch window: with ``worker_eta_task_limit`` once the limit is reached, with RabbitMQ quorum
+queues (whose prefetch count cannot grow) at once. A worker whose window is full of copies that
+are not due fetches nothing else, the wake copies included, and the line stalls until the
+backstops fall due (issue 17: 2 tasks every 30 s).
+
+So a copy that is due later is sent, at once and without an ETA, to
+``<queue>.semaphore-backstop`` (declared like its queue, ``_wake_queues.py``), carrying when it
+is due in ``semaphore_due``. Each worker's main process consumes those queues on a channel of
+its own (so with a window of its own, ``HOLD_AT_MOST``), holds each message on a timer, and when
+it is due publishes it to its queue as an ordinary task message, then acknowledges it. The
+copy is in the broker the whole time: a worker that dies holding it gives it back
+unacknowledged (RabbitMQ at once, the Redis broker after its visibility timeout), and another
+worker holds it; one that dies between the publish and the acknowledgement leaves two copies of
+one wait, of which the run records let one run (``task.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from celery import bootsteps
+from kombu.messaging import Consumer
+
+from ._wake_queues import (
+    backstop_queue,
+    backstop_queue_for,
+    declarable,
+    is_derived_queue,
+    origin_declaration,
+    wake_aware,
+)
+
+logger = logging.getLogger("celery_semaphore")
+
+# When the copy is due, in epoch seconds of the sender's clock.
+DUE_HEADER = "semaphore_due"
+# Most copies one worker holds at once; the rest wait in the broker, and come in as held ones
+# fall due (they are sent in roughly the order they fall due).
+HOLD_AT_MOST = 1000
+# A copy that could not be published when due is tried again this much later (still held).
+REPUBLISH_PAUSE_S = 1.0
+# Headers a copy does not carry on to its queue: when it was due, and what a broker added to the
+# held message (a redelivery flag would make the task take itself for a redelivered first message).
+_DROPPED_HEADERS = frozenset({DUE_HEADER, "redelivered", "x-delivery-count"})
+
+
+def due_in(headers: dict[str, Any] | None, now: float) -> float:
+    """Seconds until a held copy is due (0 when due, or when its header is missing or wrong)."""
+    try:
+        due = float((headers or {}).get(DUE_HEADER))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return max(0.0, due - now) if math.isfinite(due) else 0.0
+
+
+class BackstopHolder:
+    """Holds one worker's share of the backstop copies, each until it is due."""
+
+    def __init__(self, consumer: Any) -> None:
+        self.app = consumer.app
+        self.timer = consumer.timer
+        self.connection = consumer.connection
+        self.channel = consumer.connection.channel()
+        self.consumer: Any = Consumer(  # type: ignore[no-untyped-call]
+            self.channel, queues=[], on_message=self._on_message, no_ack=False, prefetch_count=HOLD_AT_MOST,
+        )
+        self.origins: dict[str, str] = {}  # backstop queue name -> the queue it serves
+        self.timers: dict[int, Any] = {}  # id of a held message -> its timer entry
+        self.closed = False
+
+    def follow(self, origin: str) -> None:
+        """Hold the backstop copies of the queue ``origin`` too."""
+        if is_derived_queue(origin) or backstop_queue(origin) in self.origins or self.closed:
+            return
+        queue = backstop_queue_for(self.app, origin)
+        if not declarable(self.connection, queue):
+            return
+        self.origins[queue.name] = origin
+        self.consumer.add_queue(queue)
+        self.consumer.consume()
+
+    def close(self) -> None:
+        """Stop holding: the held copies go back to the broker unacknowledged when the channel
+        closes (or when the connection is gone), so nothing is published after this."""
+        self.closed = True
+        for entry in self.timers.values():
+            entry.cancel()
+        self.timers.clear()
+        try:
+            self.consumer.cancel()
+        except Exception as error:  # the connection is gone already: so are the held copies
+            logger.debug("could not cancel the backstop consumer: %s", error)
+        try:
+            self.channel.close()
+        except Exception as error:
+            logger.debug("could not close the backstop channel: %s", error)
+
+    def _on_message(self, message: Any) -> None:
+        delay = due_in(message.headers, time.time())
+        self.timers[id(message)] = self.timer.call_after(delay, self._publish, (message,))
+
+    def _publish(self, message: Any) -> None:
+        self.timers.pop(id(message), None)
+        if self.closed:
+            return
+        origin = self._origin_of(message)
+        queue = origin_declaration(wake_aware(self.app), origin)
+        properties = message.properties or {}
+        try:
+            with self.app.producer_or_acquire() as producer:
+                producer.publish(
+                    message.body,
+                    exchange=queue.exchange,
+                    routing_key=queue.routing_key,
+                    declare=[queue],
+                    headers={name: value for name, value in (message.headers or {}).items()
+                             if name not in _DROPPED_HEADERS and not name.startswith("x-")},
+                    content_type=message.content_type,
+                    content_encoding=message.content_encoding,
+                    **{name: properties[name] for name in ("correlation_id", "reply_to", "priority", "delivery_mode")
+                       if properties.get(name) is not None},
+                )
+        except Exception as error:  # still held (not acknowledged): try again shortly
+            logger.warning("could not send a waiting task's backstop copy on to %s (trying again in %.0f s): %s",
+                           origin, REPUBLISH_PAUSE_S, error)
+            if not self.closed:
+                self.timers[id(message)] = self.timer.call_after(REPUBLISH_PAUSE_S, self._publish, (message,))
+            return
+        try:
+            message.ack()
+        except Exception as error:  # the broker gives it back: a second copy of a wait, run once
+            logger.debug("could not acknowledge a backstop copy sent on to %s: %s", origin, error)
+
+    def _origin_of(self, message: Any) -> str:
+        routing_key = (message.delivery_info or {}).get("routing_key")
+        if isinstance(routing_key, str) and routing_key in self.origins:
+            return self.origins[routing_key]
+        queue = (message.headers or {}).get("semaphore_queue")
+        if isinstance(queue, str) and queue:
+            return queue
+        # one consumer, several queues, and a transport that does not say which: the only one
+        return next(iter(self.origins.values()))
+
+
+HOLDER_ATTRIBUTE = "_celery_semaphore_backstop_holder"
+
+
+class BackstopStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Holds, in the worker's main process, the backstop copies of every queue it consumes."""
+
+    label = "Semaphore backstop queues"
+    # after the wake queues: a queue added later gets its backstop queue from the same hook
+    requires = ("celery_semaphore.worker:WakeQueueStep",)
+
+    def start(self, consumer: Any) -> None:
+        holder = BackstopHolder(consumer)
+        setattr(consumer, HOLDER_ATTRIBUTE, holder)
+        for queue in list(consumer.task_consumer.queues):
+            follow_backstops(consumer, queue.name)
+
+    def stop(self, consumer: Any) -> None:
+        holder = getattr(consumer, HOLDER_ATTRIBUTE, None)
+        if holder is not None:
+            setattr(consumer, HOLDER_ATTRIBUTE, None)
+            holder.close()
+
+    shutdown = stop
+
+
+def follow_backstops(consumer: Any, origin: str) -> None:
+    """Have ``consumer``'s worker hold the backstop copies of the queue ``origin`` (a queue it
+    consumes, from its start or added later)."""
+    holder = getattr(consumer, HOLDER_ATTRIBUTE, None)
+    if holder is None:
+        return
+    try:
+        holder.follow(origin)
+    except Exception as error:
+        logger.error("not holding the backstop copies of %s: %s; waiting tasks of that queue whose wake-up is lost "
+                     "are not sent again until a worker that can hold them starts", origin, error)
