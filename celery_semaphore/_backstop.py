@@ -14,7 +14,9 @@ So a copy that is due later is sent, at once and without an ETA, to
 ``<queue>.semaphore-backstop`` (declared like its queue, ``_wake_queues.py``), carrying when it
 is due in ``semaphore_due``. Each worker's main process consumes those queues on a channel of
 its own (so with a window of its own, ``HOLD_AT_MOST``), holds each message on a timer, and when
-it is due publishes it to its queue as an ordinary task message, then acknowledges it. The
+it is due publishes it as an ordinary task message to the wake queue of its queue (where no
+backlog of fresh tasks is ahead of it, as none was ahead of a countdown message), then
+acknowledges it. The
 copy is in the broker the whole time: a worker that dies holding it gives it back
 unacknowledged (RabbitMQ at once, the Redis broker after its visibility timeout), and another
 worker holds it; one that dies between the publish and the acknowledgement leaves two copies of
@@ -38,6 +40,7 @@ from ._wake_queues import (
     is_derived_queue,
     origin_declaration,
     wake_aware,
+    wake_queue_for,
 )
 
 logger = logging.getLogger("celery_semaphore")
@@ -75,6 +78,7 @@ class BackstopHolder:
             self.channel, queues=[], on_message=self._on_message, no_ack=False, prefetch_count=HOLD_AT_MOST,
         )
         self.origins: dict[str, str] = {}  # backstop queue name -> the queue it serves
+        self.targets: dict[str, Any] = {}  # the queue served -> where its copies go when due
         self.timers: dict[int, Any] = {}  # id of a held message -> its timer entry
         self.closed = False
 
@@ -86,26 +90,35 @@ class BackstopHolder:
         if not declarable(self.connection, queue):
             return
         self.origins[queue.name] = origin
+        # a copy that is due goes to the wake queue, so that it does not queue up again behind
+        # a backlog of fresh tasks (a countdown message did not); to the queue itself if its
+        # wake queue cannot be declared here
+        wake = wake_queue_for(self.app, origin)
+        self.targets[origin] = wake if declarable(self.connection, wake) else origin_declaration(
+            wake_aware(self.app), origin)
         self.consumer.add_queue(queue)
         self.consumer.consume()
 
     def close(self) -> None:
-        """Stop holding: the held copies go back to the broker unacknowledged when the channel
-        closes (or when the connection is gone), so nothing is published after this."""
+        """Stop holding. Nothing is published after this, and nothing is acknowledged: the held
+        copies go back to the broker when the worker's connection closes (or is gone), as its
+        countdown messages do. The consumer is not cancelled: on the Redis broker a message that
+        a poll in flight brings in for a cancelled consumer is "undeliverable", and a worker on
+        its way out (a cold shutdown) can lose it. It takes no more instead: its window is cut
+        to the copies it holds (at least one), and a copy that comes in after this is held too."""
         self.closed = True
+        held = len(self.timers)
         for entry in self.timers.values():
             entry.cancel()
         self.timers.clear()
         try:
-            self.consumer.cancel()
+            self.consumer.qos(prefetch_count=max(1, held))
         except Exception as error:  # the connection is gone already: so are the held copies
-            logger.debug("could not cancel the backstop consumer: %s", error)
-        try:
-            self.channel.close()
-        except Exception as error:
-            logger.debug("could not close the backstop channel: %s", error)
+            logger.debug("could not narrow the backstop consumer's window: %s", error)
 
     def _on_message(self, message: Any) -> None:
+        if self.closed:  # held unacknowledged until the connection closes (see close)
+            return
         delay = due_in(message.headers, time.time())
         self.timers[id(message)] = self.timer.call_after(delay, self._publish, (message,))
 
@@ -114,7 +127,7 @@ class BackstopHolder:
         if self.closed:
             return
         origin = self._origin_of(message)
-        queue = origin_declaration(wake_aware(self.app), origin)
+        queue = self.targets.get(origin) or origin_declaration(wake_aware(self.app), origin)
         properties = message.properties or {}
         try:
             with self.app.producer_or_acquire() as producer:
