@@ -41,7 +41,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import metrics, policy
-from ._backstop import DUE_HEADER
+from ._backstop import DUE_HEADER, holds_backstops
 from ._options import (
     FROM_SETTINGS,
     MARKER,
@@ -304,13 +304,14 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
     def _copy_due_in(self, countdown: float, origin: str | None, came_woken: bool, headers: dict[str, Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A copy of this wait that is due in ``countdown`` seconds. Sent at once to the backstop
-        queue of its queue, where a worker's main process holds it until it is due and then
-        sends it on (``_backstop.py``): held as a Celery countdown instead, it would fill the
-        prefetch window of the worker that fetched it. A task whose queue cannot be told (routed
-        by a topic exchange, say) gets a Celery countdown, as Celery routes it."""
+        """A copy of this wait that is due in ``countdown`` seconds. On RabbitMQ it is sent at
+        once to the backstop queue of its queue, where a worker's main process holds it until it
+        is due and then sends it on (``_backstop.py``): held as a Celery countdown instead, it
+        would fill the prefetch window of the worker that fetched it (a quorum queue's window
+        cannot grow). On the Redis broker, and for a task whose queue cannot be told (routed by
+        a topic exchange, say), it is a Celery countdown, as Celery routes it."""
         request = self.request
-        if origin is not None:
+        if origin is not None and holds_backstops(self.app):
             return self.signature_from_request(request, args, kwargs, queue=backstop_queue(origin),
                                                headers={**headers, DUE_HEADER: time.time() + countdown})
         return self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,

@@ -30,7 +30,7 @@ from celery.worker.request import Request
 
 from . import metrics
 from ._backend import BackendSpec, client_for
-from ._backstop import BackstopStep, follow_backstops
+from ._backstop import BackstopStep, follow_backstops, holds_backstops
 from ._keys import sample_key
 from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from ._parking import parking, wake_queue
@@ -179,6 +179,23 @@ def check_app(app: Any) -> None:
             ", ".join(sorted(near_visibility_timeout)), config.visibility_timeout,
         )
     _warn_about_eviction(config.backend)
+    if semaphore_tasks(app):
+        _warn_about_eta_task_limit(app)
+
+
+def _warn_about_eta_task_limit(app: Any) -> None:
+    """Where backstop copies are countdown messages (the Redis broker), ``worker_eta_task_limit``
+    caps how many the worker holds, and at the cap it fetches nothing else: say so at start."""
+    eta_task_limit = app.conf.get("worker_eta_task_limit")
+    if eta_task_limit is not None and not holds_backstops(app):
+        logger.warning(
+            "worker_eta_task_limit=%s: a semaphore task that waits outside the worker is held here as a countdown "
+            "message until its backstop is due, and once %s such messages are held this worker fetches nothing "
+            "else, the wake-ups of waiting tasks included, so a line of waiting tasks advances once per backstop "
+            "countdown. With this broker, unset worker_eta_task_limit or set it above the number of tasks that may "
+            "wait at once (on RabbitMQ backstop copies wait in backstop queues, outside the prefetch window)",
+            eta_task_limit, eta_task_limit,
+        )
 
 
 # The version of what this release keeps in Redis and in task headers (task.PROTOCOL): workers of

@@ -295,3 +295,20 @@ def test_a_worker_refuses_state_of_a_newer_protocol_and_records_its_own(redis_se
     client.set("rolling:protocol", 1)  # state of an older release: read as it is, and recorded anew
     check_state_protocol(config_for(app))
     assert client.get("rolling:protocol") == str(STATE_PROTOCOL).encode()
+
+
+@pytest.mark.parametrize(("broker", "warned"), [("redis://127.0.0.1:1/0", True), ("amqp://guest@127.0.0.1:1//", False)])
+def test_worker_eta_task_limit_is_warned_of_where_backstops_are_countdowns(
+    caplog: pytest.LogCaptureFixture, broker: str, warned: bool
+) -> None:
+    """On the Redis broker a waiting task's backstop copy is a countdown message held in the
+    worker's prefetch window, which ``worker_eta_task_limit`` caps: the worker says so at start,
+    naming the setting and its value. On RabbitMQ backstop copies wait in backstop queues, and
+    the setting is harmless: no warning."""
+    from celery_semaphore.worker import _warn_about_eta_task_limit
+
+    app = make_app(broker_url=broker, worker_eta_task_limit=8)
+    with caplog.at_level("WARNING", logger="celery_semaphore"):
+        _warn_about_eta_task_limit(app)
+    messages = [r.getMessage() for r in caplog.records if "worker_eta_task_limit=8" in r.getMessage()]
+    assert bool(messages) is warned, messages

@@ -141,7 +141,7 @@ def amqp_workers(celery_stack: CeleryStack) -> Iterator[tuple[list[Worker], Any,
         yield group, sender, queue
     with Connection(url) as connection:
         channel = connection.channel()
-        for name in (queue, f"{queue}.semaphore-wake"):
+        for name in (queue, f"{queue}.semaphore-wake", f"{queue}.semaphore-backstop"):
             channel.queue_delete(name)
 
 

@@ -151,29 +151,49 @@ def test_a_rolling_restart_strands_no_waiter(proj: Any, celery_stack: CeleryStac
     assert worst <= 2.5
 
 
-def makespan_of(proj: Any, queue: str, count: int, seconds: float) -> float:
-    """Seconds from sending ``count`` tasks of ``seconds`` at limit 1 to the last result."""
+def makespan_of(sender: Any, queue: str, count: int, seconds: float) -> float:
+    """Seconds from sending ``count`` proj.recycled tasks of ``seconds`` (limit 1) to the last result."""
     started = time.monotonic()
-    results: list[AsyncResult] = [proj.recycled.apply_async((seconds,), queue=queue) for _ in range(count)]
+    results: list[AsyncResult] = [sender.send_task("proj.recycled", (seconds,), queue=queue) for _ in range(count)]
     for result in results:
         assert result.get(timeout=180) == result.id
     return time.monotonic() - started
 
 
 @pytest.mark.slow
-def test_worker_eta_task_limit_strands_no_waiter(proj: Any, celery_stack: CeleryStack) -> None:
+@pytest.mark.rabbitmq
+def test_worker_eta_task_limit_strands_no_waiter_on_rabbitmq(proj: Any, celery_stack: CeleryStack) -> None:
     """100 tasks of 0.1 s at limit 1, concurrency 2, every refused task parked with a 30 s
-    backstop, with ``worker_eta_task_limit=8`` (the FAQ's advice against ETA pile-ups) and
-    without: within 1.2 x. At e612df5 the backstop copies, held as ETA messages, filled the
-    prefetch window at the limit and no wake copy was fetched: 2 tasks every 30 s. Backstop
-    copies now wait in the backstop queue, held by the main process outside that window."""
-    with worker_group(celery_stack.env, queue="eta_free", names=("eta_free",), concurrency=2):
-        baseline = makespan_of(proj, "eta_free", 100, 0.1)
-    with worker_group(celery_stack.env, queue="eta_capped", names=("eta_capped",), concurrency=2,
-                      conf={"worker_eta_task_limit": 8}) as group:
-        capped = makespan_of(proj, "eta_capped", 100, 0.1)
-        log = group[0].log()
-    print(f"makespan: {capped:.2f} s with worker_eta_task_limit=8, {baseline:.2f} s without "
-          f"({capped / baseline:.2f} x)")
-    assert capped <= 1.2 * baseline, log[-4000:]
+    backstop, with ``worker_eta_task_limit=8`` and without: within 1.2 x. At e612df5 the backstop
+    copies, held as countdown messages, filled the prefetch window at the limit and no wake copy
+    was fetched (2 tasks every 30 s). On RabbitMQ they now wait in backstop queues, held by the
+    main process outside that window. (On the Redis broker they are still countdown messages,
+    and the worker warns of the setting at start: see docs/design.md, "Backstop queues".)"""
+    from celery import Celery
+    from kombu import Connection
+
+    from .test_rabbitmq import amqp_url_or_skip
+
+    url = amqp_url_or_skip()
+    env = {**celery_stack.env, "PROJ_BROKER_URL": url}
+    sender = Celery("sender", broker=url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+    free, capped = f"celery-semaphore-eta-free-{time.time_ns()}", f"celery-semaphore-eta-capped-{time.time_ns()}"
+    try:
+        with worker_group(env, queue=free, names=("eta_free",), concurrency=2):
+            baseline = makespan_of(sender, free, 100, 0.1)
+        with worker_group(env, queue=capped, names=("eta_capped",), concurrency=2,
+                          conf={"worker_eta_task_limit": 8}) as group:
+            limited = makespan_of(sender, capped, 100, 0.1)
+            log = group[0].log()
+    finally:
+        with Connection(url) as connection:
+            for queue in (free, capped):
+                for name in (queue, f"{queue}.semaphore-wake", f"{queue}.semaphore-backstop"):
+                    try:
+                        connection.channel().queue_delete(name)
+                    except Exception as error:  # never declared: nothing to delete
+                        print(f"could not delete {name}: {error}")
+    print(f"makespan: {limited:.2f} s with worker_eta_task_limit=8, {baseline:.2f} s without "
+          f"({limited / baseline:.2f} x)")
+    assert limited <= 1.2 * baseline, log[-4000:]
     assert proj.probe("recycled").client.get("probe:recycled:max") in (None, b"1")

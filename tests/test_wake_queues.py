@@ -198,10 +198,11 @@ def test_wake_copies_need_no_missing_queues(celery_stack: CeleryStack, broker: B
 
 
 
-def test_a_backstop_copy_waits_in_its_backstop_queue_until_due(celery_stack: CeleryStack, broker: Broker) -> None:
+def test_a_backstop_copy_comes_back_when_due(celery_stack: CeleryStack, broker: Broker) -> None:
     """A parked task that is never woken (its slot stays held) comes back through its backstop
-    copy: sent at once to ``<queue>.semaphore-backstop``, held by the worker's main process, and
-    sent on to the queue when it is due (3 s here), not before."""
+    copy when it is due (3 s here), not before: on RabbitMQ sent at once to
+    ``<queue>.semaphore-backstop`` and held by the worker's main process (the test checks that
+    queue and its consumer), on the Redis broker as a countdown message."""
     backstop_copy_waits_until_due(celery_stack, broker, "classic")
 
 
@@ -230,11 +231,11 @@ def backstop_copy_waits_until_due(celery_stack: CeleryStack, broker: Broker, que
     try:
         sender = sender_app(celery_stack, broker, {**conf, "task_default_queue": queue})
         result = sender.send_task("proj.handoff", (0.1, f"backstop-{uuid.uuid4().hex[:8]}"), queue=queue)
-        received = f"proj.handoff[{result.id}] received"
+        refused = f"proj.handoff[{result.id}] retry: waiting for a slot"
         wait_until(lambda: parked(proj, "proj.handoff", result.id), timeout=30, what="the task parked")
         parked_at = time.time()
-        wait_until(lambda: logs(workers).count(received) >= 2, timeout=15, interval=0.05,
-                   what="the backstop copy delivered")
+        wait_until(lambda: logs(workers).count(refused) >= 2, timeout=15, interval=0.05,
+                   what="the backstop copy back, and refused again")
         came_back_after = time.time() - parked_at
         assert 2.0 <= came_back_after <= 6.0, f"the backstop copy came {came_back_after:.2f} s after the park"
         if broker.url.startswith("amqp"):
