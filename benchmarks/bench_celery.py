@@ -99,7 +99,7 @@ APP = "benchmarks.bench_celery_app"
 WORKERS, CHILDREN = 2, 4
 # a limit that no run reaches: the semaphore is held and released, never refuses
 UNREACHED_LIMIT = 1_000_000
-# the library's workers consume <queue> + this next to each queue (celery_semaphore/_parking.py);
+# the library's workers consume <queue> + this next to each queue (celery_semaphore/_celery/parking.py);
 # spelled out here because the benchmark process does not import the library
 WAKE_QUEUE_SUFFIX = ".semaphore-wake"
 # give up on a round when no task has ended for this long (something is stuck, or lost)
@@ -181,7 +181,7 @@ def queue_conf(queue_type: str) -> dict[str, Any]:
     "quorum"), for the workers' app and the sending app alike: ``task_default_queue_type`` for
     the default queue (the workers' own), ``task_create_missing_queue_type`` for a queue named
     only at send time (the sender's, and the origin of a wake queue that a worker sweeps for
-    another: celery_semaphore/_wake_queues.py). Quorum queues take no global QoS, so the workers
+    another: celery_semaphore/_celery/wake_queues.py). Quorum queues take no global QoS, so the workers
     keep ``worker_detect_quorum_queues`` on (Celery's default, spelled out)."""
     if queue_type == "classic":
         return {}

@@ -51,8 +51,8 @@ from typing import Any
 import redis
 
 from celery_semaphore import FairSemaphore
+from celery_semaphore._core.semaphore import Granted, new_token
 from celery_semaphore.errors import SemaphoreUnavailable
-from celery_semaphore.semaphore import Granted, new_token
 from tests.redis_server import RedisServer
 
 # Long enough that no lease is renewed (lease / 3) nor expires within one measurement.

@@ -16,29 +16,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .catalogue import semaphore_for
-    from .decorators import limit_concurrency
+    from ._celery.catalogue import semaphore_for
+    from ._celery.decorators import limit_concurrency
+    from ._celery.task import SemaphoreTask
+    from ._core.multi import MultiSemaphore
+    from ._core.semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
     from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-    from .multi import MultiSemaphore
-    from .semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
-    from .task import SemaphoreTask
 
 # public name -> the module that defines it
 _HOMES = {
     "ConfigurationError": ".errors",
-    "FairSemaphore": ".semaphore",
-    "Granted": ".semaphore",
-    "Lease": ".semaphore",
+    "FairSemaphore": "._core.semaphore",
+    "Granted": "._core.semaphore",
+    "Lease": "._core.semaphore",
     "LeaseLost": ".errors",
-    "MultiSemaphore": ".multi",
+    "MultiSemaphore": "._core.multi",
     "RedisUnavailable": ".errors",
     "SemaphoreError": ".errors",
-    "SemaphoreStatus": ".semaphore",
-    "SemaphoreTask": ".task",
+    "SemaphoreStatus": "._core.semaphore",
+    "SemaphoreTask": "._celery.task",
     "SemaphoreUnavailable": ".errors",
-    "Waiting": ".semaphore",
-    "limit_concurrency": ".decorators",
-    "semaphore_for": ".catalogue",
+    "Waiting": "._core.semaphore",
+    "limit_concurrency": "._celery.decorators",
+    "semaphore_for": "._celery.catalogue",
 }
 
 __all__ = [

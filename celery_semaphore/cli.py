@@ -11,7 +11,7 @@ the app the usual way (``-A``) and reads the same ``semaphore_*`` settings the w
 * ``reset KEY``: forget every holder and waiter (asks first, unless ``--yes``).
 
 Which task a key belongs to and which limit applies to it is the catalogue's answer
-(``catalogue.py``), the same one the workers and the metrics collector use.
+(``_celery/catalogue.py``), the same one the workers and the metrics collector use.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 import click
 
-from .catalogue import Catalogue, glob_escape
+from ._celery.catalogue import Catalogue, glob_escape
+from ._core.semaphore import HolderInfo, SemaphoreStatus, WaiterInfo
+from ._core.validation import check_seconds
 from .errors import ConfigurationError, SemaphoreError
-from .semaphore import HolderInfo, SemaphoreStatus, WaiterInfo
-from .validation import check_seconds
 
 NO_LIMIT = "no limit configured"
 OVERRIDE = "runtime override"

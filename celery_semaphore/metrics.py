@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import renewer
-from .catalogue import Catalogue
+from ._celery.catalogue import Catalogue
+from ._core import renewer
 from .errors import SemaphoreError
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.metrics_core import Metric
 
-    from .semaphore import Lease
+    from ._core.semaphore import Lease
 
 logger = logging.getLogger("celery_semaphore")
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_semaphore._backend import (
+from celery_semaphore._core.backend import (
     BackendSpec,
     backend_from_broker,
     client_for,

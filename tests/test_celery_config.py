@@ -10,8 +10,8 @@ import pytest
 from celery import Celery
 
 from celery_semaphore import ConfigurationError, SemaphoreTask, limit_concurrency
-from celery_semaphore.catalogue import semaphore_for_call
-from celery_semaphore.config import config_for, forget_config, parse_config
+from celery_semaphore._celery.catalogue import semaphore_for_call
+from celery_semaphore._celery.config import config_for, forget_config, parse_config
 
 from .redis_server import RedisServer
 from .workers import Worker
@@ -264,7 +264,7 @@ def test_a_template_field_gathered_by_kwargs_fills_the_key_or_names_what_is_miss
 def test_eviction_is_warned_of_only_where_redis_can_evict(caplog: pytest.LogCaptureFixture) -> None:
     """No memory limit means nothing is evicted, whatever the policy; a limit with an evicting
     policy (volatile-* ones included: our keys carry expiries) draws the warning."""
-    from celery_semaphore.worker import _warn_about_eviction
+    from celery_semaphore._celery.worker import _warn_about_eviction
 
     with RedisServer() as server, server.client() as client:
         cases = [("0", "allkeys-lru", False), ("1gb", "noeviction", False),
@@ -282,7 +282,7 @@ def test_a_worker_refuses_state_of_a_newer_protocol_and_records_its_own(redis_se
     """Workers of two releases share the keys during a rolling deploy: a worker records the
     protocol of the state it writes, and one of an older release refuses to start against state
     a newer, incompatible release wrote (instead of misreading it), naming the prefix."""
-    from celery_semaphore.worker import STATE_PROTOCOL, check_state_protocol
+    from celery_semaphore._celery.worker import STATE_PROTOCOL, check_state_protocol
 
     app = make_app(semaphore_backend_url=redis_server.url, semaphore_prefix="rolling")
     client = redis_server.client()
@@ -305,7 +305,7 @@ def test_worker_eta_task_limit_is_warned_of_where_backstops_are_countdowns(
     worker's prefetch window, which ``worker_eta_task_limit`` caps: the worker says so at start,
     naming the setting and its value. On RabbitMQ backstop copies wait in backstop queues, and
     the setting is harmless: no warning."""
-    from celery_semaphore.worker import _warn_about_eta_task_limit
+    from celery_semaphore._celery.worker import _warn_about_eta_task_limit
 
     app = make_app(broker_url=broker, worker_eta_task_limit=8)
     with caplog.at_level("WARNING", logger="celery_semaphore"):

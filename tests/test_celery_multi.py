@@ -13,9 +13,9 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import ConfigurationError, FairSemaphore, semaphore_for
-from celery_semaphore._backend import client_for
-from celery_semaphore.catalogue import Catalogue, semaphore_for_call
-from celery_semaphore.multi import MultiSemaphore
+from celery_semaphore._celery.catalogue import Catalogue, semaphore_for_call
+from celery_semaphore._core.backend import client_for
+from celery_semaphore._core.multi import MultiSemaphore
 
 from .conftest import CeleryStack
 from .waiting import wait_until
@@ -155,8 +155,8 @@ def test_the_worker_refuses_a_task_whose_key_has_no_limit() -> None:
     from celery import Celery
 
     from celery_semaphore import SemaphoreTask
-    from celery_semaphore.config import config_for, forget_config
-    from celery_semaphore.worker import check_limits
+    from celery_semaphore._celery.config import config_for, forget_config
+    from celery_semaphore._celery.worker import check_limits
 
     def check_app(app: Any) -> None:
         forget_config(app)
@@ -206,7 +206,7 @@ def test_status_and_metrics_show_each_limit_of_a_multi_key_task_and_the_weights_
     from celery.bin.celery import celery
     from click.testing import CliRunner
 
-    from celery_semaphore.config import forget_config
+    from celery_semaphore._celery.config import forget_config
     from celery_semaphore.metrics import family_counts
     from tests.proj.app import app
 
@@ -243,7 +243,7 @@ def test_multi_key_tasks_on_a_redis_cluster_with_the_apps_hash_tag(celery_stack:
     tasks listing two keys in opposite orders all run, never two at once, and status finds the
     tagged keys; without the tag a multi-key call is refused with a clear error."""
     import tests.proj.app as proj
-    from celery_semaphore.config import forget_config
+    from celery_semaphore._celery.config import forget_config
     from celery_semaphore.testing import RedisClusterSet
 
     cluster = RedisClusterSet().start()

@@ -22,7 +22,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
-from celery_semaphore.config import forget_config
+from celery_semaphore._celery.config import forget_config
 from celery_semaphore.testing import RedisClusterSet, RedisSentinelSet
 
 from .conftest import CeleryStack

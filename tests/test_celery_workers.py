@@ -16,7 +16,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from celery_semaphore import FairSemaphore, SemaphoreUnavailable
-from celery_semaphore._backend import client_for
+from celery_semaphore._core.backend import client_for
 
 from .conftest import CeleryStack
 from .waiting import wait_until
@@ -175,7 +175,7 @@ def test_a_limit_from_config_only(proj: Any) -> None:
 def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
     """Past semaphore_max_wait a waiting task fails, visibly, with SemaphoreUnavailable, and
     forgets its parked record: no sweep may send it again once its place lapses."""
-    from celery_semaphore._parking import parked_keys
+    from celery_semaphore._celery.parking import parked_keys
 
     impatient = semaphore(proj, "proj.impatient")
     blocker = impatient.acquire(timeout=0)

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from celery_semaphore import semaphore_for
-from celery_semaphore.config import DEFAULT_LEASE
+from celery_semaphore._celery.config import DEFAULT_LEASE
 
 from .conftest import CeleryStack
 from .redis_server import RedisServer

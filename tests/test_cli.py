@@ -17,9 +17,9 @@ from celery.bin.celery import celery
 from click.testing import CliRunner, Result
 
 from celery_semaphore import FairSemaphore, Lease
-from celery_semaphore.catalogue import Catalogue
+from celery_semaphore._celery.catalogue import Catalogue
+from celery_semaphore._celery.config import forget_config
 from celery_semaphore.cli import duration
-from celery_semaphore.config import forget_config
 
 from .redis_server import RedisServer, free_port
 from .waiting import wait_until

@@ -13,7 +13,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from celery_semaphore import FairSemaphore, SemaphoreTask, limit_concurrency, metrics, renewer
+from celery_semaphore import FairSemaphore, SemaphoreTask, limit_concurrency, metrics
+from celery_semaphore._core import renewer
 from celery_semaphore.metrics import PrometheusMissing, StatusCollector, register_status_collector
 
 from .redis_server import RedisServer, free_port

@@ -16,8 +16,8 @@ import redis
 import redis.cluster
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, SemaphoreUnavailable, Waiting
-from celery_semaphore._backend import client_for
-from celery_semaphore.semaphore import Duplicate
+from celery_semaphore._core.backend import client_for
+from celery_semaphore._core.semaphore import Duplicate
 
 from .redis_server import RedisClusterSet, RedisServer
 from .waiting import wait_until

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LUA_DIR = ROOT / "celery_semaphore" / "lua"
+LUA_DIR = ROOT / "celery_semaphore" / "_core" / "lua"
 LUA_SCRIPTS = ("acquire.lua", "release.lua", "renew.lua", "leave.lua", "status.lua", "_lib.lua")
 
 
@@ -50,17 +50,17 @@ def leading_comment(text: str) -> str:
 def test_wheel_ships_lua_scripts_and_py_typed(wheel: zipfile.ZipFile) -> None:
     """The wheel holds every Lua script the semaphore loads at run time and the py.typed marker."""
     names = set(wheel.namelist())
-    expected = {f"celery_semaphore/lua/{script}" for script in LUA_SCRIPTS} | {"celery_semaphore/py.typed"}
+    expected = {f"celery_semaphore/_core/lua/{script}" for script in LUA_SCRIPTS} | {"celery_semaphore/py.typed"}
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
 
 
 def test_wheel_ships_every_lua_file_of_the_package(wheel: zipfile.ZipFile) -> None:
     """No Lua file of the source package is left out of the wheel, and the shipped text is the source text."""
     in_source = {path.name for path in LUA_DIR.glob("*.lua")}
-    in_wheel = {Path(name).name for name in wheel.namelist() if name.startswith("celery_semaphore/lua/")}
+    in_wheel = {Path(name).name for name in wheel.namelist() if name.startswith("celery_semaphore/_core/lua/")}
     assert in_source == in_wheel
     for name in in_source:
-        assert wheel.read(f"celery_semaphore/lua/{name}") == (LUA_DIR / name).read_bytes()
+        assert wheel.read(f"celery_semaphore/_core/lua/{name}") == (LUA_DIR / name).read_bytes()
 
 
 @pytest.mark.parametrize("script", sorted(path.name for path in LUA_DIR.glob("*.lua")))
@@ -173,7 +173,7 @@ def test_the_core_works_on_the_lowest_redis_py_it_declares(wheel: zipfile.ZipFil
     script = (
         "import os, sys, threading, redis\n"
         "from celery_semaphore import FairSemaphore\n"
-        "from celery_semaphore._backend import client_for\n"
+        "from celery_semaphore._core.backend import client_for\n"
         "assert redis.__version__.startswith(os.environ['FLOOR']), redis.__version__\n"
         "for url in sys.argv[1:]:\n"
         "    sem = FairSemaphore(client_for(url), 'floor', 1, lease=10)\n"

@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from celery_semaphore import FairSemaphore, Waiting
-from celery_semaphore._parking import Parking, parked_keys
+from celery_semaphore._celery.parking import Parking, parked_keys
 
 from .redis_server import RedisServer
 from .waiting import wait_until
@@ -137,7 +137,7 @@ def test_a_wait_kept_in_this_process_only_is_swept_when_its_place_lapses(
     """The same for a wake copy the app's serializer cannot write, kept in the process that
     parked it. (Such a copy is played by making ``serialized`` refuse a plain one: the send must
     still work, which a copy that truly cannot be serialized would not.)"""
-    import celery_semaphore._parking as parking_module
+    import celery_semaphore._celery.parking as parking_module
 
     monkeypatch.setattr(parking_module, "serialized", lambda wake_copy: None)
     parking = Parking()
@@ -158,7 +158,7 @@ import sys, time
 import redis
 from celery import Celery
 from celery_semaphore import FairSemaphore, Waiting
-from celery_semaphore._parking import parking
+from celery_semaphore._celery.parking import parking
 port = int(sys.argv[1])
 PREFIX = "parking-tests"
 app = Celery("parking", broker=f"redis://127.0.0.1:{port}/5", set_as_current=False)
@@ -229,7 +229,7 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
 def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Redis) -> None:
     """A sweep puts a record back only if the task has not parked it again meanwhile: the newer
     copy (its headers count one more wait) and its due time stay."""
-    from celery_semaphore._scripts import scripts_for
+    from celery_semaphore._core.scripts import scripts_for
 
     scripts, keys = scripts_for(redis_client), parked_keys("nx")
     assert scripts.park(keys, record="w", look_in_ms=60_000, copy=b"newer")

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_semaphore.policy import countdown, expected_wait, waits_in_process
-from celery_semaphore.semaphore import Waiting
+from celery_semaphore._celery.policy import countdown, expected_wait, waits_in_process
+from celery_semaphore._core.semaphore import Waiting
 
 waitings = st.builds(
     Waiting,
@@ -80,7 +80,7 @@ def test_with_no_hold_time_known_countdowns_back_off() -> None:
 def test_a_parked_tasks_backstop_comes_at_the_upper_bound_below_the_visibility_timeout() -> None:
     """The countdown copy of a parked task only covers a lost wake-up: it comes at the countdown's
     upper bound, never past half the Redis broker's visibility timeout, whole seconds >= 1."""
-    from celery_semaphore.policy import backstop
+    from celery_semaphore._celery.policy import backstop
 
     assert backstop((1.0, 30.0)) == 30
     assert backstop((1.0, 30.0), visibility_timeout=3600) == 30

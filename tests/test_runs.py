@@ -9,7 +9,7 @@ from __future__ import annotations
 import redis
 
 from celery_semaphore import FairSemaphore, Granted
-from celery_semaphore.semaphore import Duplicate
+from celery_semaphore._core.semaphore import Duplicate
 
 
 def test_a_second_copy_is_told_running_then_done(redis_client: redis.Redis) -> None:

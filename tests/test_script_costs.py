@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, Waiting
-from celery_semaphore._scripts import SemaphoreKeys
+from celery_semaphore._core.scripts import SemaphoreKeys
 
 from .conftest import FLAVOURS, emptied_server, servers_by_flavour
 from .redis_server import RedisServer
@@ -216,7 +216,7 @@ def test_the_uncontended_paths_return_before_the_rest_of_the_helpers_are_made() 
     defined (about 1 us of Redis time per run). Each script defines each helper exactly once."""
     import re
 
-    from celery_semaphore._scripts import _NAMES, REST_OF_LIB, script_source
+    from celery_semaphore._core.scripts import _NAMES, REST_OF_LIB, script_source
 
     for name in _NAMES:
         source = script_source(name)
@@ -237,8 +237,8 @@ def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: 
     process has taken costs a ZCARD and a SET; with no parked waiter anywhere, the ZCARD alone."""
     import json
 
-    from celery_semaphore._parking import parked_keys
-    from celery_semaphore._scripts import scripts_for
+    from celery_semaphore._celery.parking import parked_keys
+    from celery_semaphore._core.scripts import scripts_for
 
     def record(i: object) -> str:
         return json.dumps(["cost:{x}:deadlines", "cost:{x}:runs", f"w{i}", f"w{i}#0#ab", "x"])

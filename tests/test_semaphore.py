@@ -20,8 +20,8 @@ from celery_semaphore import (
     SemaphoreError,
     SemaphoreUnavailable,
     Waiting,
-    renewer,
 )
+from celery_semaphore._core import renewer
 
 from .concurrency_probe import ConcurrencyProbe
 from .hammer import hammer

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from celery_semaphore._backend import client_for
+from celery_semaphore._core.backend import client_for
 from celery_semaphore.testing import RedisClusterSet, RedisSentinelSet
 
 from .conftest import _flavour_binary

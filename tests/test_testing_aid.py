@@ -114,7 +114,7 @@ def test_semaphore_redis_fixture_is_emptied_per_test(semaphore_redis: redis.Redi
 @pytest.mark.slow
 def test_semaphore_redis_cluster_fixture(semaphore_redis_cluster: RedisClusterSet) -> None:
     """semaphore_redis_cluster is a ready 3-master cluster whose URL builds a working client."""
-    from celery_semaphore._backend import client_for
+    from celery_semaphore._core.backend import client_for
 
     assert semaphore_redis_cluster.url.startswith("redis+cluster://127.0.0.1:")
     assert len(semaphore_redis_cluster.masters()) == 3
@@ -126,7 +126,7 @@ def test_semaphore_redis_cluster_fixture(semaphore_redis_cluster: RedisClusterSe
 @pytest.mark.slow
 def test_semaphore_redis_sentinel_fixture(semaphore_redis_sentinel: RedisSentinelSet) -> None:
     """semaphore_redis_sentinel is a ready Sentinel set whose URL builds a working client."""
-    from celery_semaphore._backend import client_for
+    from celery_semaphore._core.backend import client_for
 
     assert semaphore_redis_sentinel.url.startswith("redis+sentinel://127.0.0.1:")
     client = client_for(semaphore_redis_sentinel.url)

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import redis
 
-from celery_semaphore import FairSemaphore, RedisUnavailable, _backend
-from celery_semaphore._backend import client_for, parse_backend_url
+from celery_semaphore import FairSemaphore, RedisUnavailable
+from celery_semaphore._core import backend as _backend
+from celery_semaphore._core.backend import client_for, parse_backend_url
 from celery_semaphore.errors import ConfigurationError
 
 from .redis_server import RedisServer

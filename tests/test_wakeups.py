@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
-from celery_semaphore._wakeups import WakeUps, wake_ups_for
-from celery_semaphore.semaphore import Duplicate
+from celery_semaphore._core.semaphore import Duplicate
+from celery_semaphore._core.wakeups import WakeUps, wake_ups_for
 
 from .concurrency_probe import ConcurrencyProbe
 from .redis_server import RedisServer
@@ -382,7 +382,7 @@ def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A wake-up for a waiter that never registers does not stay: after UNCLAIMED_S it is
     forgotten, and a later registration of that waiter is not woken by it."""
-    import celery_semaphore._wakeups as wakeups_module
+    import celery_semaphore._core.wakeups as wakeups_module
 
     monkeypatch.setattr(wakeups_module, "UNCLAIMED_S", 0.2)
     semaphore = FairSemaphore(redis_client, "stale", 1, patience=30)

@@ -18,7 +18,7 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from celery_semaphore import SemaphoreTask, limit_concurrency
-from celery_semaphore.catalogue import semaphore_for_call
+from celery_semaphore._celery.catalogue import semaphore_for_call
 
 from ..concurrency_probe import ConcurrencyProbe
 

@@ -8,7 +8,7 @@
 * In the consumer: consume, next to each of the worker's queues, its wake queue, where a waiting
   task is sent again the moment a release hands it a slot (so it does not queue behind a backlog
   of fresh tasks in the queue it came from); also next to a queue added later (``add_consumer``).
-  Each wake queue is declared like its queue (``_wake_queues.py``).
+  Each wake queue is declared like its queue (``wake_queues.py``).
 * In the parent process: a child killed by ``revoke(terminate=True)``, a hard time limit or a
   crash runs no ``finally``; the parent gives its slot back by task id as a best effort (the lease
   is the guarantee). Celery may report such a failure twice, so this is idempotent.
@@ -28,19 +28,19 @@ from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
-from . import metrics
-from ._backend import BackendSpec, client_for
-from ._backstop import BackstopStep, follow_backstops, holds_backstops
-from ._keys import sample_key
-from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_option
-from ._parking import parking, wake_queue
-from ._scripts import preload
-from ._wake_queues import declarable, is_derived_queue, wake_aware, wake_queue_for
+from .. import metrics
+from .._core.backend import BackendSpec, client_for
+from .._core.keys import sample_key
+from .._core.scripts import preload
+from .._core.validation import to_ms
+from ..errors import ConfigurationError, SemaphoreError
+from .backstop import BackstopStep, follow_backstops, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
-from .errors import ConfigurationError, SemaphoreError
+from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
+from .parking import parking, wake_queue
 from .policy import VISIBILITY_MARGIN
-from .validation import to_ms
+from .wake_queues import declarable, is_derived_queue, wake_aware, wake_queue_for
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -150,7 +150,7 @@ def connect_early(app: Any) -> None:
 
 
 def sweep_parked_tasks(app: Any) -> None:
-    """Have this process sweep the deployment's parked-task records (``_parking.py``), so that a
+    """Have this process sweep the deployment's parked-task records (``parking.py``), so that a
     task parked by a worker that died with its message is sent again by the workers still alive,
     though none of them parked anything yet."""
     try:

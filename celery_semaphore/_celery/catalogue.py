@@ -17,13 +17,13 @@ from typing import Any
 
 import redis
 
-from ._backend import client_for
-from ._keys import call_key, is_fixed, literal_length, template_pattern
-from ._options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
+from .._core.backend import client_for
+from .._core.keys import call_key, is_fixed, literal_length, template_pattern
+from .._core.multi import MultiSemaphore
+from .._core.semaphore import FairSemaphore
+from ..errors import ConfigurationError, SemaphoreError
 from .config import LimitRule, SemaphoreConfig, config_for
-from .errors import ConfigurationError, SemaphoreError
-from .multi import MultiSemaphore
-from .semaphore import FairSemaphore
+from .options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
 
 # The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,
 # or an operator stored a limit. (The bookkeeping keys never outlive these.)

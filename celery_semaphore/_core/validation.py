@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 
 def check_limit(setting: str, value: Any) -> int:

@@ -11,7 +11,7 @@ are not due fetches nothing else, the wake copies included, and the line stalls 
 backstops fall due (issue 17: 2 tasks every 30 s).
 
 So a copy that is due later is sent, at once and without an ETA, to
-``<queue>.semaphore-backstop`` (declared like its queue, ``_wake_queues.py``), carrying when it
+``<queue>.semaphore-backstop`` (declared like its queue, ``wake_queues.py``), carrying when it
 is due in ``semaphore_due``. Each worker's main process consumes those queues on a channel of
 its own (so with a window of its own, ``HOLD_AT_MOST``), holds each message on a timer, and when
 it is due publishes it as an ordinary task message to the wake queue of its queue (where no
@@ -33,7 +33,7 @@ from typing import Any
 from celery import bootsteps
 from kombu.messaging import Consumer
 
-from ._wake_queues import (
+from .wake_queues import (
     backstop_queue,
     backstop_queue_for,
     declarable,
@@ -201,7 +201,7 @@ class BackstopStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     label = "Semaphore backstop queues"
     # after the wake queues: a queue added later gets its backstop queue from the same hook
-    requires = ("celery_semaphore.worker:WakeQueueStep",)
+    requires = ("celery_semaphore._celery.worker:WakeQueueStep",)
 
     def start(self, consumer: Any) -> None:
         if not holds_backstops(consumer.app):

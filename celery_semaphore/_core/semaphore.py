@@ -33,8 +33,9 @@ from typing import Any
 import redis
 import redis.cluster
 
+from ..errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import renewer
-from ._scripts import (
+from .scripts import (
     CLAIMED,
     GRANTED,
     OFFERED,
@@ -47,8 +48,6 @@ from ._scripts import (
     SemaphoreKeys,
     scripts_for,
 )
-from ._wakeups import WakeUps, wake_ups_for
-from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from .validation import (
     check_limit,
     check_name,
@@ -59,6 +58,7 @@ from .validation import (
     check_waiter,
     to_ms,
 )
+from .wakeups import WakeUps, wake_ups_for
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -70,7 +70,7 @@ _label_of_pid: tuple[int, str] = (-1, "")
 
 
 # Told (semaphore, waiters) when a script offered a slot to waiters whose wake-up nobody heard
-# (their process is gone): the Celery layer sends a parked task's wake copy itself (_parking.py).
+# (their process is gone): the Celery layer sends a parked task's wake copy itself (_celery/parking.py).
 # Unset, such an offer lapses after its claim window and goes on to the next waiter.
 UnheardHandler = Callable[[Any, "tuple[str, ...]"], None]
 _unheard_handler: UnheardHandler | None = None

@@ -1,6 +1,6 @@
 -- park: keep a parked Celery task's wake copy in Redis, so that a sweep in any worker process
 -- can send it again when no copy of its wait asked in time: its backstop copy was lost with the
--- worker that parked it (see _parking.py). One record per wait; parking again moves it on.
+-- worker that parked it (see _celery/parking.py). One record per wait; parking again moves it on.
 --   KEYS[1] due      ZSET  record -> when a sweep looks at it (server ms)
 --   KEYS[2] copies   HASH  record -> the wake copy, serialized as the task's messages are
 --   KEYS[3] waiters  HASH  "<deadlines key>\n<waiter>" -> record: how a process that offered
@@ -8,7 +8,7 @@
 --   KEYS[4] lines    ZSET  "[<line base>, <limit>]" -> until when it has parked waiters: the
 --                          lines a tick looks at (tick.lua), since no script may run on a line
 --                          whose waiters are all parked
---   ARGV[1] record  the wait, as _parking.py names it: JSON [deadlines key, runs key, waiter,
+--   ARGV[1] record  the wait, as _celery/parking.py names it: JSON [deadlines key, runs key, waiter,
 --                   run, name]
 --   ARGV[2] look_in_ms
 --   ARGV[3] copy    "" to forget the record (the wait was given up)

@@ -35,8 +35,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._scripts import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
-from .errors import SemaphoreError
+from ..errors import SemaphoreError
+from .scripts import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
 
 if TYPE_CHECKING:
     from .semaphore import FairSemaphore, Lease

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._keys import KeyFunction, check_template
+from .._core.keys import KeyFunction, check_template
+from .._core.validation import check_limit, check_seconds
+from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
-from .errors import ConfigurationError
-from .validation import check_limit, check_seconds
 
 # Set on SemaphoreTask: how code that must not import the Celery hook (the catalogue, the
 # worker's parent-side release) recognises a semaphore task.

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _backend
-from .errors import ConfigurationError
-from .validation import check_limit, check_prefix, check_seconds
+from .._core import backend as _backend
+from .._core.validation import check_limit, check_prefix, check_seconds
+from ..errors import ConfigurationError
 
 DEFAULT_PREFIX = "semaphore"
 DEFAULT_LEASE = 60.0

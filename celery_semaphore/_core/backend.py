@@ -77,7 +77,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = [
     "SCHEMES",

@@ -40,10 +40,10 @@ from typing import Any
 from celery import signature
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from ._scripts import SemaphoreKeys, scripts_for
-from ._wakeups import WakeHandle, wake_ups_for
-from .multi import MultiSemaphore
-from .semaphore import FairSemaphore, on_unheard
+from .._core.multi import MultiSemaphore
+from .._core.scripts import SemaphoreKeys, scripts_for
+from .._core.semaphore import FairSemaphore, on_unheard
+from .._core.wakeups import WakeHandle, wake_ups_for
 
 logger = logging.getLogger("celery_semaphore")
 

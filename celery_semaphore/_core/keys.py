@@ -15,7 +15,7 @@ import string
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .validation import check_name
 
 KeyFunction = Callable[[tuple[Any, ...], dict[str, Any]], str]

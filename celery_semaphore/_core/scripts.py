@@ -47,7 +47,7 @@ REST_OF_LIB = "-- @rest-of-lib\n"
 def script_source(name: str) -> str:
     """The full text of one script as Redis runs it: the shared helpers, then its body. The
     helpers after ``REST_OF_LIB`` go where the body has that line, else in front of it."""
-    lua = importlib.resources.files("celery_semaphore") / "lua"
+    lua = importlib.resources.files("celery_semaphore._core") / "lua"
     first, rest = (lua / "_lib.lua").read_text(encoding="utf-8").split(REST_OF_LIB)
     body = (lua / f"{name}.lua").read_text(encoding="utf-8")
     if REST_OF_LIB in body:

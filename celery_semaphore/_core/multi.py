@@ -34,9 +34,9 @@ from typing import Any, cast
 import redis.cluster
 from redis.crc import key_slot
 
+from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
 from . import renewer
-from ._scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys
-from .errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
+from .scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys
 from .semaphore import (
     Attempt,
     Duplicate,

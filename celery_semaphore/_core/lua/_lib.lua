@@ -1,4 +1,4 @@
--- Shared helpers. _scripts.py puts this text in front of every script, so each script still
+-- Shared helpers. scripts.py puts this text in front of every script, so each script still
 -- runs as one EVALSHA: one round trip, atomic, no lock around it. Nothing here runs by itself:
 -- it only defines locals. It comes in two parts: what the uncontended paths use, then (from the
 -- "@rest-of-lib" line on) the rest, which a script may place after its fast path instead, so an

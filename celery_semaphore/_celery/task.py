@@ -9,7 +9,7 @@ process then releases by task id (see ``worker.py``), and the lease is the last 
 A task that finds no free slot is not run. It either waits a moment in-process for a release
 (when its turn is near) or leaves the worker: it is re-sent with a countdown under the same task
 id (the backstop copy, keeping its ticket and so its place in line) and *parks*, so that the
-release that makes its turn sends it again at once (the wake copy, see ``_parking.py``). Of the
+release that makes its turn sends it again at once (the wake copy, see ``parking.py``). Of the
 copies of one wait, exactly one runs: the first to get the slot records the run in Redis, and a
 copy that finds the run recorded (finished, or still running under a live lease) is dropped
 with ``Ignore``: not run, not recorded as a failure.
@@ -40,9 +40,17 @@ from celery import Task, states
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import metrics, policy
-from ._backstop import DUE_HEADER, holds_backstops
-from ._options import (
+from .. import metrics
+from .._core.multi import MultiSemaphore
+from .._core.scripts import scripts_for
+from .._core.semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, new_token
+from .._core.validation import to_ms
+from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
+from . import policy
+from .backstop import DUE_HEADER, holds_backstops
+from .catalogue import semaphore_for_call
+from .config import SemaphoreConfig, config_for
+from .options import (
     FROM_SETTINGS,
     MARKER,
     KeyOption,
@@ -52,15 +60,8 @@ from ._options import (
     template_of,
     wait_options,
 )
-from ._parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
-from ._scripts import scripts_for
-from ._wake_queues import backstop_queue
-from .catalogue import semaphore_for_call
-from .config import SemaphoreConfig, config_for
-from .errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from .multi import MultiSemaphore
-from .semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, new_token
-from .validation import to_ms
+from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
+from .wake_queues import backstop_queue
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
 AnySemaphore = FairSemaphore | MultiSemaphore
@@ -126,7 +127,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     semaphore_max_wait: ClassVar[float | None] = FROM_SETTINGS
     semaphore_inline_wait: ClassVar[float | None] = None
     # gives a lost pool process's slot back before its message is requeued (worker.py)
-    Request: ClassVar[str] = "celery_semaphore.worker:SemaphoreRequest"
+    Request: ClassVar[str] = "celery_semaphore._celery.worker:SemaphoreRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -306,7 +307,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A copy of this wait that is due in ``countdown`` seconds. On RabbitMQ it is sent at
         once to the backstop queue of its queue, where a worker's main process holds it until it
-        is due and then sends it on (``_backstop.py``): held as a Celery countdown instead, it
+        is due and then sends it on (``backstop.py``): held as a Celery countdown instead, it
         would fill the prefetch window of the worker that fetched it (a quorum queue's window
         cannot grow). On the Redis broker, and for a task whose queue cannot be told (routed by
         a topic exchange, say), it is a Celery countdown, as Celery routes it."""

@@ -1,7 +1,7 @@
 -- tick: what a release would do, for a line whose waiters are all parked. A lease that lapsed
 -- (its holder's worker was SIGKILLed) frees its slot only when some script purges it, and
 -- parked waiters run none while they wait; a tick, once a second from one worker process of
--- the deployment (_parking.py), purges one step and hands freed slots on.
+-- the deployment (_celery/parking.py), purges one step and hands freed slots on.
 --   KEYS    the semaphore keys (see _lib.lua), KEYS[1..8]
 --   ARGV[1] limit  the limit to apply when no runtime override is stored
 -- Returns the waiters offered a slot whose wake-up nobody heard (see notify in _lib.lua).

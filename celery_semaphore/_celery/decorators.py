@@ -8,10 +8,10 @@ from typing import Any
 
 from celery import shared_task
 
-from ._keys import check_template
-from ._options import KeyOption
+from .._core.keys import check_template
+from .._core.validation import check_limit
+from .options import KeyOption
 from .task import SemaphoreTask
-from .validation import check_limit
 
 
 def limit_concurrency(

@@ -1,6 +1,6 @@
 """Wake queues declared like the queues they serve.
 
-A wake copy (``_parking.py``) is sent to ``<queue>.semaphore-wake``, and the workers consume that
+A wake copy (``parking.py``) is sent to ``<queue>.semaphore-wake``, and the workers consume that
 queue next to ``<queue>``. Every process that declares it (each worker consuming it, each process
 sending a wake copy to it) must declare it the same way: RabbitMQ refuses a second declaration
 that differs (``PRECONDITION_FAILED - inequivalent arg 'x-queue-type'`` when one side makes it
@@ -14,7 +14,7 @@ So here every wake queue is derived from one source, the declaration of its orig
 own name as routing key. It is derived on lookup: the app's ``Queues`` mapping resolves any
 ``*.semaphore-wake`` name itself, so Celery's router finds the right declaration wherever a wake
 copy is sent from, by name: the process that parked the task, or any process sweeping a parked
-record written by another (``_parking.py``), with no Queue object in the serialized copy.
+record written by another (``parking.py``), with no Queue object in the serialized copy.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 from kombu.entity import Exchange, Queue
 
-from ._parking import WAKE_QUEUE_SUFFIX, wake_queue
+from .parking import WAKE_QUEUE_SUFFIX, wake_queue
 
 # A waiting task's copy that is due later (its backstop) waits in ``<queue>.semaphore-backstop``,
-# held by the workers' main processes until it is due (``_backstop.py``): derived the same way.
+# held by the workers' main processes until it is due (``backstop.py``): derived the same way.
 BACKSTOP_QUEUE_SUFFIX = ".semaphore-backstop"
 _DERIVED_SUFFIXES = (WAKE_QUEUE_SUFFIX, BACKSTOP_QUEUE_SUFFIX)
 
