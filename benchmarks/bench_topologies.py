@@ -31,7 +31,7 @@ import redis
 import redis.cluster
 
 from celery_semaphore import FairSemaphore
-from celery_semaphore.testing import RedisClusterSet, RedisServer, any_binary, binary_version
+from tests.redis_server import RedisClusterSet, RedisServer, any_binary, binary_version
 
 # Long enough that no lease is renewed nor expires within one measurement.
 LEASE_S = 60.0

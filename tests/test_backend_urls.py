@@ -14,13 +14,10 @@ from typing import Any
 import pytest
 import redis
 
-from celery_semaphore._core.backend import (
-    BackendSpec,
-    backend_from_broker,
-    client_for,
-    mask_url,
-    parse_backend_url,
-)
+from celery_semaphore._core.broker_urls import backend_from_broker
+from celery_semaphore._core.clients import client_for
+from celery_semaphore._core.masking import mask_url
+from celery_semaphore._core.urls import BackendSpec, parse_backend_url
 from celery_semaphore.errors import ConfigurationError
 
 from .redis_server import RedisServer, free_port, system_binary, wait_until

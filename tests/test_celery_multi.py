@@ -14,7 +14,7 @@ from celery.result import AsyncResult
 
 from celery_semaphore import ConfigurationError, FairSemaphore, semaphore_for
 from celery_semaphore._celery.catalogue import Catalogue, semaphore_for_call
-from celery_semaphore._core.backend import client_for
+from celery_semaphore._core.clients import client_for
 from celery_semaphore._core.multi import MultiSemaphore
 
 from .conftest import CeleryStack

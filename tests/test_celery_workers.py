@@ -16,7 +16,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from celery_semaphore import FairSemaphore, SemaphoreUnavailable
-from celery_semaphore._core.backend import client_for
+from celery_semaphore._core.clients import client_for
 
 from .conftest import CeleryStack
 from .waiting import wait_until

@@ -16,7 +16,7 @@ import redis
 import redis.cluster
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, SemaphoreUnavailable, Waiting
-from celery_semaphore._core.backend import client_for
+from celery_semaphore._core.clients import client_for
 from celery_semaphore._core.semaphore import Duplicate
 
 from .redis_server import RedisClusterSet, RedisServer

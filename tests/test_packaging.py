@@ -173,7 +173,7 @@ def test_the_core_works_on_the_lowest_redis_py_it_declares(wheel: zipfile.ZipFil
     script = (
         "import os, sys, threading, redis\n"
         "from celery_semaphore import FairSemaphore\n"
-        "from celery_semaphore._core.backend import client_for\n"
+        "from celery_semaphore._core.clients import client_for\n"
         "assert redis.__version__.startswith(os.environ['FLOOR']), redis.__version__\n"
         "for url in sys.argv[1:]:\n"
         "    sem = FairSemaphore(client_for(url), 'floor', 1, lease=10)\n"

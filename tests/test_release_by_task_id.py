@@ -7,7 +7,7 @@ import pytest
 from celery import Celery
 
 from celery_semaphore import SemaphoreTask, semaphore_for
-from celery_semaphore._celery.task import _HOST_PART, task_key
+from celery_semaphore._celery.tokens import _HOST_PART, task_key
 from celery_semaphore._celery.worker import _release_by_task_id
 
 from .redis_server import RedisServer

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from celery_semaphore._core.backend import client_for
-from celery_semaphore.testing import RedisClusterSet, RedisSentinelSet
+from celery_semaphore._core.clients import client_for
 
 from .conftest import _flavour_binary
+from .redis_server import RedisClusterSet, RedisSentinelSet
 from .test_runs import (  # noqa: F401  (collected again here, on each topology)
     test_a_copy_takes_over_a_run_whose_holder_was_killed,
     test_a_run_whose_lease_lapsed_before_a_normal_release_still_counts_as_done,

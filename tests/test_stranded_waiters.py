@@ -16,7 +16,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
-from celery_semaphore._celery.task import task_key
+from celery_semaphore._celery.tokens import task_key
 
 from .conftest import CeleryStack
 from .waiting import wait_until

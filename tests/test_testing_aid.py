@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,15 +14,14 @@ from pathlib import Path
 import pytest
 import redis
 
+import celery_semaphore.testing
 from celery_semaphore import FairSemaphore
-from celery_semaphore.testing import (
-    CLUSTER_BUS_OFFSET,
-    RedisClusterSet,
-    RedisSentinelSet,
-    RedisServer,
-    free_cluster_port,
-    wait_until,
-)
+from celery_semaphore.testing import RedisClusterSet, RedisSentinelSet, RedisServer
+
+from .redis_server import CLUSTER_BUS_OFFSET, free_cluster_port, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYING = ROOT / "docs" / "deploying.md"
 
 
 def _alive(pid: int) -> bool:
@@ -114,7 +115,7 @@ def test_semaphore_redis_fixture_is_emptied_per_test(semaphore_redis: redis.Redi
 @pytest.mark.slow
 def test_semaphore_redis_cluster_fixture(semaphore_redis_cluster: RedisClusterSet) -> None:
     """semaphore_redis_cluster is a ready 3-master cluster whose URL builds a working client."""
-    from celery_semaphore._core.backend import client_for
+    from celery_semaphore._core.clients import client_for
 
     assert semaphore_redis_cluster.url.startswith("redis+cluster://127.0.0.1:")
     assert len(semaphore_redis_cluster.masters()) == 3
@@ -126,7 +127,7 @@ def test_semaphore_redis_cluster_fixture(semaphore_redis_cluster: RedisClusterSe
 @pytest.mark.slow
 def test_semaphore_redis_sentinel_fixture(semaphore_redis_sentinel: RedisSentinelSet) -> None:
     """semaphore_redis_sentinel is a ready Sentinel set whose URL builds a working client."""
-    from celery_semaphore._core.backend import client_for
+    from celery_semaphore._core.clients import client_for
 
     assert semaphore_redis_sentinel.url.startswith("redis+sentinel://127.0.0.1:")
     client = client_for(semaphore_redis_sentinel.url)
@@ -227,3 +228,55 @@ def test_servers_left_running_are_stopped_at_exit(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     pid = int(result.stdout.split()[0])
     assert wait_until(lambda: not _alive(pid), 10, f"redis-server {pid} gone")
+
+
+# --- what the docs show users ---------------------------------------------------------------
+
+
+def test_the_public_names_are_the_ones_the_docs_import() -> None:
+    """The plugin is imported into every pytest session of every user: its public names are the
+    classes docs/deploying.md imports from it and the fixtures it documents, nothing else (the
+    project's own fault injection and TLS harness live in tests/redis_server.py)."""
+    shown = set()
+    for names in re.findall(r"from celery_semaphore\.testing import ([\w, ]+)", DEPLOYING.read_text()):
+        shown.update(name.strip() for name in names.split(","))
+    assert sorted(shown) == sorted(celery_semaphore.testing.__all__)
+    module = ast.parse(Path(celery_semaphore.testing.__file__).read_text())
+    public = {name for name in _module_level_names(module.body) if not name.startswith("_")}
+    fixtures = {"semaphore_redis_server", "semaphore_redis_url", "semaphore_redis", "semaphore_redis_cluster",
+                "semaphore_redis_sentinel"}  # fmt: skip
+    assert public == shown | fixtures
+
+
+def _module_level_names(body: list[ast.stmt]) -> set[str]:
+    """The names a module's own statements define (the plugin's fixtures sit in a try/else)."""
+    names: set[str] = set()
+    for statement in body:
+        if isinstance(statement, ast.Try):
+            names |= _module_level_names(statement.body + statement.orelse)
+        elif isinstance(statement, ast.FunctionDef | ast.ClassDef):
+            names.add(statement.name)
+        elif isinstance(statement, ast.Assign | ast.AnnAssign):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return names - {"__all__"}
+
+
+def _documented_files(heading: str) -> dict[str, str]:
+    """The files of a docs/deploying.md section: each a ```python block after a `name.py`: line."""
+    text = DEPLOYING.read_text()
+    section = text.split(f"### {heading}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    return dict(re.findall(r"^`(\w+\.py)`[^\n]*\n\n```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL))
+
+
+def test_the_documented_suite_with_a_celery_worker_passes(tmp_path: Path) -> None:
+    """The docs' test suite on Celery's in-process worker (celery.contrib.pytest) and the plugin's
+    Redis, written out as a user would have it and run by pytest: the task waits for the slot
+    the test holds, and runs once it is given back."""
+    files = _documented_files("Testing with a worker: Celery's pytest fixtures")
+    assert sorted(files) == ["conftest.py", "reports.py", "test_reports.py"]
+    for name, code in files.items():
+        (tmp_path / name).write_text(code)
+    result = _run_pytest(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout

@@ -12,11 +12,20 @@ import redis
 import redis.cluster
 
 from celery_semaphore import FairSemaphore
-from celery_semaphore._core.backend import backend_from_broker, client_for, parse_backend_url
+from celery_semaphore._core.broker_urls import backend_from_broker
+from celery_semaphore._core.clients import client_for
+from celery_semaphore._core.urls import parse_backend_url
 from celery_semaphore.errors import ConfigurationError
-from celery_semaphore.testing import TlsFiles, make_test_certificates
 
-from .redis_server import RedisClusterSet, RedisSentinelSet, RedisServer, system_binary, wait_until
+from .redis_server import (
+    RedisClusterSet,
+    RedisSentinelSet,
+    RedisServer,
+    TlsFiles,
+    make_test_certificates,
+    system_binary,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +216,7 @@ def test_sentinel_client_leaves_a_demoted_master_within_the_check_interval(
     """After SENTINEL FAILOVER the old master accepts writes until a Sentinel demotes it (~10 s);
     a client_for client with a connection open to it moves to the new master within about
     SENTINEL_CHECK_INTERVAL instead, so its writes are not lost with the old master's data."""
-    from celery_semaphore._core.backend import SENTINEL_CHECK_INTERVAL
+    from celery_semaphore._core.clients import SENTINEL_CHECK_INTERVAL
 
     assert SENTINEL_CHECK_INTERVAL <= 1.0
     sentinel_set = own_redis_sentinel_set

@@ -24,8 +24,9 @@ import pytest
 import redis
 
 from celery_semaphore import FairSemaphore, RedisUnavailable
-from celery_semaphore._core import backend as _backend
-from celery_semaphore._core.backend import client_for, parse_backend_url
+from celery_semaphore._core import clients as _clients
+from celery_semaphore._core.clients import client_for
+from celery_semaphore._core.urls import parse_backend_url
 from celery_semaphore.errors import ConfigurationError
 
 from .redis_server import RedisServer
@@ -84,7 +85,7 @@ def test_acquire_fails_closed_within_the_default_timeout_when_redis_stops_answer
     to be fast): with a lease held and the server stopped, try_acquire and acquire raise
     RedisUnavailable (which the Celery layer treats as "wait") within about that timeout, and
     the held lease's release does too, rather than hanging."""
-    monkeypatch.setattr(_backend, "SOCKET_TIMEOUT", TIMEOUT, raising=False)  # (absent: the test fails on the time)
+    monkeypatch.setattr(_clients, "SOCKET_TIMEOUT", TIMEOUT, raising=False)  # (absent: the test fails on the time)
     client = client_for(own_redis.url)
     semaphore = FairSemaphore(client, a_name(), 2, lease=30)
     held = semaphore.acquire(timeout=5)
@@ -199,10 +200,10 @@ def test_every_client_has_timeouts_by_default_and_the_url_overrides_them(own_red
             for pool in pools
         ]
 
-    defaults = (_backend.SOCKET_TIMEOUT, _backend.SOCKET_CONNECT_TIMEOUT)
+    defaults = (_clients.SOCKET_TIMEOUT, _clients.SOCKET_CONNECT_TIMEOUT)
     assert set(timeouts(client_for(url("")))) == {defaults}
     assert set(timeouts(client_for(url("?socket_timeout=0.5&socket_connect_timeout=0.25")))) == {(0.5, 0.25)}
-    assert set(timeouts(client_for(url("?socket_timeout=0.75")))) == {(0.75, _backend.SOCKET_CONNECT_TIMEOUT)}
+    assert set(timeouts(client_for(url("?socket_timeout=0.75")))) == {(0.75, _clients.SOCKET_CONNECT_TIMEOUT)}
 
 
 @pytest.mark.parametrize(

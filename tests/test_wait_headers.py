@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_semaphore._celery.config import config_for
-from celery_semaphore._celery.task import TicketSigner, WaitHistory
+from celery_semaphore._celery.wait_headers import TicketSigner, WaitHistory
 
 
 def request(**headers: Any) -> Any:
@@ -88,7 +88,7 @@ def test_headers_of_a_release_before_protocol_2_keep_their_run_id() -> None:
 def test_a_re_sent_copy_leaves_the_brokers_headers_behind() -> None:
     """A copy re-sent with the dead-lettering headers of the message it came in (as Celery strips
     them from its own retries) may be dropped by RabbitMQ quorum queues or delayed delivery."""
-    from celery_semaphore._celery.task import without_broker_headers
+    from celery_semaphore._celery.wait_headers import without_broker_headers
 
     delivered = {"x-death": [{"count": 1}], "x-first-death-queue": "q", "x-last-death-reason": "rejected",
                  "x-delivery-count": 2, "semaphore_waits": 1, "tenant": "a"}

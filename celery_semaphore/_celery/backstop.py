@@ -176,14 +176,13 @@ def holds_backstops(app: Any) -> bool:
     """Whether waiting tasks of ``app`` send their backstop copies to backstop queues (RabbitMQ),
     or as Celery countdowns (the Redis broker and the rest).
 
-    **Design change, argued by measurement.** On the Redis broker the backstop queue cost more
-    than it saved. In the full chaos test (whole workers SIGKILLed, a cold shutdown) every copy
-    passes through one more list, popped by one more ``BRPOP`` whose message lives only in the
-    popping process until kombu records it as unacked, and one worker's holder takes up to
-    ``HOLD_AT_MOST`` copies that a SIGKILL then strands for the visibility timeout: 1 task lost
-    of 300 in each of two runs of seed 5 (none with countdowns, 8 runs), and each run took twice
-    as long (190-213 s against 100 s). A countdown message is held the same way, but one hop
-    fewer, and spread across the workers' prefetch windows."""
+    **Design change, argued by measurement.** On the Redis broker the backstop queue was
+    measured worse: in the full chaos test (whole workers SIGKILLed, a cold shutdown) 2 of 6
+    seeded runs lost a task that had waited, its copy caught in flight in the extra hop (popped
+    by one more ``BRPOP``, whose message lives only in the popping process until kombu records
+    it as unacked), where countdowns lost no waiting task in 13 runs. One holder taking up to
+    ``HOLD_AT_MOST`` copies that a SIGKILL strands for the visibility timeout does not help
+    either. See docs/design.md."""
     cached = _holding_by_app.get(id(app))
     if cached is not None and cached[0] is app:
         return cached[1]

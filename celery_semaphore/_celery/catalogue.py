@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from .._core.backend import client_for
+from .._core.clients import client_for
 from .._core.keys import call_key, is_fixed, literal_length, template_pattern
 from .._core.multi import MultiSemaphore
 from .._core.semaphore import FairSemaphore

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core import backend as _backend
+from .._core import urls as _urls
+from .._core.broker_urls import backend_from_broker
+from .._core.masking import mask_url
 from .._core.validation import check_limit, check_prefix, check_seconds
 from ..errors import ConfigurationError
 
@@ -34,7 +36,7 @@ class LimitRule:
 
 @dataclass(frozen=True)
 class SemaphoreConfig:
-    backend: _backend.BackendSpec  # checked once, at start: the hot path never parses a URL
+    backend: _urls.BackendSpec  # checked once, at start: the hot path never parses a URL
     prefix: str = DEFAULT_PREFIX
     lease: float = DEFAULT_LEASE
     countdown: tuple[float, float] = DEFAULT_COUNTDOWN
@@ -115,17 +117,17 @@ def parse_config(app: Any) -> SemaphoreConfig:
     conf = app.conf
     transport_options = conf.get("broker_transport_options") or {}
     url = conf.get("semaphore_backend_url")
-    broker = _backend.backend_from_broker(conf.broker_url, transport_options, use_ssl=conf.get("broker_use_ssl"))
+    broker = backend_from_broker(conf.broker_url, transport_options, use_ssl=conf.get("broker_use_ssl"))
     if url is None:
         if broker is None:
             raise ConfigurationError(
                 "semaphore_backend_url", None,
-                f"not set, and the broker URL {_backend.mask_url(_joined(conf.broker_url))!r} "
+                f"not set, and the broker URL {mask_url(_joined(conf.broker_url))!r} "
                 "is not a Redis to default to",
             )
         backend = broker
     else:
-        backend = _backend.parse_backend_url("semaphore_backend_url", url)
+        backend = _urls.parse_backend_url("semaphore_backend_url", url)
     fail_open = conf.get("semaphore_fail_open", False)
     if not isinstance(fail_open, bool):
         raise ConfigurationError("semaphore_fail_open", fail_open, "expected True or False")

@@ -23,16 +23,9 @@ earlier one, its run and its retry delay against the max wait.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import logging
-import math
-import os
-import re
-import socket
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, NoReturn
 
@@ -43,7 +36,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .. import metrics
 from .._core.multi import MultiSemaphore
 from .._core.scripts import scripts_for
-from .._core.semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label, new_token
+from .._core.semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label
 from .._core.validation import to_ms
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import policy
@@ -61,38 +54,20 @@ from .options import (
     wait_options,
 )
 from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
+from .tokens import process_token, task_key
+from .wait_headers import (
+    QUEUE_HEADER,
+    SENT_HEADER,
+    TicketSigner,
+    WaitHistory,
+    without_broker_headers,
+)
 from .wake_queues import backstop_queue
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
 AnySemaphore = FairSemaphore | MultiSemaphore
 
 logger = logging.getLogger("celery_semaphore")
-
-# Message headers that carry a waiting task's history across re-sends.
-WAITS_HEADER = "semaphore_waits"
-FIRST_REFUSED_HEADER = "semaphore_first_refused"
-TICKET_HEADER = "semaphore_ticket"
-# request.retries when the wait began: a run whose retries differ is the task's own retry
-WAIT_OF_RETRY_HEADER = "semaphore_wait_of_retry"
-# the queue the task first came from: its copies go back there (the wake copy to its wake queue)
-QUEUE_HEADER = "semaphore_queue"
-# a random id of this wait, made at its first refusal: with the task id and the retry it names the
-# run every copy of the wait asks under, unique per invocation even when task ids repeat
-RUN_HEADER = "semaphore_run"
-# a keyed digest of the ticket, the task id and the wait id (see TicketSigner)
-TICKET_SIGNATURE_HEADER = "semaphore_ticket_sig"
-# the version of the wait protocol that wrote the headers above (see WaitHistory; the same number
-# as worker.STATE_PROTOCOL, the version of the state in Redis)
-PROTOCOL_HEADER = "semaphore_protocol"
-PROTOCOL = 2
-# when the task's message was first sent (epoch seconds, the sender's clock): a success in the
-# result backend recorded since then belongs to this invocation, even for a redelivered message
-# whose wait the semaphore's Redis forgot
-SENT_HEADER = "semaphore_sent"
-# Headers a broker adds to a message it dead-lettered or redelivered: a re-sent copy is a new
-# message, and RabbitMQ quorum queues or delayed delivery may drop one that carries them (Celery
-# strips them from its own retries for the same reason).
-_BROKER_HEADERS = re.compile(r"x-(death|first-death-.*|last-death-.*|delivery-count)$")
 
 # A finished run is remembered this much longer than any copy of it is due to arrive: the
 # backstop's countdown, or a Redis broker's redelivery of a dead worker's unacked copy
@@ -457,37 +432,6 @@ def _continued_wait(semaphore: AnySemaphore, request: Any, history: WaitHistory)
     return dataclasses.replace(history, waits=1, run_part=text)
 
 
-def without_broker_headers(headers: dict[str, Any] | None) -> dict[str, Any]:
-    """A delivered message's headers less those its broker added (dead-lettering, delivery
-    counts): a copy re-sent with them may be dropped (RabbitMQ quorum queues, delayed delivery)."""
-    return {name: value for name, value in (headers or {}).items() if not _BROKER_HEADERS.match(name)}
-
-
-def task_key(task_id: Any) -> str:
-    """A task id as it appears in waiter ids and holder tokens. Ids starting with "!" or "*"
-    would read as the marks of an offer or of a weighted waiter: those (and "~", so that no two
-    ids meet) get a "~" in front."""
-    text = str(task_id)
-    return "~" + text if text[:1] in ("!", "*", "~") else text
-
-
-# A task's holder token is "<task key>:<host><pid><random>" (8, 8 and 16 hex digits; a weight
-# mark may follow): the worker's main process, which knows the task id and the pid of a child it
-# lost but not the random part, gives back exactly that child's slot, never the slot another copy
-# of the same task holds in another process (a wake copy and its backstop, a redelivery).
-_HOST_PART = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def process_token() -> str:
-    """The part of a task's holder token after "<task key>:", for this process."""
-    return f"{_HOST_PART}{os.getpid() & 0xFFFFFFFF:08x}{new_token()[:16]}"
-
-
-def token_rest_of(pid: int) -> re.Pattern[str]:
-    """What follows "<task key>:" in the tokens of process ``pid`` of this host."""
-    return re.compile(rf"{_HOST_PART}{pid & 0xFFFFFFFF:08x}[0-9a-f]{{16}}(\*\d+)?")
-
-
 def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:
     """The id a task's wait stands in line under: its task id (with the weight in front for a
     MultiSemaphore, whose lines read it from there)."""
@@ -563,189 +507,6 @@ def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
 
 # the marker lets modules that must not import this one recognise a semaphore task
 setattr(SemaphoreTask, MARKER, True)
-
-
-@dataclass(frozen=True)
-class WaitHistory:
-    """What earlier tries of this wait left in the message headers.
-
-    The headers carry ``PROTOCOL_HEADER``: a worker of another release reads what it knows of
-    them. Headers without it were written before run ids had a per-wait part (protocol 1):
-    their copies keep asking under the run id of that release, ``<task id>#<retries>``, so that
-    old and new copies of one wait still know each other during a rolling deploy. Headers that
-    do not parse (not written by this package) are ignored with a warning: the copy starts a
-    fresh wait, never gets a place it did not earn, and never fails for it."""
-
-    waits: int  # refusals so far
-    first_refused: float  # epoch seconds of the first refusal (now, for a fresh wait)
-    ticket: int | None  # the place in line to come back to
-    run_part: str | None  # the wait's own part of its run id (None: protocol 1 headers)
-    origin: str | None = None  # the queue the wait began in
-    ticket_signature: str | None = None  # as the headers carry it, checked by ``checked``
-    sent: float | None = None  # epoch seconds the task's message was first sent (None: not stamped)
-
-    @classmethod
-    def of(cls, request: Any) -> WaitHistory:
-        """The history of the wait this run continues, or a fresh one.
-
-        Celery copies a request's headers into the task's own retry, so headers of a wait that
-        belonged to an earlier retry (another ``request.retries``) describe a finished wait."""
-        retries = request.retries or 0
-        of_retry = _header(request, WAIT_OF_RETRY_HEADER)
-        first_refused = _header(request, FIRST_REFUSED_HEADER)
-        sent = _sent_at(request)
-        if first_refused is None and of_retry is None:
-            return cls.fresh(sent)
-        try:
-            if int(of_retry) != retries:
-                return cls.fresh(sent)
-            ticket = _header(request, TICKET_HEADER)
-            history = cls(
-                waits=int(_header(request, WAITS_HEADER) or 0),
-                first_refused=float(first_refused),
-                ticket=_ticket(ticket),
-                run_part=_run_part(_header(request, RUN_HEADER), _header(request, PROTOCOL_HEADER)),
-                origin=_queue_name(_header(request, QUEUE_HEADER)),
-                ticket_signature=_header(request, TICKET_SIGNATURE_HEADER),
-                sent=sent,
-            )
-        except (TypeError, ValueError) as error:
-            logger.warning("%s[%s]: ignoring wait headers this package did not write (%s): a fresh wait begins",
-                           getattr(request, "task", "?"), getattr(request, "id", "?"), error)
-            return cls.fresh(sent)
-        if history.waits < 0 or not math.isfinite(history.first_refused):
-            logger.warning("%s[%s]: ignoring wait headers this package did not write: a fresh wait begins",
-                           getattr(request, "task", "?"), getattr(request, "id", "?"))
-            return cls.fresh(sent)
-        return history
-
-    def checked(self, signer: TicketSigner, request: Any) -> WaitHistory:
-        """This history, less a ticket that this deployment did not give out: a place in line
-        is taken back only with a ticket signed here (a forged or foreign one would jump the
-        line). Such a copy keeps waiting, from the back."""
-        if self.ticket is None or (self.run_part is not None and signer.signs(
-                self.ticket_signature, task_id=request.id, run_part=self.run_part, ticket=self.ticket)):
-            return self
-        logger.warning("%s[%s]: ignoring a semaphore_ticket this deployment did not sign (another producer, or a "
-                       "release before protocol 2): it waits from the back of the line",
-                       getattr(request, "task", "?"), getattr(request, "id", "?"))
-        return dataclasses.replace(self, ticket=None, ticket_signature=None)
-
-    @classmethod
-    def fresh(cls, sent: float | None = None) -> WaitHistory:
-        return cls(waits=0, first_refused=time.time(), ticket=None, run_part=new_token()[:16], sent=sent)
-
-    def since(self) -> float:
-        """From when a success in the result backend is this invocation's: since its message was
-        sent where the sender stamped it, else since this wait began. (A redelivered message
-        whose wait the semaphore's Redis lost began a new wait later than the first one: a
-        success between the two is still its own.)"""
-        return self.first_refused if self.sent is None else min(self.sent, self.first_refused)
-
-    def run_id(self, request: Any) -> str:
-        """The run every copy of this wait asks under: one per invocation, even when task ids
-        repeat (a fixed id for a nightly job), and one per retry of the task."""
-        base = f"{request.id}#{request.retries or 0}"
-        return base if self.run_part is None else f"{base}#{self.run_part}"
-
-    def next(self, ticket: int | None, *, retries: int, signer: TicketSigner | None = None,
-             task_id: str | None = None) -> dict[str, Any]:
-        """The headers of the re-sent message that continues this wait."""
-        ticket = ticket if ticket is not None else self.ticket
-        signature = None
-        if ticket is not None and signer is not None and self.run_part is not None and task_id is not None:
-            signature = signer.sign(task_id=task_id, run_part=self.run_part, ticket=ticket)
-        return {
-            WAITS_HEADER: self.waits + 1,
-            FIRST_REFUSED_HEADER: self.first_refused,
-            TICKET_HEADER: ticket,
-            WAIT_OF_RETRY_HEADER: retries,
-            **({RUN_HEADER: self.run_part, PROTOCOL_HEADER: PROTOCOL} if self.run_part is not None else {}),
-            **({TICKET_SIGNATURE_HEADER: signature} if signature is not None else {}),
-            **({SENT_HEADER: self.sent} if self.sent is not None else {}),
-        }
-
-
-class TicketSigner:
-    """Signs the tickets that waiting tasks carry in their headers, so that a copy takes back
-    only a place this deployment gave it. The key is made from what writing the semaphore's
-    Redis takes (its user, password and database, and the prefix): whoever could forge a
-    signature could rewrite the line itself. Hosts that reach the same Redis by other names
-    still agree."""
-
-    _by_config: ClassVar[dict[int, tuple[Any, TicketSigner]]] = {}
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-
-    @classmethod
-    def of(cls, config: SemaphoreConfig) -> TicketSigner:
-        cached = cls._by_config.get(id(config))
-        if cached is not None and cached[0] is config:
-            return cached[1]
-        backend: Any = config.backend
-        material = backend if isinstance(backend, str) else f"{backend.username}|{backend.password}|{backend.db}"
-        signer = cls(hashlib.sha256(f"celery-semaphore ticket|{material}|{config.prefix}".encode()).digest())
-        cls._by_config[id(config)] = (config, signer)
-        return signer
-
-    def sign(self, *, task_id: str, run_part: str, ticket: int) -> str:
-        message = f"{task_id}|{run_part}|{ticket}".encode()
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:32]
-
-    def signs(self, signature: Any, *, task_id: str, run_part: str, ticket: int) -> bool:
-        return isinstance(signature, str) and hmac.compare_digest(
-            signature, self.sign(task_id=task_id, run_part=run_part, ticket=ticket))
-
-
-# tickets are server milliseconds * 1024 plus a counter: positive, exact in a float
-_MOST_TICKET = 2**53
-
-
-def _ticket(value: Any) -> int | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{TICKET_HEADER} {value!r}")
-    ticket = int(value)
-    if not 0 < ticket < _MOST_TICKET:
-        raise ValueError(f"{TICKET_HEADER} {value!r} out of range")
-    return ticket
-
-
-def _run_part(value: Any, protocol: Any) -> str | None:
-    if protocol is None and value is None:
-        return None  # protocol 1
-    if int(protocol) > PROTOCOL:
-        logger.warning("a task's wait headers are of protocol %s, newer than this worker's %d (a rolling deploy?): "
-                       "reading what this release knows of them", protocol, PROTOCOL)
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{1,32}", value):
-        raise ValueError(f"{RUN_HEADER} {value!r}")
-    return value
-
-
-def _queue_name(value: Any) -> str | None:
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"{QUEUE_HEADER} {value!r}")
-    return value
-
-
-def _sent_at(request: Any) -> float | None:
-    value = _header(request, SENT_HEADER)
-    try:
-        sent = float(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
-    return sent if sent is not None and math.isfinite(sent) else None
-
-
-def _header(request: Any, name: str) -> Any:
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    return value
 
 
 class _Outages:

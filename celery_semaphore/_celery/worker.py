@@ -29,9 +29,10 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
 from .. import metrics
-from .._core.backend import BackendSpec, client_for
+from .._core.clients import client_for
 from .._core.keys import sample_key
 from .._core.scripts import preload
+from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
 from .backstop import BackstopStep, follow_backstops, holds_backstops
@@ -40,6 +41,8 @@ from .config import SemaphoreConfig, config_for, forget_config
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from .parking import parking, wake_queue
 from .policy import VISIBILITY_MARGIN
+from .tokens import task_key, token_rest_of
+from .wait_headers import WaitHistory
 from .wake_queues import declarable, is_derived_queue, wake_aware, wake_queue_for
 
 logger = logging.getLogger("celery_semaphore")
@@ -276,7 +279,7 @@ def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any, *, pid:
     the task out of the line, and with ``finished_run`` mark that run finished: Celery will not
     deliver the task again, so no other copy of its wait may run it. Only that process's slot: a
     copy of the same task may hold another, rightly, in another process."""
-    from .task import remember_for, task_key, token_rest_of
+    from .task import remember_for  # task.py installs this module's hooks: imported when used
 
     released = 0
     try:
@@ -317,8 +320,6 @@ def delivers_again(task: Any, exception: BaseException, retries: int) -> bool:
 def run_of(request: Any) -> str | None:
     """The run a delivery of a waiting task asks under (None for a first delivery, which has no
     other copy), read from its message headers as the task will read them."""
-    from .task import WaitHistory
-
     shim = SimpleNamespace(id=request.id, retries=getattr(request, "retries", 0) or 0, task=request.task_name,
                            headers=dict(getattr(request, "request_dict", None) or {}))
     history = WaitHistory.of(shim)

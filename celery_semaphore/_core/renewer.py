@@ -18,7 +18,7 @@ the lease just runs out in Redis while its holder runs on. So each lease also ha
 here, the last grant or renewal known to have succeeded plus the lease length, and a second
 daemon thread, the watch, marks a lease lost and logs it (naming the semaphore and the holder)
 once that deadline passes. The watch never calls Redis, so it keeps time even while the renewer
-thread is stuck in a call: the package's clients time out (``_backend.SOCKET_TIMEOUT``), but a
+thread is stuck in a call: the package's clients time out (``clients.SOCKET_TIMEOUT``), but a
 client handed in by the application may not. A later renewal that gets through clears ``lost``
 again (registered again, or found still held).
 """

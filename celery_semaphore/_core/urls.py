@@ -1,4 +1,9 @@
-"""One string picks the semaphore's Redis deployment; one client per deployment and process.
+"""Which Redis deployment a semaphore URL names: every part checked once, at start, into a :class:`BackendSpec`.
+
+Separate from :mod:`.clients`, which builds the clients, because reading a URL needs no
+connection and keeps no state: the Celery layer checks its settings with it before any client
+exists, and a spec is all that building a client needs to know. (Celery's broker settings, in
+kombu's forms, are read by :mod:`.broker_urls`; passwords are masked by :mod:`.masking`.)
 
 The URL forms follow the convention of the ``limits`` library, so a team that already writes
 them for rate limits writes the same here:
@@ -23,8 +28,9 @@ them for rate limits writes the same here:
     query options that start with ``sentinel_`` configure the connections to the Sentinels
     themselves, prefix removed: ``sentinel_password=...``, ``sentinel_username=...``,
     ``sentinel_socket_timeout=...``. A Sentinel port defaults to 26379. The client asks the
-    Sentinels where the master is at least every :data:`SENTINEL_CHECK_INTERVAL` seconds, so
-    after a planned failover it stops writing to the demoted master within about that time.
+    Sentinels where the master is at least every :data:`.clients.SENTINEL_CHECK_INTERVAL`
+    seconds, so after a planned failover it stops writing to the demoted master within about
+    that time.
 ``rediss+sentinel://...``
     The same with TLS to the master and to the Sentinels (``sentinel_ssl=false`` if only the
     master speaks TLS). The ``ssl_*`` options apply to both; a ``sentinel_ssl_*`` option
@@ -34,92 +40,46 @@ Every other query option is a redis-py connection option (``socket_timeout``,
 ``socket_connect_timeout``, ``health_check_interval``, ``protocol``, ``ssl_*``, ...). A
 password may also come as a ``password=`` query option.
 
-Every client built here has socket timeouts, :data:`SOCKET_TIMEOUT` and
-:data:`SOCKET_CONNECT_TIMEOUT` unless the URL's ``socket_timeout`` / ``socket_connect_timeout``
-say otherwise (a positive number of seconds). redis-py before 8 has none: a Redis that stops
-answering (SIGSTOP, a frozen VM, a partition that drops packets) would hang every caller for
-ever, the renewer thread included, while the leases it should renew run out in Redis. With a
-timeout a stalled call raises ``redis.TimeoutError``, which the semaphore reports as
-``RedisUnavailable`` (the Celery layer then waits: it fails closed). The Sentinels' own
-connections take the same timeouts unless ``sentinel_socket_timeout`` /
-``sentinel_socket_connect_timeout`` are given, and are not retried by redis-py: a silent
-Sentinel is passed over for the next one at once.
+A ``socket_timeout`` or ``socket_connect_timeout`` option must be a positive number of
+seconds; without one a client gets :mod:`.clients`' defaults.
 
 Why parse it all here: redis-py parses a URL lazily and leniently (``redis://h:99999`` fails at
 the first command with a bare ``ValueError``, ``redis://h/abc`` silently means db 0), so a worker
 would start and then fail every task. :func:`parse_backend_url` checks every part once, at
 start, and names the setting in a :class:`~celery_semaphore.errors.ConfigurationError`. Passwords
-never appear in an error or a log: :func:`mask_url` replaces them with ``***``.
-
-Celery's own Sentinel broker form (``sentinel://h1:26379;sentinel://h2:26379`` with
-``broker_transport_options={"master_name": ...}``) is read by :func:`backend_from_broker`, so a
-semaphore can default to the broker's Redis as it does for a plain ``redis://`` broker. This
-module imports neither Celery nor kombu.
+never appear in an error or a log: :func:`.masking.mask_url` replaces them with ``***``.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlencode
 
 import redis
 import redis.cluster
 import redis.connection
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException
-from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from ..errors import ConfigurationError
+from .masking import _scrub, mask_url
 
 __all__ = [
     "SCHEMES",
-    "SENTINEL_CHECK_INTERVAL",
-    "SOCKET_CONNECT_TIMEOUT",
-    "SOCKET_TIMEOUT",
     "BackendSpec",
-    "Client",
-    "backend_from_broker",
-    "client_for",
-    "mask_url",
     "parse_backend_url",
 ]
 
 #: Every scheme :func:`parse_backend_url` accepts.
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 
-MASK = "***"
 DEFAULT_REDIS_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379
-HEALTH_CHECK_INTERVAL = 30
-#: How often (seconds) a Sentinel-managed client asks the Sentinels where the master is, even
-#: with its connections open: the bound on how long it keeps using a master demoted by a failover.
-SENTINEL_CHECK_INTERVAL = 1.0
-#: Seconds a client of this module waits for a reply before it raises ``redis.TimeoutError``
-#: (``socket_timeout=`` in the URL overrides it). Every command the package sends is one short
-#: script or command, answered in a millisecond or so by a healthy server: waiting 5 s means the
-#: server is not answering (stopped, partitioned, stuck in a ``BUSY`` script), not that it is
-#: slow. It is also well inside the default 60 s lease, whose renewal comes every 20 s: a
-#: renewal round that times out is tried again long before the lease runs out. (redis-py 8
-#: chose the same default; before 8 there was none, and a silent server hung its callers.)
-SOCKET_TIMEOUT = 5.0
-#: Seconds a client of this module waits to open a connection (``socket_connect_timeout=``
-#: overrides it): a connect, TLS handshake included, takes milliseconds on a working network;
-#: an unanswered SYN (a host that vanished) would otherwise wait for the kernel's retries,
-#: about two minutes on Linux.
-SOCKET_CONNECT_TIMEOUT = 5.0
 _TIMEOUT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 
 Kind = Literal["redis", "cluster", "sentinel"]
-#: What :func:`client_for` returns: a Sentinel-managed master is a ``redis.Redis`` too.
-Client = redis.Redis | RedisCluster
 
 # Options of the cluster client itself (not of its connections), each with its type.
 _CLUSTER_OPTIONS: dict[str, type] = {
@@ -130,7 +90,6 @@ _CLUSTER_OPTIONS: dict[str, type] = {
 }
 _TRUE = {"1", "true", "yes", "on", "y"}
 _FALSE = {"0", "false", "no", "off", "n"}
-_PASSWORD_OPTION = re.compile(r"(?i)((?:^|[?&;])[^=&;]*password=)([^&;#]*)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +97,7 @@ class BackendSpec:
     """A checked description of one semaphore Redis deployment.
 
     ``repr()`` and ``str()`` show the URL with its password masked, so a spec can be logged.
-    Two specs are equal when they would build the same client: :func:`client_for` caches by it.
+    Two specs are equal when they would build the same client: :func:`.clients.client_for` caches by it.
     """
 
     kind: Kind
@@ -183,41 +142,6 @@ class BackendSpec:
         return self.masked_url
 
 
-# --- masking ------------------------------------------------------------------------------
-
-
-def mask_url(url: str) -> str:
-    """``url`` with every password replaced by ``***``: safe for logs and error messages.
-
-    Works on every scheme above, on kombu's ``;``-joined broker lists, on comma-separated host
-    lists, and on strings that are not valid URLs at all (a malformed URL is exactly the one
-    that ends up in an error message). Both the ``user:password@`` part and any
-    ``...password=`` query option are masked, and so is any other place the password text
-    appears in (a password pasted into the port, say); a user name is kept.
-    """
-    return _scrub(";".join(_mask_one(part) for part in url.split(";")), url)
-
-
-def _mask_one(url: str) -> str:
-    head, sep, rest = url.partition("://")
-    if not sep:
-        head, rest = "", url
-    else:
-        head += sep
-    query_at = rest.find("?")
-    authority_zone = rest if query_at < 0 else rest[:query_at]
-    at = authority_zone.rfind("@")
-    if at >= 0:
-        userinfo = authority_zone[:at]
-        user, colon, _password = userinfo.partition(":")
-        if colon:
-            rest = f"{user}:{MASK}{rest[at:]}"
-    return head + _PASSWORD_OPTION.sub(lambda m: m.group(1) + MASK, rest)
-
-
-# --- parsing ------------------------------------------------------------------------------
-
-
 class _Invalid(Exception):
     """A reason a URL is wrong; turned into a ConfigurationError that names the setting."""
 
@@ -235,26 +159,6 @@ def parse_backend_url(setting: str, url: Any) -> BackendSpec:
         return _parse(url, masked)
     except _Invalid as error:
         raise ConfigurationError(setting, masked, _scrub(str(error), url)) from None
-
-
-def _scrub(text: str, url: str) -> str:
-    """Remove the URL's secrets from a message that may quote parts of it."""
-    for secret in _secrets(url):
-        text = text.replace(secret, MASK)
-    return text
-
-
-def _secrets(url: str) -> list[str]:
-    found: list[str] = []
-    for part in url.split(";"):
-        rest = part.partition("://")[2] or part
-        zone = rest.split("?", 1)[0]
-        at = zone.rfind("@")
-        if at >= 0 and ":" in zone[:at]:
-            found.append(zone[:at].partition(":")[2])
-        found.extend(m.group(2) for m in _PASSWORD_OPTION.finditer(rest))
-    secrets = [s for s in found if s]
-    return sorted({*secrets, *(unquote(s) for s in secrets)}, key=len, reverse=True)
 
 
 def _parse(url: str, masked: str) -> BackendSpec:
@@ -559,245 +463,3 @@ def _parse_sentinel(
         kind="sentinel", nodes=nodes, masked_url=masked, db=db, tls=tls, username=username,
         password=password, service_name=service, options=options, sentinel_options=sentinel_options,
     )  # fmt: skip
-
-
-# --- a Celery broker setting --------------------------------------------------------------
-
-
-def backend_from_broker(
-    broker_url: str | Sequence[str] | None,
-    transport_options: Mapping[str, Any] | None = None,
-    *,
-    use_ssl: bool | Mapping[str, Any] | None = None,
-) -> BackendSpec | None:
-    """The Redis deployment a Celery broker setting points at, or ``None`` if not a Redis one.
-
-    ``broker_url`` is Celery's ``broker_url`` (a string, a ``;``-joined string or a list);
-    ``transport_options`` its ``broker_transport_options``; ``use_ssl`` its ``broker_use_ssl``
-    (only read for the Sentinel form, where kombu applies it to the master).
-
-    - A plain Redis broker (``redis://``, ``rediss://``, kombu's ``redis+socket://``): the first
-      URL of the list, as Celery connects to it first.
-    - kombu's Sentinel form (``sentinel://h1:26379;sentinel://h2:26379/0``): every
-      ``sentinel://`` entry is a Sentinel; ``master_name`` (required) and ``sentinel_kwargs``
-      come from the transport options; the user, password and db come from the first entry,
-      which is where kombu takes them for the master.
-
-    Raises :class:`ConfigurationError` (naming ``broker_url`` or ``broker_transport_options``)
-    when the broker is a Redis one but its setting cannot work.
-    """
-    urls = _broker_urls(broker_url)
-    if not urls:
-        return None
-    first = urls[0]
-    scheme = first.partition("://")[0].lower()
-    if scheme in ("redis", "rediss"):
-        return parse_backend_url("broker_url", first)
-    if scheme == "redis+socket":
-        return parse_backend_url("broker_url", "unix" + first[len("redis+socket") :])
-    if scheme != "sentinel":
-        return None
-    return _kombu_sentinel(urls, dict(transport_options or {}), use_ssl)
-
-
-def _broker_urls(broker_url: str | Sequence[str] | None) -> list[str]:
-    if broker_url is None:
-        return []
-    items = [broker_url] if isinstance(broker_url, str) else list(broker_url)
-    urls: list[str] = []
-    for item in items:
-        if not isinstance(item, str):
-            raise ConfigurationError("broker_url", item, "expected a URL string")
-        urls.extend(part.strip() for part in item.split(";") if part.strip())
-    return urls
-
-
-def _kombu_sentinel(urls: list[str], options: dict[str, Any], use_ssl: bool | Mapping[str, Any] | None) -> BackendSpec:
-    joined = ";".join(urls)
-    masked = mask_url(joined)
-    master_name = options.get("master_name")
-    if not isinstance(master_name, str) or not master_name:
-        raise ConfigurationError(
-            "broker_transport_options",
-            _mask_options(options),
-            f"the Sentinel broker {masked!r} needs a 'master_name' transport option",
-        )
-    sentinel_kwargs = options.get("sentinel_kwargs") or {}
-    if not isinstance(sentinel_kwargs, Mapping):
-        raise ConfigurationError("broker_transport_options", _mask_options(options), "sentinel_kwargs must be a dict")
-    nodes: list[tuple[str, int]] = []
-    username = password = None
-    db = 0
-    for index, url in enumerate(urls):
-        scheme, _, rest = url.partition("://")
-        if scheme.lower() != "sentinel":
-            raise ConfigurationError("broker_url", masked, f"entry {mask_url(url)!r} is not sentinel://")
-        try:
-            if "#" in rest or "?" in rest:
-                rest = rest.split("#")[0].split("?")[0]
-            authority, slash, path = rest.partition("/")
-            user, secret, hosts = _split_authority(authority)
-            if len(hosts) != 1:
-                raise _Invalid("each sentinel:// entry names one Sentinel host")
-            nodes.append(_node(hosts[0], DEFAULT_SENTINEL_PORT))
-            if index == 0:
-                username, password = user, secret
-                db = _path_db(slash + path, {})
-        except _Invalid as error:
-            raise ConfigurationError("broker_url", masked, _scrub(str(error), joined)) from None
-    sentinel_options = dict(sentinel_kwargs)
-    data_options: dict[str, Any] = {}
-    if use_ssl:
-        data_options["ssl"] = True
-        if isinstance(use_ssl, Mapping):
-            data_options.update(use_ssl)
-    return BackendSpec(
-        kind="sentinel", nodes=tuple(nodes), masked_url=f"{masked} (master {master_name!r})", db=db,
-        tls=bool(use_ssl), username=username, password=password, service_name=master_name,
-        options=data_options, sentinel_options=sentinel_options,
-    )  # fmt: skip
-
-
-def _mask_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Transport options fit for an error message: every ``*password*`` value masked."""
-    return {
-        name: MASK if "password" in str(name).lower() else _mask_options(value) if isinstance(value, Mapping) else value
-        for name, value in options.items()
-    }
-
-
-# --- clients ------------------------------------------------------------------------------
-
-_clients: dict[BackendSpec, Client] = {}
-_lock = threading.Lock()
-
-
-def client_for(url_or_spec: str | BackendSpec) -> Client:
-    """The shared client of a deployment: one per URL (or spec) and process.
-
-    A ``redis.Redis`` for ``redis://``, ``rediss://`` and ``unix://``; a
-    ``redis.cluster.RedisCluster`` for ``+cluster``; for ``+sentinel`` a ``redis.Redis`` whose
-    pool asks the Sentinels for the current master (``Sentinel(...).master_for(...)``), so it
-    follows a failover.
-
-    Safe across fork: every redis-py pool notes the PID that made it and opens new connections
-    in a child, so a client made in a Celery worker's parent serves its prefork children.
-
-    A string is parsed (and checked) under the setting name ``semaphore_backend_url``.
-    Building a cluster client connects to the cluster at once (to learn its slots); when that
-    fails, the error is a ``redis.ConnectionError`` and nothing is cached, so a later call tries
-    again. The other clients connect at their first command.
-    """
-    if isinstance(url_or_spec, BackendSpec):
-        spec = url_or_spec
-    else:
-        spec = parse_backend_url("semaphore_backend_url", url_or_spec)
-    with _lock:
-        client = _clients.get(spec)
-        if client is None:
-            client = _clients[spec] = _build(spec)
-        return client
-
-
-def _timeouts(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The socket timeouts of a client built from ``options``: the URL's, else the defaults
-    (:data:`SOCKET_TIMEOUT`, :data:`SOCKET_CONNECT_TIMEOUT`). Given explicitly, not left to
-    redis-py, whose defaults are none before version 8."""
-    return {
-        "socket_timeout": options.get("socket_timeout", SOCKET_TIMEOUT),
-        "socket_connect_timeout": options.get("socket_connect_timeout", SOCKET_CONNECT_TIMEOUT),
-    }
-
-
-def _sentinel_kwargs(spec: BackendSpec) -> dict[str, Any]:
-    """The connection options of the Sentinels themselves.
-
-    Timeouts: the ``sentinel_socket_*`` ones if the URL gives either, else the master's (the
-    URL's ``socket_*`` or the defaults), so that one ``socket_timeout=`` bounds every wait of
-    the client. Not retried: redis-py 8 retries a ``Redis`` 10 times on a timeout by default, so
-    a silent Sentinel would hold up every lookup of the master (and with it the acquire or
-    renewal that asked, every :data:`SENTINEL_CHECK_INTERVAL`) for 11 timeouts before the next
-    Sentinel is tried; asking the next Sentinel is the retry.
-    """
-    own = spec.sentinel_options
-    source = own if any(name in own for name in _TIMEOUT_OPTIONS) else spec.options
-    return {**_timeouts(source), "retry": Retry(NoBackoff(), 0), **own}
-
-
-def _build(spec: BackendSpec) -> Client:
-    if spec.kind == "redis":
-        if spec.url is not None:
-            # the URL's own socket_* options (in spec.options too) win over these keywords
-            return redis.Redis.from_url(
-                spec.url, health_check_interval=HEALTH_CHECK_INTERVAL, **_timeouts(spec.options)
-            )
-        host, port = spec.nodes[0]
-        return redis.Redis(
-            host=host, port=port, db=spec.db, username=spec.username, password=spec.password, ssl=spec.tls,
-            **{"health_check_interval": HEALTH_CHECK_INTERVAL, **_timeouts(spec.options), **spec.options},
-        )  # fmt: skip
-    if spec.kind == "cluster":
-        options: dict[str, Any] = {**_timeouts(spec.options), **spec.options, **spec.cluster_options}
-        if spec.tls:
-            options["ssl"] = True
-        try:
-            return RedisCluster(
-                startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],  # type: ignore[no-untyped-call]
-                username=spec.username,
-                password=spec.password,
-                **options,
-            )
-        except RedisClusterException as error:
-            # The cluster client connects as it is made, and its failure is not a RedisError:
-            # re-raised as one, so callers that fail closed on RedisError catch it too.
-            detail = str(error).replace(spec.password, MASK) if spec.password else str(error)
-            raise redis.ConnectionError(f"Redis Cluster {spec.masked_url}: {detail}") from error
-    assert spec.service_name is not None
-    data_options: dict[str, Any] = {
-        "health_check_interval": HEALTH_CHECK_INTERVAL, **_timeouts(spec.options), **spec.options,
-    }
-    if spec.tls:
-        data_options["ssl"] = True
-    sentinel_kwargs = _sentinel_kwargs(spec)
-    sentinel = Sentinel(list(spec.nodes), sentinel_kwargs=sentinel_kwargs, **data_options)  # type: ignore[no-untyped-call]
-    master = sentinel.master_for(  # type: ignore[no-untyped-call]
-        spec.service_name,
-        connection_pool_class=_RecheckedSentinelPool,
-        db=spec.db,
-        username=spec.username,
-        password=spec.password,
-    )
-    return cast(redis.Redis, master)
-
-
-class _RecheckedSentinelPool(SentinelConnectionPool):
-    """A Sentinel pool that asks the Sentinels where the master is at least every second.
-
-    redis-py's pool asks only when it opens a connection. After a planned failover (``SENTINEL
-    FAILOVER``) the old master stays up and keeps accepting writes until a Sentinel next
-    inspects it and turns it into a replica, about 10 s later, and then discards them: measured,
-    a client writing all along lost every write of those ~11 s (docs/deploying.md). Asking
-    again every :data:`SENTINEL_CHECK_INTERVAL` seconds, and dropping a connection that points
-    elsewhere than the named master, bounds that window by the interval, for one Sentinel round
-    trip per interval.
-    """
-
-    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
-        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
-        self._next_check = 0.0
-        self._check_lock = threading.Lock()
-
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        connection = super().get_connection(*args, **kwargs)
-        now = time.monotonic()
-        if now >= self._next_check and self._check_lock.acquire(blocking=False):
-            try:
-                self._next_check = now + SENTINEL_CHECK_INTERVAL
-                master = self.get_master_address()  # type: ignore[no-untyped-call]
-            except (redis.RedisError, OSError):
-                master = None  # no answer is no news: the connection's own errors will tell
-            finally:
-                self._check_lock.release()
-            if master is not None and connection.host is not None and (connection.host, connection.port) != master:
-                connection.disconnect()  # type: ignore[no-untyped-call]  # reconnects to the named master
-        return connection

@@ -1,0 +1,165 @@
+"""Print the package's import graph and fail where the architecture is broken.
+
+The package has two private layers: ``celery_semaphore/_core`` (the semaphore: Redis and Lua,
+usable in any Python process) and ``celery_semaphore/_celery`` (the Celery glue, which drives
+the core). What keeps that true is checked here, on the source (``ast``, nothing imported):
+
+- a core module imports nothing from Celery, kombu or click, and nothing from the glue or the
+  public modules but ``errors`` (imports inside functions count: they load the module all the
+  same; imports under ``if TYPE_CHECKING:`` do not);
+- no import cycle among the package's modules, counting the imports that run when a module
+  is loaded (a cycle broken by a function-level import still counts: it is the same cycle,
+  hidden);
+- no module over 500 lines but the ones listed in ``OVERSIZE`` (each with the most lines it may
+  have, to shrink over time), and none over 750.
+
+Usage: ``python scripts/check_architecture.py`` (prints the graph; exit status 1 on a breach).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = "celery_semaphore"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+CORE = f"{PACKAGE}._core"
+FORBIDDEN_IN_CORE = ("celery", "kombu", "click")
+CORE_MAY_IMPORT = (CORE, f"{PACKAGE}.errors")
+MOST_LINES = 500
+HARD_LIMIT = 750
+# Modules allowed over MOST_LINES for now, with their ceiling: lower a ceiling when a module
+# shrinks, drop the entry when it is under MOST_LINES.
+OVERSIZE: dict[str, int] = {
+    "celery_semaphore._core.semaphore": 740,  # FairSemaphore, Lease, the results and the wait loop
+    "celery_semaphore._celery.task": 590,  # SemaphoreTask's acquire, wait and give-back paths
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[tuple[str, bool]]:
+    """(imported module, at load time?) for each import: at load time means at module level
+    (not inside a function); imports under ``if TYPE_CHECKING:`` are left out."""
+
+    def walk(node: ast.AST, at_load: bool) -> Iterator[tuple[str, bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for other in child.orelse:
+                    yield from walk(other, at_load)
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield alias.name, at_load
+            elif isinstance(child, ast.ImportFrom):
+                base = resolve(child, module, is_package)
+                for alias in child.names:
+                    # "from . import x" imports the module x; "from .m import name" imports m
+                    candidate = f"{base}.{alias.name}" if base else alias.name
+                    yield (candidate if is_module(candidate) else base), at_load
+            else:
+                inner = at_load and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                yield from walk(child, inner)
+
+    yield from walk(tree, True)
+
+
+def resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    if not is_package:
+        parts.pop()
+    for _ in range(node.level - 1):
+        parts.pop()
+    return ".".join([*parts, node.module] if node.module else parts)
+
+
+def is_module(name: str) -> bool:
+    relative = Path(*name.split("."))
+    return (ROOT.parent / relative.with_suffix(".py")).exists() or (ROOT.parent / relative / "__init__.py").exists()
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among load-time imports, as the list of modules around it."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return [*path[path.index(target):], target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def main() -> int:
+    graph: dict[str, set[str]] = {}
+    problems: list[str] = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = module_name(path)
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(path))
+        internal: set[str] = set()
+        for imported, at_load in imports(tree, module, path.name == "__init__.py"):
+            top = imported.split(".")[0]
+            if module.startswith(CORE):
+                if top in FORBIDDEN_IN_CORE:
+                    problems.append(f"{module} imports {imported}: the core must not depend on {top}")
+                elif imported.startswith(PACKAGE) and not imported.startswith(CORE_MAY_IMPORT):
+                    problems.append(f"{module} imports {imported}: the core may import only itself and errors")
+            if imported.startswith(PACKAGE) and imported != module:
+                internal.add(imported)
+                if at_load:
+                    graph.setdefault(module, set()).add(imported)
+        graph.setdefault(module, set())
+        lines = source.count("\n") + 1
+        ceiling = OVERSIZE.get(module, MOST_LINES)
+        if lines > HARD_LIMIT:
+            problems.append(f"{module}: {lines} lines, over the hard limit of {HARD_LIMIT}")
+        elif lines > ceiling:
+            problems.append(f"{module}: {lines} lines, over its budget of {ceiling}")
+        print(f"{module} ({lines} lines)")
+        for target in sorted(internal):
+            print(f"    -> {target}{'' if target in graph[module] else ' (inside a function)'}")
+    cycle = find_cycle(graph)
+    if cycle:
+        problems.append("import cycle: " + " -> ".join(cycle))
+    for name, ceiling in OVERSIZE.items():
+        if name not in graph:
+            problems.append(f"OVERSIZE lists {name}, which does not exist")
+        elif ceiling > HARD_LIMIT:
+            problems.append(f"OVERSIZE allows {name} {ceiling} lines, over the hard limit")
+    for problem in problems:
+        print(f"ERROR: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

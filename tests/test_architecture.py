@@ -1,0 +1,69 @@
+"""The layers of the package hold: ``scripts/check_architecture.py`` passes, and fails on a
+breach of each rule it checks (a core module importing Celery, an import cycle, a module over
+its line budget), shown on a throwaway copy of the package."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "check_architecture.py"
+
+
+def check(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(root / "scripts" / "check_architecture.py")], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def copy_of_the_package(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "celery_semaphore", tmp_path / "celery_semaphore",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "check_architecture.py")
+    return tmp_path
+
+
+def test_the_package_passes_and_the_graph_is_printed() -> None:
+    result = check(ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "celery_semaphore._core.semaphore" in result.stdout
+    assert "-> celery_semaphore._core.scripts" in result.stdout
+
+
+def test_a_core_module_importing_celery_fails(tmp_path: Path) -> None:
+    root = copy_of_the_package(tmp_path)
+    module = root / "celery_semaphore" / "_core" / "keys.py"
+    module.write_text(module.read_text() + "\n\ndef late() -> None:\n    import kombu  # noqa\n")
+    result = check(root)
+    assert result.returncode == 1
+    assert "celery_semaphore._core.keys imports kombu" in result.stderr
+
+
+def test_a_core_module_importing_the_glue_fails(tmp_path: Path) -> None:
+    root = copy_of_the_package(tmp_path)
+    module = root / "celery_semaphore" / "_core" / "keys.py"
+    module.write_text("from .._celery import policy  # noqa\n" + module.read_text())
+    result = check(root)
+    assert result.returncode == 1
+    assert "the core may import only itself and errors" in result.stderr
+
+
+def test_an_import_cycle_fails(tmp_path: Path) -> None:
+    root = copy_of_the_package(tmp_path)
+    module = root / "celery_semaphore" / "_core" / "validation.py"
+    module.write_text(module.read_text() + "\nfrom . import keys  # noqa\n")  # keys imports validation
+    result = check(root)
+    assert result.returncode == 1
+    assert "import cycle" in result.stderr
+
+
+def test_a_module_over_its_budget_fails(tmp_path: Path) -> None:
+    root = copy_of_the_package(tmp_path)
+    module = root / "celery_semaphore" / "_core" / "keys.py"
+    module.write_text(module.read_text() + "\n" * 700)
+    result = check(root)
+    assert result.returncode == 1
+    assert "celery_semaphore._core.keys" in result.stderr and "lines, over" in result.stderr
