@@ -187,7 +187,8 @@ def holds_backstops(app: Any) -> bool:
     if cached is not None and cached[0] is app:
         return cached[1]
     try:
-        driver = app.connection_for_write().transport.driver_type
+        with app.connection_for_write() as connection:  # never connected: it only names the transport
+            driver = connection.transport.driver_type
     except Exception:  # no broker to tell by: as Celery would send it
         driver = None
     holding = driver in _HOLDING_TRANSPORTS

@@ -71,10 +71,6 @@ class SemaphoreConfig:
         """The backend, password masked: for logs and messages."""
         return self.backend.masked_url
 
-    def could_limit(self, sample_key: str, task_name: str) -> bool:
-        """Whether some configured limit would apply to keys shaped like ``sample_key``."""
-        return self.limit_for(sample_key, task_name, None) is not None
-
 
 def parse_countdown(setting: str, value: Any) -> tuple[float, float]:
     """Seconds, or a (min, max) pair; whole seconds >= 1, since RabbitMQ quorum queues deliver

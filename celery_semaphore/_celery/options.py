@@ -55,12 +55,6 @@ def key_option(cls: type) -> KeyOption | None:
     return key  # type: ignore[no-any-return]
 
 
-def key_list(cls: type) -> list[str | KeyFunction] | None:
-    """The keys of a task that holds several (``semaphore_key`` a list), else None."""
-    key = key_option(cls)
-    return key if isinstance(key, list) else None
-
-
 def weight_option(cls: type) -> int | WeightFunction | None:
     """The ``semaphore_weight`` option as declared (None: one slot)."""
     return _unbound(inspect.getattr_static(cls, "semaphore_weight", None))  # type: ignore[no-any-return]
