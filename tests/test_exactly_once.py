@@ -246,3 +246,30 @@ def test_a_redelivered_first_message_does_not_rerun_a_success_the_redis_forgot(
         for worker in (first, second):
             if worker is not None:
                 worker.kill()
+
+
+def test_a_cold_shutdown_mid_run_with_acks_late_runs_the_task_once_more(proj: Any, workers: list[Worker]) -> None:
+    """A cold shutdown (SIGQUIT: the pool's children get SIGTERM, the body is cut short by
+    SystemExit) of the worker running a task that had waited: the run is given back unfinished,
+    the broker delivers the message again (acks_late), and another worker runs the task once
+    more, to its end; no slot is left held."""
+    key = "long_acks_late"
+    before = len(runs(proj, key, "ends"))
+    result = waited_then_started(proj, proj.long_acks_late, key, 60, workers=workers)
+    ((_, pid, _),) = [run for run in runs(proj, key) if run[0] == result.id]
+    victim = worker_of(workers, pid)
+    assert victim.process is not None
+    os.kill(victim.process.pid, signal.SIGQUIT)
+    victim.wait_exit(timeout=60)
+    survivors = [worker for worker in workers if worker is not victim]
+    try:
+        assert result.get(timeout=60) == result.id
+        starts = [run for run in runs(proj, key) if run[0] == result.id]
+        ends = [run for run in runs(proj, key, "ends")[before:] if run[0] == result.id]
+        assert len(starts) == 2, "cut short once, run once more"
+        assert len(ends) == 1 and ends[0][1] != pid
+        semaphore = semaphore_for(proj.app, proj.long_acks_late.name)
+        wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="no slot left held")
+    finally:
+        workers[:] = [*survivors, victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency)
+                      .start()]
