@@ -145,7 +145,17 @@ end
 -- @rest-of-lib
 -- The rest: the line, offers and hand-off, wake-ups, purges, several semaphores. A script that
 -- has this marker line in its own text gets what follows there (after its fast path), any other
--- script here, before its body (_scripts.script_source).
+-- script here, before its body (scripts.script_source).
+
+-- A new place in line: server milliseconds * 1024 plus a counter of that moment's tickets (the
+-- counter lives a second), so that tickets sort by first ask and two asks never tie.
+local function new_ticket(now)
+  local counter = redis.call('INCR', K_TICKET)
+  if counter == 1 then
+    redis.call('PEXPIRE', K_TICKET, TICKET_TTL_MS)
+  end
+  return now * 1024 + counter % 1024
+end
 
 -- The scripts over several semaphores (acquire_many, release_many, renew_many, leave_many) pass
 -- 8 keys per semaphore, in the order above, semaphore after semaphore. use_semaphore(i) points

@@ -123,11 +123,7 @@ if ticket then
 else
   ticket = tonumber(ARGV[4])
   if not ticket then
-    local counter = redis.call('INCR', K_TICKET)
-    if counter == 1 then
-      redis.call('PEXPIRE', K_TICKET, TICKET_TTL_MS)
-    end
-    ticket = now * 1024 + counter % 1024
+    ticket = new_ticket(now)
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
   redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, now .. '|' .. wake)

@@ -147,11 +147,7 @@ if enqueue then
   ticket = ticket or tonumber(ARGV[7])
   if not ticket then
     use_semaphore(1)
-    local counter = redis.call('INCR', K_TICKET)
-    if counter == 1 then
-      redis.call('PEXPIRE', K_TICKET, TICKET_TTL_MS)
-    end
-    ticket = now * 1024 + counter % 1024
+    ticket = new_ticket(now)
   end
 end
 
