@@ -67,6 +67,7 @@ class Kills:
 
     def __init__(self) -> None:
         self.at: dict[int, float] = {}
+        self.workers: dict[str, float] = {}  # whole workers killed, by name
 
     def child(self, worker: Worker, rng: random.Random) -> None:
         children = worker.children()
@@ -77,6 +78,7 @@ class Kills:
 
     def whole(self, worker: Worker) -> None:
         now = time.time()
+        self.workers[worker.name] = now
         for pid in worker.children():
             self.at[pid] = now
         worker.kill()
@@ -104,7 +106,7 @@ def story(task_id: str, deliveries: list[tuple[str, int, float]], killed: dict[i
         if delivered_id == task_id:
             fate = f", killed {killed[pid] - at:+.3f} s later" if pid in killed else ""
             lines.append(f"  delivered to {pid} at {at:.3f}{fate}")
-    lines += [f"  {line}" for line in log.splitlines() if task_id in line][:40]
+    lines += [f"  {line}" for line in log.splitlines() if task_id in line or line.startswith("==")][:60]
     return "\n".join(lines)
 
 
@@ -181,9 +183,11 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
     deliveries = records(client, "deliveries")
     delivered = {task_id for task_id, _, _ in deliveries}
     finished = {task_id for task_id, _, _ in ends}
-    log = "".join(worker.log() for worker in workers)
+    # each worker's lines under its name, for the story of a lost task
+    log = "".join(f"== {worker.name} (pid {worker.process.pid if worker.process else '-'})\n{worker.log()}"
+                  for worker in workers)
     summary = (f"seed {SEED}: {len(kills.at)} processes killed, {len(deliveries)} deliveries of {TASKS} tasks, "
-               f"{len(finished)} finished")
+               f"{len(finished)} finished; whole workers killed at {kills.workers}")
 
     # the schedule did what it is for: tasks waited (re-sent), and processes died under them
     assert len(deliveries) > 1.5 * TASKS, summary

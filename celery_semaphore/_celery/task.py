@@ -341,8 +341,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         except Exception as error:
             raise SemaphoreError(f"could not re-send {self.name}[{request.id}] while its twin runs: {error}",
                                  key=semaphore.name) from error
-        raise Retry(f"another copy holds the slot of {semaphore.name!r}; looking again in {countdown} s",
-                    when=countdown, sig=again)
+        # Ignore, not Retry: the run this copy waits on owns the task's state. A RETRY stored by
+        # this copy could land just after the run's SUCCESS and hide it from ``get()``.
+        raise Ignore()
 
     def _wait_outside(
         self, semaphore: AnySemaphore, attempt: Waiting, history: WaitHistory, args: tuple[Any, ...],

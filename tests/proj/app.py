@@ -37,6 +37,11 @@ app.conf.update(
     semaphore_limits={"crawl:*": 2, "proj.config_only": 2, "bench:*": 3},
 )
 app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
+# The Redis transport restores a dead worker's unacked messages under a lock that expires after
+# 300 s by default. The tests SIGKILL whole workers, and all share one broker: a worker killed
+# while it held the lock would stop every worker's restores for five minutes.
+if str(app.conf.broker_url).startswith(("redis", "sentinel")):
+    app.conf.broker_transport_options = {"unacked_mutex_expire": 5, **(app.conf.broker_transport_options or {})}
 
 _probe_client: redis.Redis | None = None
 
@@ -185,6 +190,14 @@ def handoff_twin(self: Any, seconds: float, key: str = "proj.handoff_twin") -> s
     """Its countdown copy (1 s) arrives while its woken copy still runs."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+@signals.task_retry.connect
+def _record_handoff_twin_retry(request: Any = None, **_: Any) -> None:
+    """Every retry proj.handoff_twin records in the result backend (a copy that waits on its
+    twin must record none: the run owns the task's state)."""
+    if getattr(request, "task", None) == "proj.handoff_twin":
+        probe("proj.handoff_twin").client.rpush("probe:proj.handoff_twin:retries", str(request.id))
 
 
 @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=4, semaphore_lease=2,
