@@ -51,7 +51,7 @@ from typing import Any
 import redis
 
 from celery_semaphore import FairSemaphore
-from celery_semaphore._core.semaphore import Granted, new_token
+from celery_semaphore._core.attempts import Granted, new_token
 from celery_semaphore.errors import SemaphoreUnavailable
 from tests.redis_server import RedisServer
 

@@ -19,24 +19,27 @@ if TYPE_CHECKING:
     from ._celery.catalogue import semaphore_for
     from ._celery.decorators import limit_concurrency
     from ._celery.task import SemaphoreTask
+    from ._core.attempts import Granted, Waiting
+    from ._core.lease import Lease
     from ._core.multi import MultiSemaphore
-    from ._core.semaphore import FairSemaphore, Granted, Lease, SemaphoreStatus, Waiting
+    from ._core.semaphore import FairSemaphore
+    from ._core.status import SemaphoreStatus
     from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 
 # public name -> the module that defines it
 _HOMES = {
     "ConfigurationError": ".errors",
     "FairSemaphore": "._core.semaphore",
-    "Granted": "._core.semaphore",
-    "Lease": "._core.semaphore",
+    "Granted": "._core.attempts",
+    "Lease": "._core.lease",
     "LeaseLost": ".errors",
     "MultiSemaphore": "._core.multi",
     "RedisUnavailable": ".errors",
     "SemaphoreError": ".errors",
-    "SemaphoreStatus": "._core.semaphore",
+    "SemaphoreStatus": "._core.status",
     "SemaphoreTask": "._celery.task",
     "SemaphoreUnavailable": ".errors",
-    "Waiting": "._core.semaphore",
+    "Waiting": "._core.attempts",
     "limit_concurrency": "._celery.decorators",
     "semaphore_for": "._celery.catalogue",
 }

@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from ._celery.catalogue import Catalogue, glob_escape
-from ._core.semaphore import HolderInfo, SemaphoreStatus, WaiterInfo
+from ._core.status import HolderInfo, SemaphoreStatus, WaiterInfo
 from ._core.validation import check_seconds
 from .errors import ConfigurationError, SemaphoreError
 

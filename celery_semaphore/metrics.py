@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.metrics_core import Metric
 
-    from ._core.semaphore import Lease
+    from ._core.lease import Lease
 
 logger = logging.getLogger("celery_semaphore")
 

@@ -4,10 +4,15 @@ its line budget), shown on a throwaway copy of the package."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from celery_semaphore import FairSemaphore, MultiSemaphore
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_architecture.py"
@@ -67,3 +72,25 @@ def test_a_module_over_its_budget_fails(tmp_path: Path) -> None:
     result = check(root)
     assert result.returncode == 1
     assert "celery_semaphore._core.keys" in result.stderr and "lines, over" in result.stderr
+
+
+@pytest.mark.parametrize("semaphore_class", [FairSemaphore, MultiSemaphore])
+def test_public_methods_take_at_most_four_keyword_arguments(semaphore_class: type) -> None:
+    """A public argument is a promise to users: what only the Celery glue needs (a ticket, a
+    wake address, a run id) travels in an ``Ask`` to the underscored methods instead."""
+    too_many = {}
+    for name, method in inspect.getmembers(semaphore_class, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        parameters = [p for p in inspect.signature(method).parameters.values()
+                      if p.name != "self" and p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+        if len(parameters) > 4:
+            too_many[name] = [p.name for p in parameters]
+    assert not too_many
+
+
+def test_the_private_protocol_is_spoken_by_both_semaphore_classes() -> None:
+    """The Celery glue drives either class through the same underscored methods."""
+    protocol = {"_try", "_wait", "_leave", "_release", "_release_holders_with_prefix", "_renew_many"}
+    for semaphore_class in (FairSemaphore, MultiSemaphore):
+        assert protocol <= set(dir(semaphore_class)), semaphore_class

@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 from celery_semaphore import FairSemaphore, Lease
 from celery_semaphore._celery.catalogue import Catalogue
 from celery_semaphore._celery.config import forget_config
+from celery_semaphore._core.attempts import Ask, new_token
 from celery_semaphore.cli import duration
 
 from .redis_server import RedisServer, free_port
@@ -91,7 +92,7 @@ def test_status_of_a_key_shows_holders_and_waiters(proj: Proj) -> None:
     semaphore = FairSemaphore(proj.client, "proj.hold", 1, lease=30)
     with semaphore.acquire(timeout=5, label=LABEL):
         for waiter in ("waiter-a", "waiter-b"):
-            semaphore.try_acquire(waiter=waiter, patience=60)
+            semaphore._try(Ask(token=new_token(), waiter=waiter, patience=60))
         result = proj.cli("status", "proj.hold")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -189,7 +190,7 @@ def test_reset_asks_first_then_empties_the_semaphore(proj: Proj) -> None:
     """reset asks for confirmation (no means no change); yes forgets every holder and waiter but the limit."""
     semaphore = FairSemaphore(proj.client, "proj.hold", 1, lease=30)
     with semaphore.acquire(timeout=5, label=LABEL) as holder:
-        semaphore.try_acquire(waiter="waiter-a", patience=60)
+        semaphore._try(Ask(token=new_token(), waiter="waiter-a", patience=60))
         semaphore.set_limit(1)
 
         refused = proj.cli("reset", "proj.hold", input="n\n")

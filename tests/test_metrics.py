@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from celery_semaphore import FairSemaphore, SemaphoreTask, limit_concurrency, metrics
 from celery_semaphore._core import renewer
+from celery_semaphore._core.attempts import Ask, new_token
 from celery_semaphore.metrics import PrometheusMissing, StatusCollector, register_status_collector
 
 from .redis_server import RedisServer, free_port
@@ -138,7 +139,7 @@ def test_collector_reports_holders_and_waiters_per_family(collector_app: Any, re
             FairSemaphore(client, "adhoc", 1, lease=30),
         ):
             leases.append(semaphore.acquire(timeout=5))
-        crawl_a.try_acquire(waiter="waiter-a", patience=60)
+        crawl_a._try(Ask(token=new_token(), waiter="waiter-a", patience=60))
 
         def gauge(name: str, family: str) -> float | None:
             return registry.get_sample_value(name, {"family": family})

@@ -16,8 +16,8 @@ import redis
 import redis.cluster
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, SemaphoreUnavailable, Waiting
+from celery_semaphore._core.attempts import Ask, Duplicate, new_token
 from celery_semaphore._core.clients import client_for
-from celery_semaphore._core.semaphore import Duplicate
 
 from .redis_server import RedisClusterSet, RedisServer
 from .waiting import wait_until
@@ -233,7 +233,7 @@ def test_renewal_and_reclaim_cover_every_slot(redis_client: redis.Redis) -> None
     assert len(after) == 2 and all(after[member] >= before[member] + 100 for member in before)
     a.reset()
     b.reset()
-    assert multi.renew_many([(lease.token, "x")], reclaim=True) == [2]
+    assert multi._renew_many([(lease.token, "x")], reclaim=True) == [2]
     assert (a.status().holder_count, b.status().holder_count) == (2, 2)
     # the background renewer keeps it held past its 2 s lease
     time.sleep(2.5)
@@ -248,7 +248,7 @@ def test_release_by_task_id_prefix_frees_every_weighted_slot(redis_client: redis
     a = FairSemaphore(redis_client, "a", 3)
     MultiSemaphore([a], weight=3).try_acquire(token="task-1:abc")
     assert a.status().holder_count == 3
-    assert a.release_holders_with_prefix("task-1:") == 3
+    assert a._release_holders_with_prefix("task-1:") == 3
     assert a.status().holder_count == 0
 
 
@@ -316,12 +316,12 @@ def test_copies_of_one_run_take_the_slots_once(redis_client: redis.Redis) -> Non
     a = FairSemaphore(redis_client, "a", 2)
     b = FairSemaphore(redis_client, "b", 2)
     multi = MultiSemaphore([a, b], weight=2)
-    first = multi.try_acquire(token="t1:x", waiter="t1", run="t1#0", remember=30)
+    first = multi._try(Ask(token="t1:x", waiter="t1", run="t1#0", remember=30))
     assert isinstance(first, Granted)
-    twin = multi.try_acquire(token="t1:y", waiter="t1", run="t1#0", remember=30)
+    twin = multi._try(Ask(token="t1:y", waiter="t1", run="t1#0", remember=30))
     assert isinstance(twin, Duplicate) and twin.running
     first.lease.release()
-    assert multi.try_acquire(token="t1:z", waiter="t1", run="t1#0", remember=30) == Duplicate(running=False)
+    assert multi._try(Ask(token="t1:z", waiter="t1", run="t1#0", remember=30)) == Duplicate(running=False)
     assert (a.status().holder_count, b.status().holder_count) == (0, 0)
 
 
@@ -333,7 +333,7 @@ def test_a_parked_multi_waiter_keeps_heading_its_lines(redis_client: redis.Redis
     holder = b.acquire(timeout=0)
     multi = MultiSemaphore([a, b])
     assert isinstance(multi.try_acquire(waiter="w"), Waiting)
-    assert multi.leave("w", away_for=30, wake="some-channel")
+    assert multi._leave("w", 30, "some-channel")
     assert isinstance(a.try_acquire(enqueue=False), Waiting)  # the parked waiter heads a's line
     assert multi.leave("w", away_for=30)
     lease = a.try_acquire(enqueue=False)
@@ -352,9 +352,9 @@ def test_a_waiter_asking_from_another_process_is_told_there(redis_client: redis.
     b = FairSemaphore(redis_client, "b", 1)
     holder = a.acquire(timeout=0)
     multi = MultiSemaphore([a, b])
-    assert isinstance(multi.try_acquire(waiter="w", wake="chan-1"), Waiting)
+    assert isinstance(multi._try(Ask(token=new_token(), waiter="w", wake="chan-1")), Waiting)
     first = [redis_client.hget(s.keys.waiter_info, "w:*1*w") for s in (a, b)]
-    assert isinstance(multi.try_acquire(waiter="w", wake="chan-2"), Waiting)
+    assert isinstance(multi._try(Ask(token=new_token(), waiter="w", wake="chan-2")), Waiting)
     now = [redis_client.hget(s.keys.waiter_info, "w:*1*w") for s in (a, b)]
     assert [v.rsplit(b"|", 1) for v in now] == [[f.split(b"|")[0], b"chan-2"] for f in first]
     multi.leave("w")
@@ -377,7 +377,7 @@ def test_a_multi_waiter_freed_between_its_refusal_and_its_park_is_told_when_it_p
     listener = redis_client.pubsub()
     listener.subscribe("park-channel")
     wait_until(lambda: listener.get_message(timeout=0.1), timeout=5, what="subscribed")
-    assert multi.leave("w", away_for=30, wake="park-channel")
+    assert multi._leave("w", 30, "park-channel")
     told = wait_until(lambda: listener.get_message(timeout=0.1), timeout=5, what="the parked waiter told")
     assert told["data"] == b"*1*w"
     granted = multi.try_acquire(waiter="w")

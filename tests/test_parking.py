@@ -23,6 +23,7 @@ from celery import Celery
 
 from celery_semaphore import FairSemaphore, Waiting
 from celery_semaphore._celery.parking import Parking, parked_keys
+from celery_semaphore._core.attempts import Ask
 
 from .redis_server import RedisServer
 from .waiting import wait_until
@@ -57,7 +58,7 @@ def test_an_offer_sends_the_wake_copy_at_once(redis_server: RedisServer, redis_c
     parking = Parking()
     wake_copy = app.signature("parking.job", queue="q-offer.semaphore-wake")
     address = parking.park(semaphore, "t1", wake_copy, away_for=30, run="t1#0")
-    semaphore.leave("t1", away_for=30, wake=address)
+    semaphore._leave("t1", 30, address)
     assert _queued(redis_server, "q-offer.semaphore-wake") == 0
     holder.release()
     wait_until(lambda: _queued(redis_server, "q-offer.semaphore-wake") == 1, timeout=10, what="the wake copy sent")
@@ -75,9 +76,9 @@ def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer
         assert isinstance(semaphore.try_acquire(token=f"{waiter}:a", waiter=waiter), Waiting)
         wake_copy = app.signature("parking.job", queue=f"q-{waiter}.semaphore-wake")
         address = parking.park(semaphore, waiter, wake_copy, away_for=0.5, run=f"{waiter}#0")
-        semaphore.leave(waiter, away_for=0.5, wake=address)
+        semaphore._leave(waiter, 0.5, address)
     # the countdown copy of "asked" arrives and asks again (it is refused: the slot is held)
-    assert isinstance(semaphore.try_acquire(token="asked:b", waiter="asked", run="asked#0", remember=60), Waiting)
+    assert isinstance(semaphore._try(Ask(token="asked:b", waiter="asked", run="asked#0", remember=60)), Waiting)
     wait_until(lambda: _queued(redis_server, "q-lost.semaphore-wake") == 1, timeout=10,
                what="the lost wait sent again")
     wait_until(lambda: parking.parked_count() == 0, timeout=10, what="both parked entries swept")
@@ -95,7 +96,7 @@ def _parked_then_away(redis_server: RedisServer, redis_client: redis.Redis, name
     assert isinstance(semaphore.try_acquire(token="late:a", waiter="late"), Waiting)
     wake_copy = app.signature("parking.job", queue=f"q-{name}.semaphore-wake")
     address = parking.park(semaphore, "late", wake_copy, away_for=0.3, run="late#0")
-    semaphore.leave("late", away_for=2.5, wake=address)
+    semaphore._leave("late", 2.5, address)
     lapses_at = float(redis_client.zscore(semaphore.keys.deadlines, "late") or 0) / 1000
     return semaphore, lapses_at
 
@@ -166,7 +167,7 @@ semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1, prefix=PREFIX)
 assert isinstance(semaphore.try_acquire(token="gone:a", waiter="gone"), Waiting)
 wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"semaphore_waits": 3})
 address = parking().park(semaphore, "gone", wake_copy, away_for=0.5, run="gone#0")
-semaphore.leave("gone", away_for=0.5, wake=address)
+semaphore._leave("gone", 0.5, address)
 print("parked", flush=True)
 time.sleep(120)
 """
@@ -217,7 +218,7 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
     parking = Parking()
     address = parking.park(semaphore, "up", app.signature("parking.job", queue="q-up.semaphore-wake"),
                            away_for=0.3, run="up#0")
-    semaphore.leave("up", away_for=0.3, wake=address)
+    semaphore._leave("up", 0.3, address)
     parking.unpark(semaphore, "up", "up#0")
     assert parking.parked_count() == 0
     assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_semaphore._celery.policy import countdown, expected_wait, waits_in_process
-from celery_semaphore._core.semaphore import Waiting
+from celery_semaphore._core.attempts import Waiting
 
 waitings = st.builds(
     Waiting,

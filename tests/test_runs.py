@@ -9,22 +9,22 @@ from __future__ import annotations
 import redis
 
 from celery_semaphore import FairSemaphore, Granted
-from celery_semaphore._core.semaphore import Duplicate
+from celery_semaphore._core.attempts import Ask, Duplicate
 
 
 def test_a_second_copy_is_told_running_then_done(redis_client: redis.Redis) -> None:
     """While one copy of a run holds the slot, another is told it is running; once the first
     released normally, it is told the run is done; neither takes a slot."""
     semaphore = FairSemaphore(redis_client, "runs-a", 2)
-    first = semaphore.try_acquire(token="t1:a", waiter="t1", run="t1#0", remember=60)
+    first = semaphore._try(Ask(token="t1:a", waiter="t1", run="t1#0", remember=60))
     assert isinstance(first, Granted)
-    second = semaphore.try_acquire(token="t1:b", waiter="t1", run="t1#0", remember=60)
+    second = semaphore._try(Ask(token="t1:b", waiter="t1", run="t1#0", remember=60))
     assert isinstance(second, Duplicate) and second.running
     # the lease the twin holds (the default, 60 s) is what the copy waits out before it looks again
     assert 55 < second.twin_lease <= 60
     assert semaphore.status().holder_count == 1
     first.lease.release()
-    third = semaphore.try_acquire(token="t1:c", waiter="t1", run="t1#0", remember=60)
+    third = semaphore._try(Ask(token="t1:c", waiter="t1", run="t1#0", remember=60))
     assert third == Duplicate(running=False)
     assert semaphore.status().holder_count == 0
 
@@ -33,10 +33,10 @@ def test_a_copy_takes_over_a_run_whose_holder_was_killed(redis_client: redis.Red
     """A holder released by task id from outside (the worker's parent after its child was
     killed) did not finish its run: a later copy (an acks_late redelivery) runs it."""
     semaphore = FairSemaphore(redis_client, "runs-b", 1)
-    first = semaphore.try_acquire(token="t2:a", waiter="t2", run="t2#0", remember=60)
+    first = semaphore._try(Ask(token="t2:a", waiter="t2", run="t2#0", remember=60))
     assert isinstance(first, Granted)
-    assert semaphore.release_holders_with_prefix("t2:") == 1  # as the worker's parent does
-    again = semaphore.try_acquire(token="t2:b", waiter="t2", run="t2#0", remember=60)
+    assert semaphore._release_holders_with_prefix("t2:") == 1  # as the worker's parent does
+    again = semaphore._try(Ask(token="t2:b", waiter="t2", run="t2#0", remember=60))
     assert isinstance(again, Granted)
     again.lease.release()
     first.lease.released = True  # the killed process never releases; keep the renewer off it
@@ -46,21 +46,21 @@ def test_a_run_whose_lease_lapsed_before_a_normal_release_still_counts_as_done(r
     """The body finished (its release ran) even though its lease had gone meanwhile: a later
     copy must not run it again."""
     semaphore = FairSemaphore(redis_client, "runs-c", 1)
-    first = semaphore.try_acquire(token="t3:a", waiter="t3", run="t3#0", remember=60)
+    first = semaphore._try(Ask(token="t3:a", waiter="t3", run="t3#0", remember=60))
     assert isinstance(first, Granted)
     semaphore.reset()  # the lease is gone from Redis (a restart, a stall) while the body runs
     assert first.lease.release() is False  # nothing was held any more...
-    late = semaphore.try_acquire(token="t3:b", waiter="t3", run="t3#0", remember=60)
+    late = semaphore._try(Ask(token="t3:b", waiter="t3", run="t3#0", remember=60))
     assert late == Duplicate(running=False)  # ...but the run is known to be done
 
 
 def test_another_run_of_the_same_task_is_not_a_duplicate(redis_client: redis.Redis) -> None:
     """The task's own retry is another run (``<id>#1``): it gets a slot of its own."""
     semaphore = FairSemaphore(redis_client, "runs-d", 1)
-    first = semaphore.try_acquire(token="t4:a", waiter="t4", run="t4#0", remember=60)
+    first = semaphore._try(Ask(token="t4:a", waiter="t4", run="t4#0", remember=60))
     assert isinstance(first, Granted)
     first.lease.release()
-    retry = semaphore.try_acquire(token="t4:b", waiter="t4", run="t4#1", remember=60)
+    retry = semaphore._try(Ask(token="t4:b", waiter="t4", run="t4#1", remember=60))
     assert isinstance(retry, Granted)
     retry.lease.release()
 
@@ -69,23 +69,23 @@ def test_a_release_that_does_not_finish_the_run_lets_another_copy_run_it(redis_c
     """A body that raised Reject(requeue=True), or was stopped by a cold shutdown with acks_late:
     its slot goes back but its run is not finished, so the requeued copy runs it."""
     semaphore = FairSemaphore(redis_client, "runs-e", 1)
-    first = semaphore.try_acquire(token="t5:a", waiter="t5", run="t5#0#ab", remember=60)
+    first = semaphore._try(Ask(token="t5:a", waiter="t5", run="t5#0#ab", remember=60))
     assert isinstance(first, Granted)
     assert first.lease.release(finished=False) is True
-    again = semaphore.try_acquire(token="t5:b", waiter="t5", run="t5#0#ab", remember=60)
+    again = semaphore._try(Ask(token="t5:b", waiter="t5", run="t5#0#ab", remember=60))
     assert isinstance(again, Granted)
     again.lease.release()
-    assert semaphore.try_acquire(token="t5:c", waiter="t5", run="t5#0#ab", remember=60) == Duplicate(running=False)
+    assert semaphore._try(Ask(token="t5:c", waiter="t5", run="t5#0#ab", remember=60)) == Duplicate(running=False)
 
 
 def test_a_run_marked_finished_from_outside_drops_every_later_copy(redis_client: redis.Redis) -> None:
     """The worker's main process marks the run of a lost child finished where Celery will not
     deliver the task again (no acks_late): a later copy of the wait is dropped, not run."""
     semaphore = FairSemaphore(redis_client, "runs-f", 1)
-    first = semaphore.try_acquire(token="t6:a", waiter="t6", run="t6#0#cd", remember=60)
+    first = semaphore._try(Ask(token="t6:a", waiter="t6", run="t6#0#cd", remember=60))
     assert isinstance(first, Granted)
-    assert semaphore.release_holders_with_prefix("t6:") == 1
-    semaphore.release("", run="t6#0#cd", remember_ms=60_000)  # as worker._release_by_task_id does
-    late = semaphore.try_acquire(token="t6:b", waiter="t6", run="t6#0#cd", remember=60)
+    assert semaphore._release_holders_with_prefix("t6:") == 1
+    semaphore._release("", "t6#0#cd", 60_000)  # as worker._release_by_task_id does
+    late = semaphore._try(Ask(token="t6:b", waiter="t6", run="t6#0#cd", remember=60))
     assert late == Duplicate(running=False)
     first.lease.released = True

@@ -22,6 +22,7 @@ from celery_semaphore import (
     Waiting,
 )
 from celery_semaphore._core import renewer
+from celery_semaphore._core.attempts import Ask, new_token
 
 from .concurrency_probe import ConcurrencyProbe
 from .hammer import hammer
@@ -129,11 +130,11 @@ def test_a_waiter_that_left_comes_back_to_its_old_place(redis_client: redis.Redi
     semaphore.leave("early")
     later = semaphore.try_acquire(waiter="later")
     assert isinstance(later, Waiting) and later.position == 0, "nobody ahead while early is away"
-    back = semaphore.try_acquire(waiter="early", ticket=early.ticket)
+    back = semaphore._try(Ask(token=new_token(), waiter="early", ticket=early.ticket))
     assert isinstance(back, Waiting) and back.position == 0
     assert semaphore.try_acquire(waiter="later").position == 1  # type: ignore[union-attr]
     holder.release()
-    granted = semaphore.try_acquire(waiter="early", ticket=early.ticket)
+    granted = semaphore._try(Ask(token=new_token(), waiter="early", ticket=early.ticket))
     assert isinstance(granted, Granted)
     granted.lease.release()
 
@@ -156,7 +157,7 @@ def test_an_away_waiter_keeps_its_place_but_holds_up_nobody(redis_client: redis.
     assert isinstance(back, Waiting) and back.position == 0
     passed_by.lease.release()
     assert isinstance(semaphore.try_acquire(waiter="sleeper"), Granted)
-    semaphore.release_holders_with_prefix("")
+    semaphore._release_holders_with_prefix("")
 
 
 def test_a_newcomer_trying_once_cannot_jump_the_line(redis_client: redis.Redis) -> None:

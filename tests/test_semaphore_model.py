@@ -115,7 +115,7 @@ class FairSemaphoreModel(RuleBasedStateMachine):
     def park(self, data: st.DataObject) -> None:
         """Step away *parked* (a Celery task with a wake address): still offered its turn."""
         waiter = data.draw(st.sampled_from(self.line))
-        assert self.semaphore.leave(waiter, away_for=60, wake="model-wake") is True
+        assert self.semaphore._leave(waiter, 60, "model-wake") is True
         if waiter not in self.offered:
             self.away.discard(waiter)
             self._hand_off()

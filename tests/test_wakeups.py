@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
-from celery_semaphore._core.semaphore import Duplicate
+from celery_semaphore._core.attempts import Ask, Duplicate
 from celery_semaphore._core.wakeups import WakeUps, wake_ups_for
 
 from .concurrency_probe import ConcurrencyProbe
@@ -96,7 +96,7 @@ def test_an_unclaimed_offer_lapses_to_the_next_waiter_and_the_late_one_keeps_its
     assert isinstance(back, Waiting) and back.position == 0
     granted.release()
     assert isinstance(semaphore.try_acquire(waiter="sleepy"), Granted)
-    semaphore.release_holders_with_prefix("")
+    semaphore._release_holders_with_prefix("")
 
 
 def _granted(attempt: Granted | Waiting) -> Any:
@@ -134,7 +134,7 @@ def test_a_one_shot_try_does_not_pass_a_present_waiter(redis_client: redis.Redis
     holder.release()
     assert isinstance(semaphore.try_acquire(enqueue=False), Waiting)
     assert isinstance(semaphore.try_acquire(waiter="first"), Granted)
-    semaphore.release_holders_with_prefix("")
+    semaphore._release_holders_with_prefix("")
 
 
 def test_raising_the_limit_admits_blocked_waiters_at_once(redis_client: redis.Redis) -> None:
@@ -180,7 +180,7 @@ def test_leaving_with_an_offer_passes_it_on(redis_client: redis.Redis) -> None:
     assert isinstance(semaphore.try_acquire(waiter="b"), Granted)
     back = semaphore.try_acquire(waiter="a")
     assert isinstance(back, Waiting) and back.position == 0
-    semaphore.release_holders_with_prefix("")
+    semaphore._release_holders_with_prefix("")
     semaphore.reset()
 
 
@@ -194,7 +194,7 @@ def test_every_script_runs_again_after_script_flush(redis_client: redis.Redis) -
         lambda: semaphore.status(),
         lambda: semaphore.set_limit(2),
         lambda: semaphore.clear_limit(),
-        lambda: semaphore.release_holders_with_prefix(""),
+        lambda: semaphore._release_holders_with_prefix(""),
         lambda: semaphore.reset(),
     ]
     for operation in operations:
@@ -259,17 +259,17 @@ def test_a_second_copy_of_a_run_is_told_it_is_a_duplicate(redis_client: redis.Re
     the run is running, then, after the release, that it ran; the first copy's own repeat is
     still a grant (idempotent)."""
     semaphore = FairSemaphore(redis_client, "runs", 2)
-    first = semaphore.try_acquire(token="t1", waiter="task-1", run="task-1#0", remember=60)
+    first = semaphore._try(Ask(token="t1", waiter="task-1", run="task-1#0", remember=60))
     assert isinstance(first, Granted)
-    twin = semaphore.try_acquire(token="t2", waiter="task-1", run="task-1#0", remember=60)
+    twin = semaphore._try(Ask(token="t2", waiter="task-1", run="task-1#0", remember=60))
     assert isinstance(twin, Duplicate) and twin.running
-    again = semaphore.try_acquire(token="t1", waiter="task-1", run="task-1#0", remember=60)
+    again = semaphore._try(Ask(token="t1", waiter="task-1", run="task-1#0", remember=60))
     assert isinstance(again, Granted)
     assert semaphore.status().holder_count == 1
     first.lease.release()
     again.lease.release()
-    assert semaphore.try_acquire(token="t3", waiter="task-1", run="task-1#0", remember=60) == Duplicate(running=False)
-    assert isinstance(semaphore.try_acquire(token="t4", waiter="task-1", run="task-1#1", remember=60), Granted)
+    assert semaphore._try(Ask(token="t3", waiter="task-1", run="task-1#0", remember=60)) == Duplicate(running=False)
+    assert isinstance(semaphore._try(Ask(token="t4", waiter="task-1", run="task-1#1", remember=60)), Granted)
     semaphore.release("t4")
     semaphore.reset()
 
@@ -286,13 +286,13 @@ def test_a_parked_waiter_is_offered_its_turn_and_told_on_its_address(redis_clien
     woken = threading.Event()
     with wake_ups.on_wake(channel, "task-9", woken.set) as handle:
         assert handle.subscribe(5)
-        assert semaphore.leave("task-9", away_for=30, wake=channel) is True
+        assert semaphore._leave("task-9", 30, channel) is True
         assert isinstance(semaphore.try_acquire(waiter="newcomer"), Waiting)
         holder.release()
         assert woken.wait(5)
     assert [w.waiter for w in semaphore.status().waiters if w.offered] == ["task-9"]
     assert isinstance(semaphore.try_acquire(waiter="task-9"), Granted)
-    semaphore.release_holders_with_prefix("")
+    semaphore._release_holders_with_prefix("")
     semaphore.reset()
 
 
@@ -370,7 +370,7 @@ def test_an_offer_told_between_a_refusal_and_the_registration_is_claimed_at_once
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the other caller to wait")
     monkeypatch.setattr(wake_ups, "signal", release_first)
     started = time.monotonic()
-    attempt = semaphore.wait_for_slot(token="late-token", waiter="late", timeout=8)
+    attempt = semaphore._wait(Ask(token="late-token", waiter="late"), 8)
     assert isinstance(attempt, Granted), attempt
     assert time.monotonic() - started < 5, "claimed at once, not after the 10 s keep-alive pause"
     assert released == [True]
@@ -387,7 +387,7 @@ def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis
     monkeypatch.setattr(wakeups_module, "UNCLAIMED_S", 0.2)
     semaphore = FairSemaphore(redis_client, "stale", 1, patience=30)
     wake_ups = wake_ups_for(redis_client)
-    channel = semaphore._wake_ups()[1]
+    channel = semaphore._wake_channel.get()[1]
     with wake_ups.signal(channel, "listening") as handle:
         assert handle.subscribe(10)
         redis_client.publish(channel, "nobody")

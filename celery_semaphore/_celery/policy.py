@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 
-from .._core.semaphore import Waiting
+from .._core.attempts import Waiting
 
 # Come back after this share of the expected wait, so the waiter is present when its turn comes.
 EARLY = 0.8

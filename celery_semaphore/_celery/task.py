@@ -34,9 +34,11 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 
 from .. import metrics
+from .._core.attempts import Ask, Duplicate, Granted, Waiting, default_label
+from .._core.lease import Lease
 from .._core.multi import MultiSemaphore
 from .._core.scripts import scripts_for
-from .._core.semaphore import Duplicate, FairSemaphore, Granted, Lease, Waiting, default_label
+from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import policy
@@ -215,15 +217,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             # a first delivery never asked before: when nobody waits and a slot is free, the
             # grant takes the fast path (8 Redis calls, no line bookkeeping)
-            attempt = semaphore.try_acquire(
-                token=token, waiter=waiter, label=self._label(), ticket=history.ticket, run=run, remember=remember,
-                fresh=history.waits == 0 and history.ticket is None,
-            )
+            ask = Ask(token=token, waiter=waiter, label=self._label(), ticket=history.ticket, run=run,
+                      remember=remember, fresh=history.waits == 0 and history.ticket is None)
+            attempt = semaphore._try(ask)
             if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, options.inline_wait):
-                attempt = semaphore.wait_for_slot(
-                    token=token, waiter=waiter, timeout=options.inline_wait, label=self._label(),
-                    ticket=attempt.ticket, run=run, remember=remember,
-                )
+                attempt = semaphore._wait(dataclasses.replace(ask, ticket=attempt.ticket, fresh=False),
+                                          options.inline_wait)
             outages.back(semaphore)
         except RedisUnavailable as error:
             if config.fail_open:
@@ -543,7 +542,7 @@ outages = _Outages()
 
 def _leave_quietly(semaphore: AnySemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:
     try:
-        semaphore.leave(waiter, away_for=away_for, wake=wake)
+        semaphore._leave(waiter, away_for, wake)
     except SemaphoreError as error:
         if not outages.is_down(semaphore):  # during an outage, the outage line says it all
             logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)
@@ -565,7 +564,7 @@ def give_back(lease: Lease, *, finished: bool = True) -> None:
         for attempt in range(RELEASE_TRIES):
             time.sleep(RELEASE_PAUSE * (attempt + 1))
             try:
-                lease.semaphore.release(lease.token, run=run, remember_ms=lease.remember_ms)
+                lease.semaphore._release(lease.token, run, lease.remember_ms)
                 return
             except RedisUnavailable:
                 continue

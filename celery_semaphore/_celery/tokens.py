@@ -14,7 +14,7 @@ import re
 import socket
 from typing import Any
 
-from .._core.semaphore import new_token
+from .._core.attempts import new_token
 
 
 def task_key(task_id: Any) -> str:

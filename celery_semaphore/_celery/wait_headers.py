@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .._core.semaphore import new_token
+from .._core.attempts import new_token
 from .config import SemaphoreConfig
 
 logger = logging.getLogger("celery_semaphore")

@@ -285,12 +285,11 @@ def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any, *, pid:
     try:
         semaphore = semaphore_for_call(task, tuple(args or ()), dict(kwargs or {}))
         if pid is not None:
-            released = semaphore.release_holders_with_prefix(f"{task_key(task_id)}:", rest=token_rest_of(pid))
+            released = semaphore._release_holders_with_prefix(f"{task_key(task_id)}:", token_rest_of(pid))
         semaphore.leave(task_key(task_id))
         if finished_run is not None:
             config = config_for(task.app)
-            semaphore.release("", run=finished_run, remember_ms=to_ms(remember_for(wait_options(task, config),
-                                                                                    config)))
+            semaphore._release("", finished_run, to_ms(remember_for(wait_options(task, config), config)))
     except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
         return

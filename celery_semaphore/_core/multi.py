@@ -26,32 +26,26 @@ with a ConfigurationError when it is made.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from dataclasses import replace
 
 import redis.cluster
 from redis.crc import key_slot
 
 from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
 from . import renewer
-from .scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys
-from .semaphore import (
-    Attempt,
-    Duplicate,
-    FairSemaphore,
-    Granted,
-    Lease,
-    Waiting,
-    default_label,
-    limit_of,
-    logger,
-    new_token,
-    wait_for_turn,
-    wait_or_give_up,
-)
+from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
+from .lease import Lease
+from .redis_errors import RedisErrors
+from .scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys, scripts_for
+from .semaphore import FairSemaphore
 from .validation import check_limit, check_seconds, to_ms
+from .waiting import WakeChannel, wait_for_turn, wait_or_give_up
+
+logger = logging.getLogger("celery_semaphore")
 
 
 class MultiSemaphore:
@@ -95,7 +89,9 @@ class MultiSemaphore:
         self.weight = self.check_weight(weight)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
-        self._scripts = semaphores[0]._scripts
+        self._scripts = scripts_for(client)
+        # the first semaphore's wake channel: a script tells a waiter of any line there
+        self._wake_channel = WakeChannel(client, self.keys.wake_channel)
 
     def __repr__(self) -> str:
         return f"<MultiSemaphore {self.name!r} weight={self.weight}>"
@@ -151,50 +147,55 @@ class MultiSemaphore:
             if isinstance(attempt, Granted):
                 return attempt.lease
             raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
-        return wait_or_give_up(self, token=token, waiter=self.waiter_id(), timeout=timeout, label=label,
-                               started=started)
-
-    def wait_for_slot(
-        self, *, token: str, waiter: str, timeout: float | None, patience: float | None = None,
-        label: str | None = None, ticket: int | None = None, fresh: bool = False, run: str | None = None,
-        remember: float | None = None,
-    ) -> Attempt:
-        """Try; while refused, sleep until a line tells this waiter that its turn may have come
-        (or ``patience / 3`` seconds pass), then try again; until granted or ``timeout``."""
-        pause = (self.patience if patience is None else check_seconds("patience", patience)) / 3
-        wake_ups, channel = self.semaphores[0]._wake_ups()
-        return wait_for_turn(
-            self, wake_ups, channel, token=token, waiter=waiter, timeout=timeout, patience=patience, pause=pause,
-            label=label, ticket=ticket, fresh=fresh, run=run, remember=remember,
-        )
+        ask = Ask(token=token, waiter=self.waiter_id(), label=label, fresh=True)
+        return wait_or_give_up(self, ask, timeout=timeout, started=started).lease
 
     def try_acquire(
-        self, *, token: str | None = None, waiter: str | None = None, patience: float | None = None,
-        enqueue: bool = True, label: str | None = None, ticket: int | None = None, fresh: bool = False,
-        wake: str = "", run: str | None = None, remember: float | None = None,
+        self, *, waiter: str | None = None, token: str | None = None, enqueue: bool = True, label: str | None = None,
     ) -> Attempt:
-        """One try, one round trip: Granted, Waiting (``turn`` is ``position``: the most waiters
-        ahead in any line) or Duplicate, as ``FairSemaphore.try_acquire``. ``token`` gets the
-        weight written in it (``token_for``) and ``waiter`` the weight in front (``waiter_id``)
-        unless they have them; the same waiter on every try keeps the places in line."""
+        """One try, one round trip: Granted, or Waiting (``turn`` is ``position``: the most
+        waiters ahead in any line), as ``FairSemaphore.try_acquire``. ``token`` gets the weight
+        written in it (``token_for``) and ``waiter`` the weight in front (``waiter_id``) unless
+        they have them; the same waiter on every try keeps the places in line."""
         token = self.token_for(token)
         if waiter is None:
-            waiter, enqueue = self.waiter_id(), False
-        elif not waiter.startswith(f"*{self.weight}*"):
-            waiter = self.waiter_id(waiter)
-        label = default_label() if label is None else label
-        patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
+            return self._try(Ask(token=token, waiter=self.waiter_id(), enqueue=False, label=label))
+        return self._try(Ask(token=token, waiter=waiter, enqueue=enqueue, label=label))
+
+    def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
+        """Step out of every line at once, so those behind move up. True if it was in one.
+        ``away_for``: step away, as ``FairSemaphore.leave``."""
+        return self._leave(waiter, away_for, "")
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def release(self, token: str) -> bool:
+        """Give back every slot of a grant. True if it still held some. Safe to repeat."""
+        return self._release(token, None, 0)
+
+    def renew(self, token: str) -> bool:
+        return self._renew_many([(token, "")], reclaim=False)[0] != renewer.RENEW_LOST
+
+    # -- the private protocol (the Celery glue, the renewer and the wait) -------------------
+
+    def _try(self, ask: Ask) -> Attempt:
+        """One try with everything a re-sent Celery task carries (see ``Ask``); Duplicate too."""
+        token = self.token_for(ask.token)
+        waiter = ask.waiter if ask.waiter.startswith(f"*{self.weight}*") else self.waiter_id(ask.waiter)
+        label = default_label() if ask.label is None else ask.label
+        patience_ms = self._patience_ms if ask.patience is None else to_ms(check_seconds("patience", ask.patience))
         remember_ms = 0
-        if run:
+        if ask.run:
+            remember = ask.remember
             remember_ms = to_ms(self.patience + self.lease if remember is None else check_seconds("remember", remember))
-        with self.semaphores[0]._redis_errors("acquire"):
+        with RedisErrors(self.name, "acquire"):
             reply = self._scripts.acquire_many(
                 self.all_keys, token=token, waiter=waiter, default_limits=self.limits, lease_ms=self._lease_ms,
-                patience_ms=patience_ms, enqueue=enqueue, label=label, ticket=ticket, wake=wake, run=run or "",
-                remember_ms=remember_ms, fresh=fresh,
+                patience_ms=patience_ms, enqueue=ask.enqueue, label=label, ticket=ask.ticket, wake=ask.wake,
+                run=ask.run or "", remember_ms=remember_ms, fresh=ask.fresh,
             )
         if reply.outcome == GRANTED:
-            lease = Lease(cast(Any, self), token, label=label, run=run or None, remember_ms=remember_ms)
+            lease = Lease(self, token, label=label, run=ask.run or None, remember_ms=remember_ms)
             renewer.track(lease)
             return Granted(lease)
         if reply.outcome == WAIT:
@@ -207,44 +208,38 @@ class MultiSemaphore:
                                      f"{semaphore.name!r}: such an acquire would wait forever")
         raise SemaphoreError(f"acquire_many on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
-    def leave(self, waiter: str, *, away_for: float | None = None, wake: str = "") -> bool:
-        """Step out of every line at once, so those behind move up. True if it was in one.
-        ``away_for``/``wake``: step away, or park, as ``FairSemaphore.leave``."""
+    def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
+        """Try; while refused, sleep until a line tells this waiter that its turn may have come
+        (or ``patience / 3`` seconds pass), then try again; until granted or ``timeout``."""
+        pause = (self.patience if ask.patience is None else check_seconds("patience", ask.patience)) / 3
+        wake_ups, channel = self._wake_channel.get()
+        return wait_for_turn(self, wake_ups, replace(ask, wake=channel), timeout=timeout, pause=pause)
+
+    def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
+        """``leave``; with ``away_for`` and ``wake``, park, as ``FairSemaphore._leave``."""
         if not waiter.startswith(f"*{self.weight}*"):
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
-        with self.semaphores[0]._redis_errors("leave"):
+        with RedisErrors(self.name, "leave"):
             return self._scripts.leave_many(self.all_keys, waiter=waiter, default_limits=self.limits,
                                             away_ms=away_ms, wake=wake)
 
-    def release_holders_with_prefix(self, prefix: str, *, rest: re.Pattern[str] | None = None) -> int:
-        """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
-        Celery child's task id), the remainder matching ``rest`` if given (see
-        ``FairSemaphore.release_holders_with_prefix``); how many slot entries were released."""
-        return sum(semaphore.release_holders_with_prefix(prefix, rest=rest) for semaphore in self.semaphores)
-
-    # -- holding (Lease and the renewer call these) ----------------------------------------
-
-    def release(self, token: str, *, run: str | None = None, remember_ms: int = 0) -> bool:
-        """Give back every slot of a grant (and mark its run, if any, finished). True if it
-        still held some. Safe to repeat."""
-        with self.semaphores[0]._redis_errors("release"):
+    def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
+        """Give back every slot of a grant, and mark its run, if any, finished."""
+        with RedisErrors(self.name, "release"):
             return self._scripts.release_many(self.all_keys, token=token, default_limits=self.limits, run=run or "",
                                               remember_ms=remember_ms)
 
-    def renew(self, token: str) -> bool:
-        return self.renew_many([(token, "")], reclaim=False)[0] != renewer.RENEW_LOST
+    def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
+        """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
+        Celery child's task id), the remainder matching ``rest`` if given (see
+        ``FairSemaphore._release_holders_with_prefix``); how many slot entries were released."""
+        return sum(semaphore._release_holders_with_prefix(prefix, rest) for semaphore in self.semaphores)
 
-    def renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
-        with self.semaphores[0]._redis_errors("renew"):
+    def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
+        with RedisErrors(self.name, "renew"):
             return self._scripts.renew_many(self.all_keys, lease_ms=self._lease_ms, default_limits=self.limits,
                                             reclaim=reclaim, holders=holders)
-
-    def _leave_quietly(self, waiter: str) -> None:
-        try:
-            self.leave(waiter)
-        except SemaphoreError:
-            logger.warning("could not leave the lines of %r; the places lapse by themselves", self.name)
 
 
 __all__ = ["MultiSemaphore"]

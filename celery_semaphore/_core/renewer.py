@@ -39,7 +39,7 @@ from ..errors import SemaphoreError
 from .scripts import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
 
 if TYPE_CHECKING:
-    from .semaphore import FairSemaphore, Lease
+    from .lease import Lease, SlotOwner
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -152,7 +152,7 @@ class _Renewer:
     def renew(self, leases: list[Lease]) -> None:
         # one round trip per semaphore: leases of equal semaphores (the Celery layer makes a
         # FairSemaphore object per task run) share it
-        by_semaphore: dict[tuple[int, str, float], tuple[FairSemaphore, list[Lease]]] = {}
+        by_semaphore: dict[tuple[int, str, float], tuple[SlotOwner, list[Lease]]] = {}
         for lease in leases:
             semaphore = lease.semaphore
             same = (id(semaphore.client), semaphore.renewal_key, semaphore.lease)
@@ -163,10 +163,10 @@ class _Renewer:
                 if group:
                     self._renew_group(semaphore, group)
 
-    def _renew_group(self, semaphore: FairSemaphore, group: list[Lease]) -> None:
+    def _renew_group(self, semaphore: SlotOwner, group: list[Lease]) -> None:
         started = time.monotonic()
         try:
-            codes = semaphore.renew_many([(lease.token, lease.label) for lease in group], reclaim=True)
+            codes = semaphore._renew_many([(lease.token, lease.label) for lease in group], reclaim=True)
         except Exception as error:
             # SemaphoreError (RedisUnavailable: unreachable, timed out) above all; but anything
             # else too (a closed client's pool raises OSError or ValueError): the thread must

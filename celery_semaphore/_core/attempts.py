@@ -1,0 +1,113 @@
+"""What one try for a slot says (``Granted``, ``Waiting``, ``Duplicate``), and ``Ask``, the
+arguments of a try in the private protocol.
+
+A user asks through the public verbs (``acquire``, ``try_acquire``). The Celery glue needs more:
+a ticket that brings a re-sent task back to its place, a wake address for a parked task, the id
+of a run that several copies of one task may ask under. Those travel in an ``Ask``, to the
+semaphores' underscored methods, so that no public signature promises them to users.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from .lease import Lease
+
+_LABEL = f"{socket.gethostname()}:{{pid}}"
+_label_of_pid: tuple[int, str] = (-1, "")
+
+
+def default_label() -> str:
+    """Who holds a slot, as status() shows it: host and process id."""
+    global _label_of_pid
+    pid = os.getpid()
+    if _label_of_pid[0] != pid:  # made once per process (this runs on every acquire)
+        _label_of_pid = (pid, _LABEL.format(pid=pid))
+    return _label_of_pid[1]
+
+
+def new_token() -> str:
+    """A random holder token: nobody can guess it, so only its holder can release it. (128 random
+    bits as hex, like ``uuid4().hex`` without building a UUID on every acquire.)"""
+    return os.urandom(16).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One try in the private protocol.
+
+    ``token`` names the slot if granted (a repeat with the same token is granted again, not
+    twice); the same ``waiter`` on every try keeps the place in line. ``patience``: seconds the
+    place is kept without a try (None: the semaphore's). ``enqueue=False``: a new waiter takes no
+    ticket, and gets a slot only if it passes no present waiter. ``label``: who holds the slot,
+    for status (None: host and process id). ``ticket``: the place of a waiter that left the line
+    and comes back to it. ``fresh``: the waiter never asked before (when nobody is present and a
+    slot is free it is granted on the fast path, no line bookkeeping). ``wake``: the channel on
+    which to PUBLISH the waiter's id when a slot is offered to it ("" for nowhere). ``run``: the
+    id of a run that may ask in several copies (a Celery wait re-sent both with a countdown and on
+    wake-up): if another copy was granted in the last ``remember`` seconds (None: patience plus
+    the lease), the try says ``Duplicate`` instead of granting a second slot."""
+
+    token: str
+    waiter: str
+    patience: float | None = None
+    enqueue: bool = True
+    label: str | None = None
+    ticket: int | None = None
+    fresh: bool = False
+    wake: str = ""
+    run: str | None = None
+    remember: float | None = None
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A try that got a slot; the lease is held and renewed until released."""
+
+    lease: Lease
+
+    @property
+    def granted(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A try that got no slot. The waiter keeps its place in line for ``patience`` seconds:
+    asking again within that time keeps the place; not asking gives it up."""
+
+    position: int  # 0-based place in line
+    free: int  # free slots when the try ran (may be above 0 while older waiters are ahead)
+    limit: int
+    hold_time: float | None = None  # recent average seconds a holder kept its slot, if known
+    ticket: int | None = None  # the place-keeping ticket; None for a try that did not queue
+    turn: int | None = None  # 0-based place among present waiters (slots go by this)
+
+    @property
+    def granted(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A try under a ``run`` id that another copy of the same run already used: that copy holds
+    the slot now (``running``), or the run finished. This copy must not run now; a running twin
+    may still die (its lease then lapses, after ``twin_lease`` seconds unless renewed), and the
+    copy may then run it after all."""
+
+    running: bool
+    twin_lease: float = 0.0
+
+    @property
+    def granted(self) -> bool:
+        return False
+
+
+Attempt = Granted | Waiting | Duplicate
+
+
+def limit_of(attempt: Attempt, default: int) -> int:
+    """The limit a refused try reported (``default`` for a try that says none)."""
+    return attempt.limit if isinstance(attempt, Waiting) else default

@@ -1,0 +1,114 @@
+"""The blocking wait both semaphore classes share: try, sleep until told the turn may have
+come, try again. It speaks to either class through ``Asker``, the private protocol's tries."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+from ..errors import SemaphoreError, SemaphoreUnavailable
+from .attempts import Ask, Attempt, Granted, Waiting, limit_of
+from .wakeups import WakeUps, wake_ups_for
+
+logger = logging.getLogger("celery_semaphore")
+
+
+class Asker(Protocol):
+    """What the wait asks of a semaphore: one try, and giving up its place."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def limit(self) -> int: ...
+
+    def _try(self, ask: Ask) -> Attempt: ...
+
+    def _wait(self, ask: Ask, timeout: float | None) -> Attempt: ...
+
+    def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool: ...
+
+
+class WakeChannel:
+    """This process's wake-up listener for a client, and a semaphore's channel on it. Looked up
+    once per process: a fork makes a new listener with a new channel."""
+
+    __slots__ = ("_cached", "_channel_of", "_client")
+
+    def __init__(self, client: object, channel_of: Callable[[str], str]) -> None:
+        self._client = client
+        self._channel_of = channel_of
+        self._cached: tuple[int, WakeUps, str] | None = None
+
+    def get(self) -> tuple[WakeUps, str]:
+        pid = os.getpid()
+        cached = self._cached
+        if cached is None or cached[0] != pid:
+            wake_ups = wake_ups_for(self._client)
+            cached = self._cached = (pid, wake_ups, self._channel_of(wake_ups.process_id))
+        return cached[1], cached[2]
+
+
+def wait_for_turn(semaphore: Asker, wake_ups: WakeUps, ask: Ask, *, timeout: float | None, pause: float) -> Attempt:
+    """The loop of a semaphore's ``_wait``: try; while refused, sleep until this process's
+    listener says the waiter was told (or ``pause`` seconds pass, the keep-alive that also claims
+    an offer whose wake-up was lost), then try again; until granted, a Duplicate, or ``timeout``.
+    ``ask.wake`` is this process's channel.
+
+    The first try registers nothing with the listener: an uncontended acquire is one round trip
+    and nothing more. Only a refused waiter registers; an offer told between its refusal and its
+    registration is kept by the listener meanwhile (``WakeUps.signal`` hands it over)."""
+    started = time.monotonic()
+    with wake_ups.gate:  # blocked threads never take the whole connection pool
+        attempt = semaphore._try(ask)
+    if not isinstance(attempt, Waiting):
+        return attempt
+    ticket = ask.ticket
+    with wake_ups.signal(ask.wake, ask.waiter) as signal:
+        subscribed = signal.ready()
+        while True:
+            if attempt.ticket is not None:
+                ticket = attempt.ticket  # if the place ever lapses, come back to it
+            waited = time.monotonic() - started
+            if timeout is not None and waited >= timeout:
+                return attempt
+            wait = pause if timeout is None else min(pause, timeout - waited)
+            if subscribed:
+                signal.event.wait(wait)  # takes the flag down: a wake-up from here on is kept
+            else:
+                # A wake-up published before the subscription was confirmed is lost: ask
+                # again as soon as it is, to claim an offer made meanwhile.
+                subscribed = signal.subscribe(wait)
+                signal.event.clear()
+            with wake_ups.gate:
+                attempt = semaphore._try(replace(ask, ticket=ticket, fresh=False))
+            if not isinstance(attempt, Waiting):
+                return attempt
+
+
+def wait_or_give_up(semaphore: Asker, ask: Ask, *, timeout: float | None, started: float) -> Granted:
+    """The blocking part of ``acquire(timeout)`` of either semaphore class: wait for a slot under
+    a fresh waiter id; if the time runs out, or anything interrupts the wait, give the place in
+    line up at once, so the waiters behind move up."""
+    try:
+        attempt = semaphore._wait(ask, timeout)
+    except BaseException:
+        leave_quietly(semaphore, ask.waiter)
+        raise
+    if isinstance(attempt, Granted):
+        return attempt
+    leave_quietly(semaphore, ask.waiter)
+    raise SemaphoreUnavailable(semaphore.name, limit_of(attempt, semaphore.limit), time.monotonic() - started)
+
+
+def leave_quietly(semaphore: Asker, waiter: str) -> None:
+    """Give the place in line up, or say why not: a place not given up lapses by itself after
+    ``patience``, so this never raises."""
+    try:
+        semaphore._leave(waiter, None, "")
+    except SemaphoreError as error:
+        logger.warning("could not leave the line of %r (the place lapses by itself): %s", semaphore.name, error)
