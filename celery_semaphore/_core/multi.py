@@ -36,7 +36,7 @@ from redis.crc import key_slot
 
 from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
 from . import renewer
-from .scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys
+from .scripts import SemaphoreKeys
 from .semaphore import (
     Attempt,
     Duplicate,
@@ -50,6 +50,17 @@ from .semaphore import (
     new_token,
     wait_for_turn,
     wait_or_give_up,
+)
+from .storage import (
+    GRANTED,
+    RAN,
+    RENEW_LOST,
+    RUNNING,
+    TOO_HEAVY,
+    WAIT,
+    is_weighted_waiter,
+    weighted_token,
+    weighted_waiter,
 )
 from .validation import check_limit, check_seconds, to_ms
 
@@ -126,12 +137,12 @@ class MultiSemaphore:
     def waiter_id(self, unique: str | None = None) -> str:
         """The id a waiter of this weight stands in line under: "*<weight>*<unique>" (the lines
         read the weight from it)."""
-        return f"*{self.weight}*{unique or new_token()}"
+        return weighted_waiter(self.weight, unique or new_token())
 
     def token_for(self, token: str | None = None) -> str:
         """A holder token of this weight: a weight w > 1 is written in it ("...*<w>")."""
         token = new_token() if token is None else token
-        return token + f"*{self.weight}" if self.weight > 1 and not token.endswith(f"*{self.weight}") else token
+        return weighted_token(token, self.weight)
 
     # -- acquiring -------------------------------------------------------------------------
 
@@ -180,7 +191,7 @@ class MultiSemaphore:
         token = self.token_for(token)
         if waiter is None:
             waiter, enqueue = self.waiter_id(), False
-        elif not waiter.startswith(f"*{self.weight}*"):
+        elif not is_weighted_waiter(waiter, self.weight):
             waiter = self.waiter_id(waiter)
         label = default_label() if label is None else label
         patience_ms = self._patience_ms if patience is None else to_ms(check_seconds("patience", patience))
@@ -210,7 +221,7 @@ class MultiSemaphore:
     def leave(self, waiter: str, *, away_for: float | None = None, wake: str = "") -> bool:
         """Step out of every line at once, so those behind move up. True if it was in one.
         ``away_for``/``wake``: step away, or park, as ``FairSemaphore.leave``."""
-        if not waiter.startswith(f"*{self.weight}*"):
+        if not is_weighted_waiter(waiter, self.weight):
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with self.semaphores[0]._redis_errors("leave"):
@@ -233,7 +244,7 @@ class MultiSemaphore:
                                               remember_ms=remember_ms)
 
     def renew(self, token: str) -> bool:
-        return self.renew_many([(token, "")], reclaim=False)[0] != renewer.RENEW_LOST
+        return self.renew_many([(token, "")], reclaim=False)[0] != RENEW_LOST
 
     def renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         with self.semaphores[0]._redis_errors("renew"):

@@ -35,7 +35,8 @@ import redis.cluster
 
 from ..errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import renewer
-from .scripts import (
+from .scripts import Scripts, SemaphoreKeys, scripts_for
+from .storage import (
     CLAIMED,
     GRANTED,
     OFFERED,
@@ -44,9 +45,10 @@ from .scripts import (
     RENEW_LOST,
     RUNNING,
     WAIT,
-    Scripts,
-    SemaphoreKeys,
-    scripts_for,
+    is_extra_slot,
+    is_offer,
+    slot_members,
+    token_prefix_pattern,
 )
 from .validation import (
     check_limit,
@@ -492,12 +494,12 @@ class FairSemaphore:
         random part of its token: ``rest`` keeps a task id that is the start of another one
         ("job:1" and "job:1:x") from releasing the other task's slots. Several round trips: for
         that rare path only."""
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
+        pattern = token_prefix_pattern(prefix)
         with self._redis_errors("release"):
             tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
         return sum(self.release(token) for token in tokens
-                   if not token.startswith("!") and (rest is None or rest.fullmatch(token[len(prefix):])))
+                   if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix):])))
 
     def renew(self, token: str) -> bool:
         """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""
@@ -526,7 +528,7 @@ class FairSemaphore:
             reply = self._scripts.status(self.keys, listed=max(0, int(listed)))
         now = reply.now_ms
         # a weighted holder's extra slots ("<token>#2".."<token>#w") show as its weight
-        weights = {holder.token: len(_slot_members(holder.token)) for holder in reply.holders}
+        weights = {holder.token: len(slot_members(holder.token)) for holder in reply.holders}
         holders = [
             HolderInfo(
                 token=holder.token,
@@ -536,7 +538,7 @@ class FairSemaphore:
                 weight=weights[holder.token],
             )
             for holder in reply.holders
-            if not _EXTRA_SLOT.match(holder.token)
+            if not is_extra_slot(holder.token)
         ]
         waiters = [
             WaiterInfo(
@@ -652,18 +654,6 @@ class _RedisErrors:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         if error is not None and isinstance(error, _REDIS_ERRORS):
             raise translate(error, self.name, self.operation) from error
-
-
-# "<token>*<w>" holds w slots: the token and "<token>#2" .. "<token>#w" (lua/_lib.lua, slot_members)
-_WEIGHT = re.compile(r".*\*(\d+)$")
-_EXTRA_SLOT = re.compile(r".*\*\d+#\d+$")
-
-
-def _slot_members(token: str) -> list[str]:
-    match = _WEIGHT.match(token)
-    weight = int(match.group(1)) if match else 1
-    return [token] + [f"{token}#{k}" for k in range(2, weight + 1)]
-
 
 
 def wait_for_turn(
