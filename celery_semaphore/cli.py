@@ -25,8 +25,9 @@ from typing import Any
 
 import click
 
-from ._celery.catalogue import Catalogue, glob_escape
+from ._celery.catalogue import Catalogue
 from ._core.status import HolderInfo, SemaphoreStatus, WaiterInfo
+from ._core.storage import glob_escape
 from ._core.validation import check_seconds
 from .errors import ConfigurationError, SemaphoreError
 

@@ -20,7 +20,8 @@ import redis.cluster
 
 from celery_semaphore import FairSemaphore, Lease
 from celery_semaphore._core.pubsub import ShardedSubscription
-from celery_semaphore._core.wakeups import SHARDED_MARK, wake_ups_for
+from celery_semaphore._core.storage import SHARDED_MARK
+from celery_semaphore._core.wakeups import wake_ups_for
 
 from .redis_server import RedisClusterSet, RedisServer, binary_version
 from .waiting import wait_until

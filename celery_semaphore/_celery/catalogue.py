@@ -21,6 +21,7 @@ from .._core.clients import client_for
 from .._core.keys import call_key, is_fixed, literal_length, template_pattern
 from .._core.multi import MultiSemaphore
 from .._core.semaphore import FairSemaphore
+from .._core.storage import glob_escape
 from ..errors import ConfigurationError, SemaphoreError
 from .config import LimitRule, SemaphoreConfig, config_for
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
@@ -191,11 +192,6 @@ class Catalogue:
         """The keys found in Redis plus the fixed keys of the app's tasks, sorted."""
         fixed = {key for key in self.fixed if match is None or fnmatch.fnmatchcase(key, match)}
         return sorted(self.scan(match) | fixed)
-
-
-def glob_escape(text: str) -> str:
-    """Escape Redis glob specials, so a prefix is matched literally by SCAN MATCH."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def semaphore_for(app: Any, key: str) -> FairSemaphore:

@@ -28,7 +28,6 @@ swept here.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -43,6 +42,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 from .._core.multi import MultiSemaphore
 from .._core.scripts import SemaphoreKeys, scripts_for
 from .._core.semaphore import FairSemaphore, on_unheard
+from .._core.storage import ParkedRecord, parked_line, read_parked_line
 from .._core.wakeups import WakeHandle, wake_ups_for
 
 logger = logging.getLogger("celery_semaphore")
@@ -85,7 +85,7 @@ def _line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
     """The member naming a parked waiter's line for the ticks: its keys and its default limit (a
     MultiSemaphore parks on its first semaphore)."""
     first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
-    return json.dumps([first.keys.base, first.limit])
+    return parked_line(first.keys.base, first.limit)
 
 
 def serialized(wake_copy: Any) -> bytes | None:
@@ -254,7 +254,7 @@ class Parking:
                 continue
             for record, copy in claimed:
                 try:
-                    deadlines, runs, waiter, run, name = json.loads(record)
+                    deadlines, runs, waiter, run, name = ParkedRecord.read(record)
                     if not copy:
                         continue
                     state = wait_state(target.client, deadlines, runs, waiter, run)
@@ -289,9 +289,9 @@ class Parking:
                 continue
             for line in lines:
                 try:
-                    base, limit = json.loads(line)
+                    base, limit = read_parked_line(line)
                     keys = SemaphoreKeys.of_base(base)
-                    unheard = scripts.tick(keys, default_limit=int(limit))
+                    unheard = scripts.tick(keys, default_limit=limit)
                 except Exception as error:
                     logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
                     continue
@@ -327,7 +327,7 @@ class Parking:
                 logger.warning("could not wake a task that did not hear its turn (%s): its backstop copy is its "
                                "way back", error)
                 continue
-            self._send(wake_copy, json.loads(record)[4])
+            self._send(wake_copy, ParkedRecord.read(record).name)
 
     def _send_parked_here(self, deadlines_key: str, waiter: str) -> None:
         with self._lock:
@@ -368,7 +368,7 @@ class Parking:
 
 def _record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> str:
     """A wait's record name: all a sweep needs to tell whether some copy of it asked."""
-    return json.dumps([semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name])
+    return ParkedRecord(semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name).text()
 
 
 def _sent_again(name: str) -> None:

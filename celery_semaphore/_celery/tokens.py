@@ -15,6 +15,7 @@ import socket
 from typing import Any
 
 from .._core.attempts import new_token
+from .._core.storage import OFFER_MARK, WEIGHT_MARK
 
 
 def task_key(task_id: Any) -> str:
@@ -22,7 +23,7 @@ def task_key(task_id: Any) -> str:
     would read as the marks of an offer or of a weighted waiter: those (and "~", so that no two
     ids meet) get a "~" in front."""
     text = str(task_id)
-    return "~" + text if text[:1] in ("!", "*", "~") else text
+    return "~" + text if text[:1] in (OFFER_MARK, WEIGHT_MARK, "~") else text
 
 
 # A task's holder token is "<task key>:<host><pid><random>" (8, 8 and 16 hex digits; a weight
@@ -39,4 +40,4 @@ def process_token() -> str:
 
 def token_rest_of(pid: int) -> re.Pattern[str]:
     """What follows "<task key>:" in the tokens of process ``pid`` of this host."""
-    return re.compile(rf"{_HOST_PART}{pid & 0xFFFFFFFF:08x}[0-9a-f]{{16}}(\*\d+)?")
+    return re.compile(rf"{_HOST_PART}{pid & 0xFFFFFFFF:08x}[0-9a-f]{{16}}({re.escape(WEIGHT_MARK)}\d+)?")

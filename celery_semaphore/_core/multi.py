@@ -40,8 +40,19 @@ from . import renewer
 from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
 from .lease import Lease
 from .redis_errors import RedisErrors
-from .scripts import GRANTED, RAN, RUNNING, TOO_HEAVY, WAIT, SemaphoreKeys, scripts_for
+from .scripts import SemaphoreKeys, scripts_for
 from .semaphore import FairSemaphore
+from .storage import (
+    GRANTED,
+    RAN,
+    RENEW_LOST,
+    RUNNING,
+    TOO_HEAVY,
+    WAIT,
+    is_weighted_waiter,
+    weighted_token,
+    weighted_waiter,
+)
 from .validation import check_limit, check_seconds, to_ms
 from .waiting import WakeChannel, wait_for_turn, wait_or_give_up
 
@@ -122,12 +133,12 @@ class MultiSemaphore:
     def waiter_id(self, unique: str | None = None) -> str:
         """The id a waiter of this weight stands in line under: "*<weight>*<unique>" (the lines
         read the weight from it)."""
-        return f"*{self.weight}*{unique or new_token()}"
+        return weighted_waiter(self.weight, unique or new_token())
 
     def token_for(self, token: str | None = None) -> str:
         """A holder token of this weight: a weight w > 1 is written in it ("...*<w>")."""
         token = new_token() if token is None else token
-        return token + f"*{self.weight}" if self.weight > 1 and not token.endswith(f"*{self.weight}") else token
+        return weighted_token(token, self.weight)
 
     # -- acquiring -------------------------------------------------------------------------
 
@@ -174,14 +185,14 @@ class MultiSemaphore:
         return self._release(token, None, 0)
 
     def renew(self, token: str) -> bool:
-        return self._renew_many([(token, "")], reclaim=False)[0] != renewer.RENEW_LOST
+        return self._renew_many([(token, "")], reclaim=False)[0] != RENEW_LOST
 
     # -- the private protocol (the Celery glue, the renewer and the wait) -------------------
 
     def _try(self, ask: Ask) -> Attempt:
         """One try with everything a re-sent Celery task carries (see ``Ask``); Duplicate too."""
         token = self.token_for(ask.token)
-        waiter = ask.waiter if ask.waiter.startswith(f"*{self.weight}*") else self.waiter_id(ask.waiter)
+        waiter = ask.waiter if is_weighted_waiter(ask.waiter, self.weight) else self.waiter_id(ask.waiter)
         label = default_label() if ask.label is None else ask.label
         patience_ms = self._patience_ms if ask.patience is None else to_ms(check_seconds("patience", ask.patience))
         remember_ms = 0
@@ -217,7 +228,7 @@ class MultiSemaphore:
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
         """``leave``; with ``away_for`` and ``wake``, park, as ``FairSemaphore._leave``."""
-        if not waiter.startswith(f"*{self.weight}*"):
+        if not is_weighted_waiter(waiter, self.weight):
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):

@@ -36,14 +36,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SemaphoreError
-from .scripts import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
+from .storage import RENEW_LOST, RENEW_REGISTERED_AGAIN, RENEW_RENEWED
 
 if TYPE_CHECKING:
     from .lease import Lease, SlotOwner
 
 logger = logging.getLogger("celery_semaphore")
 
-__all__ = ["RENEW_LOST", "RENEW_REGISTERED_AGAIN", "RENEW_RENEWED", "add_listener", "cycle_lock", "forget", "track"]
+__all__ = ["add_listener", "cycle_lock", "forget", "track"]
 
 # After a failed renewal (Redis unreachable), try again this soon rather than a third of a lease.
 RETRY_AFTER_ERROR = 0.5

@@ -10,6 +10,7 @@ The contract of each script (its KEYS, its ARGV, its reply) is written once in t
 ``.lua`` file and once here, as a function with keyword-only arguments and a named result: a call
 site cannot pass two arguments in the wrong order, and nobody unpacks a reply by position outside
 this module. Milliseconds appear here and in Lua only; callers speak seconds (see validation.to_ms).
+The codes in the replies, and the marks inside what the scripts store, are ``storage``'s.
 """
 
 from __future__ import annotations
@@ -24,18 +25,11 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from .storage import CLAIMED, GRANTED, INFO_SEPARATOR, RAN, TOO_HEAVY, parked_waiter_entry, wake_address
+
 _NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset",
           "acquire_many", "release_many", "renew_many", "leave_many", "park", "claim_parked",
           "claim_parked_waiter", "tick", "lines_to_tick", "remember_wait")
-
-# acquire outcomes
-GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
-# renew codes, one per token
-RENEW_LOST, RENEW_RENEWED, RENEW_REGISTERED_AGAIN = 0, 1, 2
-# waiter states in a status listing
-AWAY, PRESENT, OFFERED = 0, 1, 2
-# acquire_many: the weight is above a limit in force (the try would wait forever)
-TOO_HEAVY = 5
 
 
 # In lua/_lib.lua, the line that ends the helpers of the uncontended paths; in a script, where
@@ -119,9 +113,9 @@ class SemaphoreKeys:
     def wake_channel(self, process_id: str) -> str:
         """The channel a process's waiters on this semaphore are told on: inside the hash tag,
         so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster. A sharded
-        listener's ``process_id`` starts with ``_wakeups.SHARDED_MARK``, which makes this an
+        listener's ``process_id`` starts with ``storage.SHARDED_MARK``, which makes this an
         address the scripts SPUBLISH on (lua/_lib.lua, notify)."""
-        return f"{self.base}:wake:{process_id}"
+        return wake_address(self.base, process_id)
 
 
 _KEY_NAMES = ("holders", "holder_info", "queue", "present", "deadlines", "waiter_info", "ticket", "limit", "runs",
@@ -302,7 +296,7 @@ class Scripts:
         )
         listed_holders = []
         for i in range(0, len(holders), 3):
-            granted, _, label = _text(holders[i + 2]).partition("|")
+            granted, _, label = _text(holders[i + 2]).partition(INFO_SEPARATOR)
             listed_holders.append(
                 ListedHolder(
                     token=_text(holders[i]),
@@ -418,7 +412,7 @@ class Scripts:
     def claim_parked_waiter(self, keys: list[bytes], *, deadlines_key: str, waiter: str) -> tuple[str, bytes] | None:
         """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
         this caller alone; None when it has none (or another caller took it)."""
-        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[f"{deadlines_key}\n{waiter}"])
+        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter)])
         return (_text(reply[0]), bytes(reply[1])) if reply else None
 
     def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:

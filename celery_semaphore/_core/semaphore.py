@@ -35,7 +35,9 @@ from . import renewer
 from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
-from .scripts import (
+from .scripts import Scripts, SemaphoreKeys, scripts_for
+from .status import STATUS_LISTING_LIMIT, HolderInfo, SemaphoreStatus, WaiterInfo
+from .storage import (
     CLAIMED,
     GRANTED,
     OFFERED,
@@ -44,11 +46,11 @@ from .scripts import (
     RENEW_LOST,
     RUNNING,
     WAIT,
-    Scripts,
-    SemaphoreKeys,
-    scripts_for,
+    is_extra_slot,
+    is_offer,
+    slot_members,
+    token_prefix_pattern,
 )
-from .status import STATUS_LISTING_LIMIT, HolderInfo, SemaphoreStatus, WaiterInfo
 from .validation import (
     check_limit,
     check_name,
@@ -306,12 +308,12 @@ class FairSemaphore:
         random part of its token: ``rest`` keeps a task id that is the start of another one
         ("job:1" and "job:1:x") from releasing the other task's slots. Several round trips: for
         that rare path only."""
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
+        pattern = token_prefix_pattern(prefix)
         with RedisErrors(self.name, "release"):
             tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
         return sum(self._release(token, None, 0) for token in tokens
-                   if not token.startswith("!") and (rest is None or rest.fullmatch(token[len(prefix):])))
+                   if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix):])))
 
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         """Renew several (token, label) holders in one round trip; one RENEW_* code each.
@@ -336,7 +338,7 @@ class FairSemaphore:
             reply = self._scripts.status(self.keys, listed=max(0, int(listed)))
         now = reply.now_ms
         # a weighted holder's extra slots ("<token>#2".."<token>#w") show as its weight
-        weights = {holder.token: len(_slot_members(holder.token)) for holder in reply.holders}
+        weights = {holder.token: len(slot_members(holder.token)) for holder in reply.holders}
         holders = [
             HolderInfo(
                 token=holder.token,
@@ -346,7 +348,7 @@ class FairSemaphore:
                 weight=weights[holder.token],
             )
             for holder in reply.holders
-            if not _EXTRA_SLOT.match(holder.token)
+            if not is_extra_slot(holder.token)
         ]
         waiters = [
             WaiterInfo(
@@ -397,17 +399,6 @@ class FairSemaphore:
         notice at their next keep-alive ask (``patience / 3``) and come back by their ticket."""
         with RedisErrors(self.name, "reset"):
             self._scripts.reset(self.keys)
-
-
-# "<token>*<w>" holds w slots: the token and "<token>#2" .. "<token>#w" (lua/_lib.lua, slot_members)
-_WEIGHT = re.compile(r".*\*(\d+)$")
-_EXTRA_SLOT = re.compile(r".*\*\d+#\d+$")
-
-
-def _slot_members(token: str) -> list[str]:
-    match = _WEIGHT.match(token)
-    weight = int(match.group(1)) if match else 1
-    return [token] + [f"{token}#{k}" for k in range(2, weight + 1)]
 
 
 

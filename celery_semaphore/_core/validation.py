@@ -7,10 +7,10 @@ the same mistake reads the same wherever it is made.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from ..errors import ConfigurationError
+from .storage import OFFER_MARK, WEIGHT_MARK, ends_in_weight_mark
 
 
 def check_limit(setting: str, value: Any) -> int:
@@ -73,9 +73,9 @@ def check_token(setting: str, value: Any) -> str:
     waiter in the holders set (a token like that could claim somebody else's offer), and not
     ending in "*<digits>", which marks a weighted holder's slots."""
     check_name(setting, value)
-    if value.startswith("!"):
+    if value.startswith(OFFER_MARK):
         raise ConfigurationError(setting, value, "a holder token must not start with '!'")
-    if "*" in value and re.search(r"\*\d+$", value):  # (every blocked try checks its token)
+    if ends_in_weight_mark(value):
         raise ConfigurationError(setting, value, "a holder token must not end in '*<digits>'")
     return str(value)
 
@@ -85,6 +85,6 @@ def check_waiter(setting: str, value: Any) -> str:
     semaphores with its weight (``*<w>*<id>``): a plain waiter like that would never be offered
     a slot, and would hold up the line behind it for as long as it asked."""
     check_name(setting, value)
-    if value.startswith("*"):
+    if value.startswith(WEIGHT_MARK):
         raise ConfigurationError(setting, value, "a waiter id must not start with '*'")
     return str(value)

@@ -66,6 +66,7 @@ import redis
 import redis.cluster
 
 from .pubsub import ShardedSubscription, Subscription, _text, uses_sharded_pubsub
+from .storage import CLUSTER_MARK, SHARDED_MARK
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -80,13 +81,6 @@ RECONNECT_AFTER_S = 0.5
 RECONNECT_MAX_S = 5.0
 # A payload waiters never have (waiter ids are never empty): "check your subscriptions".
 _POKE = b""
-# In front of the process id in the channel names of a sharded listener: its wake addresses end
-# in ":wake:s.<id>", and the scripts SPUBLISH on those (lua/_lib.lua, notify).
-SHARDED_MARK = "s."
-# In front of the process id of a listener on a cluster without sharded pub/sub: PUBLISH in a
-# script there counts the subscribers of one node only, so the scripts never judge a wake-up on
-# such an address unheard (lua/_lib.lua, notify). Everywhere else the count is exact.
-CLUSTER_MARK = "c."
 # A wake-up naming a waiter that has not registered (yet) is kept this long, at most
 # UNCLAIMED_MAX of them: its waiter was refused a moment ago and is registering now. (An offer
 # waits 2 s for its claim, lua/_lib.lua CLAIM_MS: one kept longer could not be claimed anyway.)

@@ -26,13 +26,13 @@
 --   ARGV[4..7] may be left out when empty (read as ""); KEYS[9..10] are passed only with a run
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
--- Returns, when granted, the bare integer outcome (1 or 2: the common answer stays short to parse);
--- for a duplicate run, {3, lease_ms} (its other copy holds the slot now, its lease lasting
--- lease_ms more unless renewed) or 4 (the run finished);
--- when refused, {outcome, position, free, limit, hold, ticket, turn, unheard...}:
---   outcome  1 = granted: the slot is held under token (also when token already held it, so
---            a resend by redis-py after a connection error is harmless); 2 = granted by
---            claiming the offer a release made to this waiter; 0 = wait
+-- Returns (the codes are named in _lib.lua), when granted, the bare integer outcome (GRANTED or
+-- CLAIMED: the common answer stays short to parse); for a duplicate run, {RUNNING, lease_ms} (its
+-- other copy holds the slot now, its lease lasting lease_ms more unless renewed) or RAN (the run
+-- finished); when refused, {WAIT, position, free, limit, hold, ticket, turn, unheard...}:
+--   outcome  GRANTED: the slot is held under token (also when token already held it, so a
+--            resend by redis-py after a connection error is harmless); CLAIMED: granted by
+--            claiming the offer a release made to this waiter; WAIT: refused
 --   position the waiter's 0-based place in line, away waiters included (0 when granted)
 --   free     free slots after this call (offers count as taken)
 --   limit    the limit in force (override or the settings' limit)
@@ -41,7 +41,6 @@
 --   turn     the waiter's 0-based place among present waiters: slots are offered by this
 --   unheard  the waiters this try offered a slot to whose wake-up nobody heard (see notify)
 
-local GRANTED, CLAIMED, WAIT, RUNNING, RAN = 1, 2, 0, 3, 4
 local token, waiter = ARGV[1], ARGV[2]
 local default_limit, lease_ms, patience_ms, enqueue, fresh, label =
   string.match(ARGV[3], '^(%d+)|(%d+)|(%d+)|([01])([01])|(.*)$')
@@ -81,7 +80,7 @@ end
 
 -- @rest-of-lib
 
-if not fresh and redis.call('ZREM', K_HOLDERS, '!' .. waiter) == 1 then
+if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
   -- a release offered this waiter a slot: take it (the entry counted already, so nothing
   -- else needs looking at: the woken waiter's one round trip stays short)
   hold(token, now, lease_ms, label, false)
@@ -98,7 +97,7 @@ if redis.call('ZSCORE', K_HOLDERS, token) then
 end
 
 local size = redis.call('ZCARD', K_HOLDERS)
-local average = tonumber(redis.call('HGET', K_WAITER_INFO, 'hold')) or -1
+local average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1
 
 if not enqueue then
   local left, _, offered = hand_off(now, limit, nil)
@@ -114,10 +113,10 @@ local ticket = redis.call('ZSCORE', K_QUEUE, waiter)
 if ticket then
   ticket = tonumber(ticket)
   if wake ~= '' then
-    local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+    local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
     local first, address = string.match(info, '^(%d*)|(.*)$')
     if address ~= wake then
-      redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (first or now) .. '|' .. wake)
+      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, (first or now) .. INFO_SEPARATOR .. wake)
     end
   end
 else
@@ -126,7 +125,7 @@ else
     ticket = new_ticket(now)
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
-  redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, now .. '|' .. wake)
+  redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
 end
 redis.call('ZADD', K_PRESENT, ticket, waiter)
 redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)

@@ -19,7 +19,7 @@
 --   ARGV[10+n] run       "" or the run id of this copy of a wait (see acquire.lua): then
 --                        KEYS[8n+1] and KEYS[8n+2] are the run records (runs, run_expiry) of
 --                        the first semaphore, and a copy of a run granted or finished within
---                        ARGV[11+n] ms is answered 3 (running) or 4 (ran)
+--                        ARGV[11+n] ms is answered RUNNING or RAN
 --   ARGV[11+n] remember_ms
 -- One ticket for all lines: every line orders its waiters by (ticket, waiter id), so any two
 -- waiters stand in the same order in every line they share, and nobody waits for someone who
@@ -27,14 +27,13 @@
 -- its w slots of every semaphore in the one script that finds it at the head of every line
 -- (nobody present ahead of it) with w slots free in each. Until then the lines it heads wait
 -- for it: strict first-ask order per semaphore, so a heavy waiter is never starved by light ones.
--- Returns the bare integer 1 when granted (also for a repeat of a granted token); when refused
--- {0, position, free, limit, blocking, ticket}: the most waiters ahead of it in any line, the
+-- Returns (the codes are named in _lib.lua) the bare integer GRANTED when granted (also for a
+-- repeat of a granted token); when refused {WAIT, position, free, limit, blocking, ticket}: the most waiters ahead of it in any line, the
 -- fewest free slots of any semaphore, that semaphore's limit, the 0-based index of the first
 -- semaphore that holds it back, and the ticket as a decimal string ("" if not queued);
--- {5, index, limit} when w is above the limit in force of semaphore <index> (0-based): such a
+-- {TOO_HEAVY, index, limit} when w is above the limit in force of semaphore <index> (0-based): such a
 -- try would wait forever, so it is refused and the waiter leaves every line.
 
-local GRANTED, WAIT, RUNNING, RAN, TOO_HEAVY = 1, 0, 3, 4, 5
 local token, waiter = ARGV[1], ARGV[2]
 local lease_ms, patience_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 local enqueue, fresh, label, wake = ARGV[5] ~= '0', ARGV[5] ~= '1', ARGV[6], ARGV[8]
@@ -77,7 +76,7 @@ local function hold_everywhere(sizes)
   for i = 1, n do
     use_semaphore(i)
     hold_all(i, now + lease_ms, sizes[i] == 0)
-    redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+    redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. label)
     extend(K_HOLDER_INFO, lease_ms + GRACE_MS, sizes[i] == 0)
   end
 end
@@ -158,13 +157,14 @@ for i = 1, n do
   if enqueue then
     if not redis.call('ZSCORE', K_QUEUE, waiter) then
       redis.call('ZADD', K_QUEUE, ticket, waiter)
-      redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, now .. '|' .. wake)
+      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
     elseif wake ~= '' then
       -- another process (a re-sent copy) may ask now: tell it, not the one that asked before
-      local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+      local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
       local first, address = string.match(info, '^(%d*)|(.*)$')
       if address ~= wake then
-        redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (first ~= '' and first or now) .. '|' .. wake)
+        redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
+                   (first ~= '' and first or now) .. INFO_SEPARATOR .. wake)
       end
     end
     redis.call('ZADD', K_PRESENT, ticket, waiter)
@@ -186,7 +186,7 @@ if fits and position == 0 then
       drop_waiter(waiter)
     end
     hold_all(i, now + lease_ms, sizes[i] == 0)
-    redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+    redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. label)
     extend(K_HOLDER_INFO, lease_ms + GRACE_MS, sizes[i] == 0)
     -- this waiter headed the line: slots it left free go on to those behind it
     if enqueue and redis.call('ZCARD', K_PRESENT) > 0 then

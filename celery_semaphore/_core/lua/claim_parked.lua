@@ -15,7 +15,8 @@ for _, record in ipairs(due) do
   claimed[#claimed + 1] = record
   claimed[#claimed + 1] = redis.call('HGET', KEYS[2], record) or ''
   local ok, fields = pcall(cjson.decode, record)
-  local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3] and (fields[1] .. '\n' .. fields[3])
+  local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3]
+    and (fields[1] .. RECORD_SEPARATOR .. fields[3])
   if by_waiter and redis.call('HGET', KEYS[3], by_waiter) == record then
     redis.call('HDEL', KEYS[3], by_waiter)
   end

@@ -20,10 +20,11 @@ local in_line = redis.call('ZSCORE', K_QUEUE, waiter)
 local now
 if away_ms and in_line and wake ~= '' then
   now = now_ms()
-  local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
-  redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (string.match(info, '^(%d+)') or now) .. '|' .. wake)
+  local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
+  redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
+             (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. wake)
   redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
-  if redis.call('ZSCORE', K_HOLDERS, '!' .. waiter) then
+  if redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. waiter) then
     -- offered already (between its refusal and this park), told where nobody listened: the
     -- caller, the parking process itself, sends its wake copy now, in the same call (a pool
     -- process recycled after this task would not live to hear a publish)
@@ -35,7 +36,7 @@ if away_ms and in_line and wake ~= '' then
   extend_line(away_ms + GRACE_MS)
   return {1, unpack(unheard)}
 end
-local had_offer = redis.call('ZREM', K_HOLDERS, '!' .. waiter)
+local had_offer = redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter)
 if away_ms and in_line then
   now = now_ms()
   redis.call('ZREM', K_PRESENT, waiter)

@@ -23,8 +23,9 @@ for i = 1, n do
     was_in_line = 1
     redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
     if wake ~= '' then
-      local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
-      redis.call('HSET', K_WAITER_INFO, 'w:' .. waiter, (string.match(info, '^(%d+)') or now) .. '|' .. wake)
+      local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
+      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
+                 (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. wake)
       redis.call('ZADD', K_PRESENT, ticket, waiter)
     else
       redis.call('ZREM', K_PRESENT, waiter)

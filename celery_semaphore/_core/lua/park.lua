@@ -21,7 +21,8 @@
 
 local record, copy = ARGV[1], ARGV[3]
 local ok, fields = pcall(cjson.decode, record)
-local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3] and (fields[1] .. '\n' .. fields[3])
+local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3]
+  and (fields[1] .. RECORD_SEPARATOR .. fields[3])
 if copy == '' then
   redis.call('ZREM', KEYS[1], record)
   redis.call('HDEL', KEYS[2], record)

@@ -25,23 +25,23 @@ if redis.call('ZREM', K_HOLDERS, token) == 0 then
   return 0
 end
 if redis.call('EXISTS', K_WAITER_INFO) == 0 then
-  redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
+  redis.call('HDEL', K_HOLDER_INFO, HOLDER_FIELD .. token)
   return 1
 end
 
 -- @rest-of-lib
 local now = now_ms()
-local info = redis.call('HGET', K_HOLDER_INFO, 'h:' .. token)
-redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
+local info = redis.call('HGET', K_HOLDER_INFO, HOLDER_FIELD .. token)
+redis.call('HDEL', K_HOLDER_INFO, HOLDER_FIELD .. token)
 local granted = info and tonumber(string.match(info, '^(%d+)'))
 if granted then
   local held = now - granted
-  local average = tonumber(redis.call('HGET', K_WAITER_INFO, 'hold'))
+  local average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD))
   if average then
     held = math.floor(average * 0.8 + held * 0.2)
   end
   -- KEYS[6] exists and has its expiry: HSET keeps it
-  redis.call('HSET', K_WAITER_INFO, 'hold', held)
+  redis.call('HSET', K_WAITER_INFO, HOLD_FIELD, held)
 end
 if redis.call('ZCARD', K_QUEUE) == 0 then
   forget_line_if_empty()

@@ -26,7 +26,7 @@ for i = 1, n do
   if redis.call('ZREM', K_HOLDERS, unpack(members)) > 0 then
     released = 1
   end
-  redis.call('HDEL', K_HOLDER_INFO, 'h:' .. token)
+  redis.call('HDEL', K_HOLDER_INFO, HOLDER_FIELD .. token)
   if redis.call('EXISTS', K_WAITER_INFO) == 0 then
     -- no line, and no bookkeeping of one: nothing to hand on or forget
   elseif redis.call('ZCARD', K_QUEUE) == 0 then

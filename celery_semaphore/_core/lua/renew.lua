@@ -6,7 +6,8 @@
 --                     during a stall while the holder kept running) is registered again if a
 --                     slot is free; "0": never
 --   ARGV[4], ARGV[5], ... pairs of (token, label)
--- Returns one code per token, in order: 1 renewed, 2 registered again, 0 lost (no free slot).
+-- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN, or RENEW_LOST (no
+-- free slot).
 -- A token still in KEYS[1] counts as held even if its deadline passed and no purge removed it
 -- yet: nobody else was given its slot meanwhile.
 
@@ -22,15 +23,15 @@ for i = 4, #ARGV, 2 do
   local token = ARGV[i]
   if redis.call('ZSCORE', K_HOLDERS, token) then
     redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
-    codes[#codes + 1] = 1
+    codes[#codes + 1] = RENEW_RENEWED
     changed = true
   elseif reclaim and redis.call('ZCARD', K_HOLDERS) < limit then
     redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
-    redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. ARGV[i + 1])
-    codes[#codes + 1] = 2
+    redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. ARGV[i + 1])
+    codes[#codes + 1] = RENEW_REGISTERED_AGAIN
     changed = true
   else
-    codes[#codes + 1] = 0
+    codes[#codes + 1] = RENEW_LOST
   end
 end
 if changed then

@@ -7,7 +7,7 @@
 --   ARGV[3] n         the number of semaphores
 --   ARGV[4..3+n]      each semaphore's limit when no runtime override is stored
 --   then pairs of (token, label)
--- Returns one code per token, in order: 1 renewed, 2 registered again, 0 lost.
+-- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN or RENEW_LOST.
 
 local lease_ms = tonumber(ARGV[1])
 local reclaim = ARGV[2] == '1'
@@ -33,13 +33,13 @@ for p = 4 + n, #ARGV, 2 do
       end
     end
   end
-  local code = 0
+  local code = RENEW_LOST
   if held then
-    code = 1
+    code = RENEW_RENEWED
   elseif reclaim and room then
-    code = 2
+    code = RENEW_REGISTERED_AGAIN
   end
-  if code > 0 then
+  if code ~= RENEW_LOST then
     for i = 1, n do
       use_semaphore(i)
       local entries = {}
@@ -49,8 +49,8 @@ for p = 4 + n, #ARGV, 2 do
       end
       -- GT never shortens a longer lease; a missing entry is added
       redis.call('ZADD', K_HOLDERS, 'GT', unpack(entries))
-      if code == 2 then
-        redis.call('HSET', K_HOLDER_INFO, 'h:' .. token, now .. '|' .. label)
+      if code == RENEW_REGISTERED_AGAIN then
+        redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. label)
       end
       extend(K_HOLDERS, lease_ms + GRACE_MS, false)
       extend(K_HOLDER_INFO, lease_ms + GRACE_MS, false)

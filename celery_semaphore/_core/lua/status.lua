@@ -11,7 +11,7 @@
 --   waiter_count     waiters whose place has not lapsed, present, away or offered
 --   holders  flat list: token, lease deadline ms, "<granted ms>|<label>" (or "")
 --   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms (or ""),
---            state (1 present, 0 away, 2 offered a slot); in line order
+--            state (PRESENT, AWAY, or OFFERED a slot); in line order
 
 local most = tonumber(ARGV[1])
 local now = now_ms()
@@ -23,7 +23,7 @@ if most > 0 then
   for i = 1, #live, 2 do
     holders[#holders + 1] = live[i]
     holders[#holders + 1] = live[i + 1]
-    holders[#holders + 1] = redis.call('HGET', K_HOLDER_INFO, 'h:' .. live[i]) or ''
+    holders[#holders + 1] = redis.call('HGET', K_HOLDER_INFO, HOLDER_FIELD .. live[i]) or ''
   end
 end
 
@@ -36,14 +36,14 @@ if most > 0 then
     local waiter = line[i]
     local must_ask_by = redis.call('ZSCORE', K_DEADLINES, waiter)
     if must_ask_by and tonumber(must_ask_by) > now then
-      local state = 0
-      local offer = any_offer and redis.call('ZSCORE', K_HOLDERS, '!' .. waiter)
+      local state = AWAY
+      local offer = any_offer and redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. waiter)
       if offer and -tonumber(offer) > now then
-        state = 2
+        state = OFFERED
       elseif redis.call('ZSCORE', K_PRESENT, waiter) then
-        state = 1
+        state = PRESENT
       end
-      local info = redis.call('HGET', K_WAITER_INFO, 'w:' .. waiter) or ''
+      local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
       waiters[#waiters + 1] = waiter
       waiters[#waiters + 1] = line[i + 1]
       waiters[#waiters + 1] = must_ask_by

@@ -1,0 +1,282 @@
+"""The scripts and Python agree on the storage format. The codes and marks that ``_core/storage.py``
+holds must be the ones in the storage-format block of ``lua/_lib.lua``, name by name. The scripts
+must use those names, not bare codes or marks, and the Lua patterns must read what the Python
+helpers write. No Redis is needed: this test reads the Lua source as text.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from celery_semaphore._core import scripts, storage
+
+LUA = Path(scripts.__file__).parent / "lua"
+LIB = (LUA / "_lib.lua").read_text(encoding="utf-8")
+SCRIPTS = {path.stem: path.read_text(encoding="utf-8") for path in sorted(LUA.glob("*.lua")) if path.stem != "_lib"}
+BLOCK_MARKER = "-- @storage-format"
+
+# Python's only, and checked through the Lua patterns that contain them (see the pattern tests).
+PYTHON_ONLY = {"WEIGHT_MARK", "SHARDED_MARK", "CLUSTER_MARK"}
+# Scripts whose reply is a yes or no as 1 or 0, not a code (Python reads bool(int(reply))).
+YES_OR_NO_REPLIES = {"release", "leave", "park", "remember_wait"}
+
+_DECLARATION = re.compile(r"local ([A-Z][A-Z0-9_]*) = (\d+|'(?:[^'\\]|\\.)*')")
+
+
+def lua_block() -> dict[str, tuple[int | str, str]]:
+    """The block's constants: name -> (value, the literal as the source spells it)."""
+    after_marker = LIB.split(BLOCK_MARKER, 1)[1]
+    lines = after_marker.split("\n\n", 1)[0].splitlines()[1:]
+    constants: dict[str, tuple[int | str, str]] = {}
+    for line in lines:
+        if line.startswith("--"):
+            continue
+        match = _DECLARATION.fullmatch(line)
+        assert match, f"the storage-format block has one 'local NAME = value' per line, not {line!r}"
+        name, literal = match.groups()
+        assert name not in constants, f"{name} is declared twice"
+        constants[name] = (int(literal) if literal.isdigit() else ast.literal_eval(literal), literal)
+    return constants
+
+
+BLOCK = lua_block()
+PATTERNS = {name for name in BLOCK if name.endswith("_PATTERN")}
+
+
+def code_of(lua: str) -> str:
+    """Lua text without its comments (no string in these scripts holds "--")."""
+    return "\n".join(line.split("--", 1)[0] for line in lua.splitlines())
+
+
+def python_constants() -> dict[str, object]:
+    return {name: value for name, value in vars(storage).items() if name.isupper() and not name.startswith("_")}
+
+
+def lua_pattern(pattern: str) -> re.Pattern[str]:
+    """A Lua pattern as a Python regex, for the items the storage patterns use: ``%`` escapes,
+    ``%d``, one ``[...]`` set, anchors, captures and quantifiers."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "%":
+            i += 1
+            escaped = pattern[i]
+            assert not escaped.isalpha() or escaped == "d", f"class %{escaped} is not translated here"
+            out.append(r"\d" if escaped == "d" else re.escape(escaped))
+        elif char == "[":
+            end = pattern.index("]", i)
+            assert "%" not in pattern[i:end], "a set with escapes is not translated here"
+            out.append(pattern[i:end + 1])
+            i = end
+        elif char == "^" and i == 0:
+            out.append(r"\A")
+        elif char == "$" and i == len(pattern) - 1:
+            out.append(r"\Z")
+        elif char in "()*+?":
+            out.append(char)
+        elif char == "-":
+            out.append("*?")
+        else:
+            out.append("." if char == "." else re.escape(char))
+        i += 1
+    return re.compile("".join(out), re.DOTALL)
+
+
+def lua_match(name: str, text: str) -> str | None:
+    """``string.match(text, <the pattern named name>)``, its first capture (or the whole match)."""
+    pattern = BLOCK[name][0]
+    assert isinstance(pattern, str)
+    found = lua_pattern(pattern).search(text)
+    if found is None:
+        return None
+    return found.group(1) if found.groups() else found.group(0)
+
+
+def redis_glob(pattern: str) -> re.Pattern[str]:
+    """A Redis MATCH pattern (``\\`` escapes, ``*``, ``?``) as a regex, to show what it matches."""
+    out: list[str] = []
+    chars = iter(pattern)
+    for char in chars:
+        if char == "\\":
+            out.append(re.escape(next(chars)))
+        elif char == "*":
+            out.append(".*")
+        elif char == "?":
+            out.append(".")
+        else:
+            assert char not in "[]", "an unescaped set"
+            out.append(re.escape(char))
+    return re.compile("".join(out), re.DOTALL)
+
+
+# -- Lua and Python hold the same values -------------------------------------------------------
+
+
+def test_the_block_is_there_before_any_script_body_runs() -> None:
+    """Every script's fast path may use the names, so the block is in the part of _lib.lua that
+    scripts.script_source puts in front of every body."""
+    assert BLOCK_MARKER in LIB
+    assert LIB.index(BLOCK_MARKER) < LIB.index(scripts.REST_OF_LIB)
+    for name in scripts._NAMES:
+        source = scripts.script_source(name)
+        assert source.index("local GRANTED = ") < source.index(SCRIPTS[name].splitlines()[0])
+
+
+def test_each_lua_constant_has_the_value_storage_gives_it() -> None:
+    python = python_constants()
+    for name, (value, _) in BLOCK.items():
+        if name in PATTERNS:
+            continue
+        assert name in python, f"lua/_lib.lua declares {name}, which _core/storage.py does not have"
+        assert python[name] == value, f"{name}: Lua says {value!r}, Python says {python[name]!r}"
+
+
+def test_each_storage_constant_is_declared_in_lua() -> None:
+    missing = set(python_constants()) - PYTHON_ONLY - set(BLOCK)
+    assert not missing, f"_core/storage.py has {sorted(missing)}, which lua/_lib.lua's block does not declare"
+
+
+def test_no_script_declares_a_storage_name_again() -> None:
+    """A script's own ``local GRANTED = ...`` would hide the block's without a word."""
+    outside_block = LIB.replace(LIB.split(BLOCK_MARKER, 1)[1].split("\n\n", 1)[0], "")
+    for script, text in [("_lib", outside_block), *SCRIPTS.items()]:
+        for name in BLOCK:
+            assert not re.search(rf"^\s*local\b[^=\n]*\b{name}\b", text, flags=re.MULTILINE), (script, name)
+
+
+# -- the scripts use the names ----------------------------------------------------------------
+
+
+def test_no_script_spells_out_a_stored_mark() -> None:
+    """A mark or pattern of the block appears nowhere as a literal but in its declaration."""
+    lib = code_of(LIB)
+    for name, (value, literal) in BLOCK.items():
+        if not isinstance(value, str):
+            continue
+        spellings = {literal, '"' + literal[1:-1] + '"'}
+        assert sum(lib.count(spelling) for spelling in spellings) == 1, f"_lib.lua spells out {name}"
+        for script, text in SCRIPTS.items():
+            assert not any(spelling in code_of(text) for spelling in spellings), f"{script}.lua spells out {name}"
+
+
+# a code as a bare number: answered, stored in a code or state variable, compared with one
+_BARE_CODES = [
+    re.compile(r"\breturn\s*\{?\s*-?\d"),
+    re.compile(r"\b(?:code|state|outcome)\s*(?:==|~=|=|<=|>=|<|>)\s*-?\d"),
+    re.compile(r"\bcodes\[[^\]]*\]\s*=\s*-?\d"),
+    re.compile(r"\bgranted\(\s*-?\d"),
+]
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_script_answers_with_named_codes(script: str) -> None:
+    """Each code of acquire, acquire_many, renew, renew_many and status comes from the block.
+    Only the scripts that answer yes or no (1 or 0) may return a bare number."""
+    text = code_of(SCRIPTS[script])
+    for pattern in _BARE_CODES:
+        if script in YES_OR_NO_REPLIES and pattern.pattern.startswith(r"\breturn"):
+            continue
+        found = pattern.search(text)
+        assert found is None, f"{script}.lua: {found.group(0)!r} is a bare code where the block names one"
+
+
+def test_the_yes_or_no_scripts_answer_only_one_or_zero() -> None:
+    for script in YES_OR_NO_REPLIES:
+        text = code_of(SCRIPTS[script])
+        numbers = set(re.findall(r"\breturn\s*\{?\s*(-?\d+)", text))
+        assert numbers and numbers <= {"0", "1"}, (script, numbers)
+
+
+# -- what Python writes, the scripts read, and the other way round -----------------------------
+
+
+@pytest.mark.parametrize("weight", [2, 3, 12])
+def test_a_weighted_token_round_trip(weight: int) -> None:
+    token = storage.weighted_token("tok", weight)
+    assert token == f"tok*{weight}"
+    assert storage.weighted_token(token, weight) == token  # written once
+    assert lua_match("WEIGHTED_TOKEN_PATTERN", token) == str(weight)
+    assert storage.ends_in_weight_mark(token)
+    members = storage.slot_members(token)
+    # slot_members in lua/_lib.lua: the token, then token .. EXTRA_SLOT_MARK .. k for k = 2..w
+    assert members == [token] + [f"{token}{BLOCK['EXTRA_SLOT_MARK'][0]}{k}" for k in range(2, weight + 1)]
+    assert [storage.is_extra_slot(member) for member in members] == [False] + [True] * (weight - 1)
+
+
+def test_a_token_of_weight_one_carries_no_mark() -> None:
+    assert storage.weighted_token("tok", 1) == "tok"
+    assert storage.slot_members("tok") == ["tok"]
+    assert lua_match("WEIGHTED_TOKEN_PATTERN", "tok") is None
+    assert not storage.ends_in_weight_mark("tok") and not storage.ends_in_weight_mark("a*b")
+    assert not storage.is_extra_slot("tok#2")  # "#" marks a slot only after a weight
+
+
+@pytest.mark.parametrize("weight", [1, 3])
+def test_a_weighted_waiter_round_trip(weight: int) -> None:
+    waiter = storage.weighted_waiter(weight, "abc")
+    assert waiter == f"*{weight}*abc"
+    assert storage.is_weighted_waiter(waiter, weight)
+    assert not storage.is_weighted_waiter(waiter, weight + 1)
+    assert lua_match("WEIGHTED_WAITER_PATTERN", waiter) == str(weight)  # multi_weight in _lib.lua
+    assert lua_match("WEIGHTED_WAITER_PATTERN", "abc") is None  # a plain waiter is offered slots
+
+
+def test_an_offer_is_told_from_a_holder() -> None:
+    assert storage.is_offer(storage.OFFER_MARK + "waiter")
+    assert not storage.is_offer("token")
+
+
+def test_a_wake_address_is_published_on_as_its_mark_says() -> None:
+    """notify in lua/_lib.lua SPUBLISHes on a sharded listener's address, and never judges a
+    cluster listener's unheard; a plain address is neither."""
+    base = "semaphore:{crawl:example.org}"
+    sharded = storage.wake_address(base, storage.SHARDED_MARK + "0123abcd")
+    cluster = storage.wake_address(base, storage.CLUSTER_MARK + "0123abcd")
+    plain = storage.wake_address(base, "0123abcd")
+    assert lua_match("SHARDED_ADDRESS_PATTERN", sharded) is not None
+    assert lua_match("CLUSTER_ADDRESS_PATTERN", cluster) is not None
+    for address in (cluster, plain):
+        assert lua_match("SHARDED_ADDRESS_PATTERN", address) is None
+    for address in (sharded, plain):
+        assert lua_match("CLUSTER_ADDRESS_PATTERN", address) is None
+
+
+def test_a_parked_record_round_trip_and_its_waiter_entry() -> None:
+    """park.lua and claim_parked.lua build a waiter's entry from fields 1 and 3 of the record's
+    JSON; Python builds the same entry from the deadlines key and the waiter."""
+    record = storage.ParkedRecord("semaphore:{x}:deadlines", "semaphore:{x}:runs", "task-1", "task-1#0#ab", "x")
+    text = record.text()
+    assert json.loads(text) == list(record)
+    assert storage.ParkedRecord.read(text) == record
+    fields = json.loads(text)
+    lua_entry = fields[0] + BLOCK["RECORD_SEPARATOR"][0] + fields[2]  # fields[1] .. SEP .. fields[3]
+    assert storage.parked_waiter_entry(record.deadlines_key, record.waiter) == lua_entry
+    for script in ("park", "claim_parked"):
+        assert "(fields[1] .. RECORD_SEPARATOR .. fields[3])" in SCRIPTS[script], script
+
+
+def test_a_parked_line_round_trip() -> None:
+    line = storage.parked_line("semaphore:{x}", 3)
+    assert json.loads(line) == ["semaphore:{x}", 3]
+    assert storage.read_parked_line(line) == ("semaphore:{x}", 3)
+
+
+@pytest.mark.parametrize("special", ["*", "?", "[", "]", "\\"])
+def test_a_glob_special_in_a_token_prefix_matches_only_itself(special: str) -> None:
+    prefix = f"job{special}1:"
+    assert storage.glob_escape(prefix) == f"job\\{special}1:"
+    pattern = redis_glob(storage.token_prefix_pattern(prefix))
+    assert pattern.fullmatch(prefix + "0123abcd")
+    assert not pattern.fullmatch("jobX1:0123abcd")
+    assert not pattern.fullmatch("job1:0123abcd")
+
+
+def test_a_plain_prefix_pattern_is_the_prefix_and_a_star() -> None:
+    assert storage.token_prefix_pattern("task-1:") == "task-1:*"
+    assert storage.glob_escape("a*b?c[d]e\\f") == "a\\*b\\?c\\[d\\]e\\\\f"
