@@ -63,7 +63,7 @@ def logs(workers: list[Worker]) -> str:
 
 def test_a_task_waiting_outside_the_worker_starts_soon_after_the_release(proj: Any, workers: list[Worker]) -> None:
     """A task re-sent with a 5 s countdown starts within a fraction of that after the slot it
-    waits for is released, and its countdown copy, arriving later, is dropped: it runs once."""
+    waits for is released, and its backstop copy, arriving later, is dropped: it runs once."""
     key = "handoff-latency"
     semaphore = semaphore_for(proj.app, "proj.handoff")
     holder = semaphore.acquire(timeout=5)
@@ -75,15 +75,15 @@ def test_a_task_waiting_outside_the_worker_starts_soon_after_the_release(proj: A
     ((task_id, started_at),) = starts(proj, key)
     assert task_id == result.id
     assert started_at - released_at < 2.5, "woken by the release, not by its 5 s countdown"
-    # the countdown copy comes later and finds the run done
+    # the backstop copy comes later and finds the run done
     wait_until(lambda: f"{result.id}]: another copy of this wait has run" in logs(workers), timeout=30,
-               what="the countdown copy dropped")
+               what="the backstop copy dropped")
     assert len(starts(proj, key)) == 1
     wait_until(lambda: semaphore.status().holder_count == 0, timeout=10, what="no slot held")
 
 
 def test_a_copy_arriving_while_its_twin_runs_is_dropped(proj: Any, workers: list[Worker]) -> None:
-    """The countdown copy (1 s) of a woken task that runs for 3 s arrives while it runs: it is
+    """The backstop copy (1 s) of a woken task that runs for 3 s arrives while it runs: it is
     not run next to it, nor dropped (the twin might be dead), but looks again once the twin's
     lease would have lapsed; by then the run has finished, and the copy is dropped, not recorded
     as a failure. Nor does it record a retry while it waits: a RETRY stored just after the run's
@@ -95,11 +95,11 @@ def test_a_copy_arriving_while_its_twin_runs_is_dropped(proj: Any, workers: list
     wait_until(lambda: parked(proj, "proj.handoff_twin", result.id), timeout=30, what="the task parked")
     holder.release()
     wait_until(lambda: f"{result.id}]: another copy of this wait holds the slot" in logs(workers), timeout=30,
-               what="the countdown copy sent to look again while its twin runs")
+               what="the backstop copy sent to look again while its twin runs")
     assert result.get(timeout=30) == result.id
     assert result.state == "SUCCESS"
     wait_until(lambda: f"{result.id}]: another copy of this wait has run" in logs(workers), timeout=90,
-               what="the countdown copy dropped once the run finished")
+               what="the backstop copy dropped once the run finished")
     assert proj.probe(key).entries == 1
     assert proj.probe(key).maximum == 1
     retries = proj.probe(key).client.lrange("probe:proj.handoff_twin:retries", 0, -1)

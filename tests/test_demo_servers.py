@@ -20,16 +20,9 @@ import pytest
 from example_project.demo.servers import LOOPBACK_HOST, CrawlSiteServer, PaidApiServer, SiteSpec
 from example_project.web import extract_links, http_get, parse_crawl_concurrency, resolve_link
 
+from .waiting import wait_until
+
 DEADLINE = 5.0
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    """Poll ``predicate`` until true; fail the test if the deadline passes."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            pytest.fail(f"condition not met within {timeout}s")
-        time.sleep(0.005)
 
 
 def url_status(url: str, data: bytes | None = None) -> tuple[int, str]:
@@ -145,7 +138,7 @@ def test_paid_api_rejects_exactly_the_requests_beyond_the_limit(
 ) -> None:
     server = paid_api(3, 0.6)
     results, threads = start_background(3, lambda: url_status(server.base_url)[0])
-    wait_until(lambda: server.stats()["in_flight"] == 3)
+    wait_until(lambda: server.stats()["in_flight"] == 3, timeout=DEADLINE)
 
     status, body = url_status(server.base_url + "/extra")
     assert status == 429
@@ -191,7 +184,7 @@ def test_paid_api_max_observed_concurrency_is_exact(
 ) -> None:
     server = paid_api(10, 0.3)
     results, threads = start_background(4, lambda: url_status(server.base_url)[0])
-    wait_until(lambda: server.stats()["in_flight"] == 4)
+    wait_until(lambda: server.stats()["in_flight"] == 4, timeout=DEADLINE)
     join_all(threads)
     assert results == [200] * 4
     stats = server.stats()
@@ -238,7 +231,7 @@ def test_paid_api_lifecycle() -> None:
         port = server.port
         # stop() must not wait out a long service time.
         _, threads = start_background(1, lambda: url_status(server.base_url)[0])
-        wait_until(lambda: server.stats()["in_flight"] == 1)
+        wait_until(lambda: server.stats()["in_flight"] == 1, timeout=DEADLINE)
         began = time.monotonic()
     assert time.monotonic() - began < 2.0
     join_all(threads)
@@ -406,7 +399,7 @@ def test_allowance_violations_counted_per_host(
     )
     port = server.port
     results, threads = start_background(2, lambda: http_get(port, "alpha.test", "/page/1")[0])
-    wait_until(lambda: server.stats()["alpha.test"]["in_flight"] == 2)
+    wait_until(lambda: server.stats()["alpha.test"]["in_flight"] == 2, timeout=DEADLINE)
 
     # alpha is saturated: every extra page request is a violation...
     assert http_get(port, "alpha.test", "/page/2")[0] == 429
@@ -414,7 +407,7 @@ def test_allowance_violations_counted_per_host(
     # ...but robots.txt is still served, and beta's allowance is independent.
     assert http_get(port, "alpha.test", "/robots.txt")[0] == 200
     beta_results, beta_threads = start_background(1, lambda: http_get(port, "beta.test", "/page/0")[0])
-    wait_until(lambda: server.stats()["beta.test"]["in_flight"] == 1)
+    wait_until(lambda: server.stats()["beta.test"]["in_flight"] == 1, timeout=DEADLINE)
 
     join_all(threads + beta_threads)
     assert results == [200, 200]

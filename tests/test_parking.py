@@ -1,10 +1,10 @@
 """Parking: the process that parked a waiting task sends it again when its turn comes, and a
-sweep in any process sends it again when no copy of its wait asked in time (its countdown copy
+sweep in any process sends it again when no copy of its wait asked in time (its backstop copy
 was lost in the broker), even when the process that parked it is dead.
 
 Real Redis for the semaphore and a real Redis broker: the wake copy is a real Celery message,
 checked in the broker's queue; the dead parking process is a real process, SIGKILLed. The lost
-countdown copy is played by not sending one: on the Redis broker that loss (a message popped by
+backstop copy is played by not sending one: on the Redis broker that loss (a message popped by
 the pending BRPOP of a worker being killed) cannot be produced on demand.
 """
 
@@ -77,7 +77,7 @@ def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer
         wake_copy = app.signature("parking.job", queue=f"q-{waiter}.semaphore-wake")
         address = parking.park(semaphore, waiter, wake_copy, away_for=0.5, run=f"{waiter}#0")
         semaphore._leave(waiter, 0.5, address)
-    # the countdown copy of "asked" arrives and asks again (it is refused: the slot is held)
+    # the backstop copy of "asked" arrives and asks again (it is refused: the slot is held)
     assert isinstance(semaphore._try(Ask(token="asked:b", waiter="asked", run="asked#0", remember=60)), Waiting)
     wait_until(lambda: _queued(redis_server, "q-lost.semaphore-wake") == 1, timeout=10,
                what="the lost wait sent again")
@@ -176,7 +176,7 @@ time.sleep(120)
 def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    """The process that parked a waiting task is SIGKILLed and its countdown copy never comes:
+    """The process that parked a waiting task is SIGKILLed and its backstop copy never comes:
     when the task's time is up, the sweep of another process sends the wake copy, as it was
     (task, arguments, queue, headers), and of two processes sweeping, exactly one sends it."""
     app = _app(redis_server)

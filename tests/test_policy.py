@@ -78,7 +78,7 @@ def test_with_no_hold_time_known_countdowns_back_off() -> None:
 
 
 def test_a_parked_tasks_backstop_comes_at_the_upper_bound_below_the_visibility_timeout() -> None:
-    """The countdown copy of a parked task only covers a lost wake-up: it comes at the countdown's
+    """The backstop copy of a parked task only covers a lost wake-up: it comes at the countdown's
     upper bound, never past half the Redis broker's visibility timeout, whole seconds >= 1."""
     from celery_semaphore._celery.policy import backstop
 

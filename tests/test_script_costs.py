@@ -189,7 +189,7 @@ def test_a_release_costs_the_same_whatever_the_number_of_blocked_waiters(
     for thread in threads:
         thread.start()
     wait_until(lambda: semaphore.status(listed=0).waiter_count == waiters, timeout=30, what="every waiter in line")
-    wake_ups, channel = semaphore._wake_channel.get()
+    wake_ups, channel = semaphore._wake_address.get()
     wait_until(lambda: channel in wake_ups._channels and wake_ups._channels[channel].ready.is_set(), timeout=30,
                what="the waiters' channel to be subscribed")
     # every waiter has made its second (post-subscription) ask

@@ -146,12 +146,12 @@ def test_a_single_redis_keeps_classic_pubsub(redis_server: RedisServer) -> None:
     try:
         wake_ups = wake_ups_for(client)
         assert not wake_ups.sharded
-        assert not wake_ups.process_id.startswith(SHARDED_MARK)
+        assert not wake_ups.listener_id.startswith(SHARDED_MARK)
         semaphore = FairSemaphore(client, "plain", 1, lease=30, patience=PATIENCE)
         holder = semaphore.acquire(timeout=0)
         caller = BlockedCaller(semaphore)
         _wait_in_line(semaphore)
-        channel = semaphore.keys.wake_channel(wake_ups.process_id)
+        channel = semaphore.keys.wake_address(wake_ups.listener_id)
         wait_until(lambda: _names(client.pubsub_channels(channel)) == [channel], what="the classic subscription")
         started = time.monotonic()
         holder.release()
@@ -168,7 +168,7 @@ def test_the_listener_is_sharded_on_a_redis_7_cluster_only(
 ) -> None:
     wake_ups = wake_ups_for(cluster_client)
     assert wake_ups.sharded is _is_7(redis_cluster)
-    assert wake_ups.process_id.startswith(SHARDED_MARK) is _is_7(redis_cluster)
+    assert wake_ups.listener_id.startswith(SHARDED_MARK) is _is_7(redis_cluster)
 
 
 # --- wake-ups reach the caller ------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_blocked_callers_on_every_master_are_woken(
     masters = {node.port: node for node in redis_cluster.masters()}
     if sharded:
         for port, group in semaphores.items():
-            mine = {semaphore.keys.wake_channel(wake_ups.process_id) for semaphore in group}
+            mine = {semaphore.keys.wake_address(wake_ups.listener_id) for semaphore in group}
             with masters[port].client() as node:
                 wait_until(lambda node=node, mine=mine: mine <= set(
                     _names(_cmd(node, "PUBSUB", "SHARDCHANNELS", "semaphore:*"))),
@@ -205,7 +205,7 @@ def test_blocked_callers_on_every_master_are_woken(
         assert _classic_channels(redis_cluster) == set()
     else:
         # ClusterPubSub SUBSCRIBEs on a node of its choosing: the channels are somewhere
-        channels = {semaphore.keys.wake_channel(wake_ups.process_id) for semaphore in everyone}
+        channels = {semaphore.keys.wake_address(wake_ups.listener_id) for semaphore in everyone}
         wait_until(lambda: channels <= _classic_channels(redis_cluster), what="classic channels")
     started = time.monotonic()
     for holder in holders:
@@ -227,12 +227,12 @@ def test_a_new_channel_is_subscribed_at_once_on_another_master(
     wake_ups = wake_ups_for(cluster_client)
     names = _names_on_every_master(redis_cluster, 1, "poke")
     first, *others = [names[port][0] for port in sorted(names)]
-    channel = FairSemaphore(cluster_client, first, 1).keys.wake_channel(wake_ups.process_id)
+    channel = FairSemaphore(cluster_client, first, 1).keys.wake_address(wake_ups.listener_id)
     with wake_ups.signal(channel, "w0") as handle:
         assert handle.subscribe(10)
         time.sleep(0.2)  # the listener is now blocked waiting for messages
         for index, name in enumerate(others):
-            other = FairSemaphore(cluster_client, name, 1).keys.wake_channel(wake_ups.process_id)
+            other = FairSemaphore(cluster_client, name, 1).keys.wake_address(wake_ups.listener_id)
             with wake_ups.signal(other, f"w{index + 1}") as second:
                 started = time.monotonic()
                 assert second.subscribe(10)
@@ -277,7 +277,7 @@ def test_hand_off_latency_on_a_cluster(
     semaphore = FairSemaphore(cluster_client, "latency", 1, lease=30, patience=PATIENCE)
     owner = redis_cluster.node_for_key(semaphore.keys.holders).port
     quiet = [names[0] for port, names in _names_on_every_master(redis_cluster, 1, "quiet").items() if port != owner]
-    handles = [wake_ups.signal(FairSemaphore(cluster_client, name, 1).keys.wake_channel(wake_ups.process_id), "idle")
+    handles = [wake_ups.signal(FairSemaphore(cluster_client, name, 1).keys.wake_address(wake_ups.listener_id), "idle")
                for name in quiet]
     try:
         for handle in handles:
@@ -286,7 +286,7 @@ def test_hand_off_latency_on_a_cluster(
         if wake_ups.sharded:  # the listener was on every master throughout
             for master in redis_cluster.masters():
                 with master.client() as node:
-                    assert _names(_cmd(node, "PUBSUB", "SHARDCHANNELS", f"*:wake:{wake_ups.process_id}"))
+                    assert _names(_cmd(node, "PUBSUB", "SHARDCHANNELS", f"*:wake:{wake_ups.listener_id}"))
     finally:
         for handle in handles:
             handle.close()
@@ -313,8 +313,8 @@ def test_a_wake_up_is_sharded(redis_cluster: RedisClusterSet, cluster_client: re
         pytest.skip("sharded pub/sub needs Redis >= 7")
     wake_ups = wake_ups_for(cluster_client)
     semaphore = FairSemaphore(cluster_client, "sharded", 1, lease=30, patience=PATIENCE)
-    channel = semaphore.keys.wake_channel(wake_ups.process_id)
-    assert channel.endswith(f":wake:{wake_ups.process_id}") and wake_ups.process_id.startswith(SHARDED_MARK)
+    channel = semaphore.keys.wake_address(wake_ups.listener_id)
+    assert channel.endswith(f":wake:{wake_ups.listener_id}") and wake_ups.listener_id.startswith(SHARDED_MARK)
     owner = redis_cluster.node_for_key(semaphore.keys.holders)
     holder = semaphore.acquire(timeout=0)
     caller = BlockedCaller(semaphore)
@@ -364,7 +364,7 @@ def test_wake_ups_keep_working_through_a_cluster_failover(own_redis_cluster: Red
         wake_ups = wake_ups_for(client)
         assert wake_ups.sharded
         semaphore = FairSemaphore(client, "moving", 1, lease=30, patience=PATIENCE)
-        channel = semaphore.keys.wake_channel(wake_ups.process_id)
+        channel = semaphore.keys.wake_address(wake_ups.listener_id)
         old_master = cluster.node_for_key(semaphore.keys.holders)
         holder = semaphore.acquire(timeout=0)
         caller = BlockedCaller(semaphore)
@@ -433,7 +433,7 @@ def test_wake_ups_come_back_after_the_owning_master_is_killed(own_redis_cluster:
     try:
         wake_ups = wake_ups_for(client)
         semaphore = FairSemaphore(client, "killed", 1, lease=30, patience=PATIENCE)
-        channel = semaphore.keys.wake_channel(wake_ups.process_id)
+        channel = semaphore.keys.wake_address(wake_ups.listener_id)
         old_master = cluster.node_for_key(semaphore.keys.holders)
         replicas = cluster.replicas_of(old_master)
         holder = semaphore.acquire(timeout=0)

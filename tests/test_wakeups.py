@@ -282,7 +282,7 @@ def test_a_parked_waiter_is_offered_its_turn_and_told_on_its_address(redis_clien
     holder = semaphore.acquire(timeout=0)
     assert isinstance(semaphore.try_acquire(waiter="task-9"), Waiting)
     wake_ups = wake_ups_for(redis_client)
-    channel = semaphore.keys.wake_channel(wake_ups.process_id)
+    channel = semaphore.keys.wake_address(wake_ups.listener_id)
     woken = threading.Event()
     with wake_ups.on_wake(channel, "task-9", woken.set) as handle:
         assert handle.subscribe(5)
@@ -387,7 +387,7 @@ def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis
     monkeypatch.setattr(wakeups_module, "UNCLAIMED_S", 0.2)
     semaphore = FairSemaphore(redis_client, "stale", 1, patience=30)
     wake_ups = wake_ups_for(redis_client)
-    channel = semaphore._wake_channel.get()[1]
+    channel = semaphore._wake_address.get()[1]
     with wake_ups.signal(channel, "listening") as handle:
         assert handle.subscribe(10)
         redis_client.publish(channel, "nobody")

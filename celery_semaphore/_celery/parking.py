@@ -148,7 +148,7 @@ class Parking:
         (within ``away_for`` seconds), or when that time is up and no copy of the wait (run
         ``run``) has asked; returns the wake address to park the waiter under."""
         wake_ups = wake_ups_for(semaphore.client)
-        channel = semaphore.keys.wake_channel(wake_ups.process_id)
+        channel = semaphore.keys.wake_address(wake_ups.listener_id)
         key = (id(semaphore.client), f"{channel}\n{waiter}")
         entry: _Parked | None = None
 
@@ -174,7 +174,7 @@ class Parking:
     def unpark(self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> None:
         """Forget a parked wait that was given up (its backstop copy could not be sent, and the
         task failed): no wake-up and no sweep may bring it back."""
-        channel = semaphore.keys.wake_channel(wake_ups_for(semaphore.client).process_id)
+        channel = semaphore.keys.wake_address(wake_ups_for(semaphore.client).listener_id)
         with self._lock:
             parked = self._parked.pop((id(semaphore.client), f"{channel}\n{waiter}"), None)
         if parked is not None:
@@ -358,7 +358,7 @@ class Parking:
         try:
             wake_copy.apply_async()
         except Exception as error:  # the backstop copy still comes, at its countdown
-            logger.warning("could not send the wake copy of a task waiting for %r (its countdown copy "
+            logger.warning("could not send the wake copy of a task waiting for %r (its backstop copy "
                            "still comes): %s", name, error)
 
     def parked_count(self) -> int:
@@ -372,7 +372,7 @@ def _record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str)
 
 
 def _sent_again(name: str) -> None:
-    logger.warning("no copy of a task waiting for %r asked in time (its countdown copy was lost?): "
+    logger.warning("no copy of a task waiting for %r asked in time (its backstop copy was lost?): "
                    "sending it again", name)
 
 

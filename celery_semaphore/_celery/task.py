@@ -258,8 +258,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         countdown = policy.countdown(
             attempt, options.countdown, waits=history.waits, visibility_timeout=config.visibility_timeout
         )
-        # a parked task comes back through the hand-off, so its countdown copy is only the
-        # backstop: late, or it would come back, be refused and be re-sent over and over
+        # a parked task comes back through the hand-off, so its backstop copy (a countdown) is
+        # late: sooner, it would come back, be refused and be re-sent over and over
         backstop = policy.backstop(options.countdown, visibility_timeout=config.visibility_timeout)
         if options.max_wait is not None:
             left = round(options.max_wait - waited + 0.5)
@@ -366,7 +366,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             try:
                 address = parking().park(semaphore, waiter, wake_copy, away_for=backstop_countdown + AWAY_SLACK,
                                          run=run)
-            except Exception as error:  # no wake-up then: the countdown copy must bring it back
+            except Exception as error:  # no wake-up then: the backstop copy must bring it back
                 logger.warning("%s[%s] waits for its countdown only (could not listen for its turn): %s",
                                self.name, request.id, error)
         if address:
@@ -474,7 +474,7 @@ def _routing_key(request: Any) -> str | None:
 def _queue_of(app: Any, request: Any) -> str | None:
     """The name of the queue a request came from, when it can be told: Celery's routing by
     queue name (the routing key names the queue). A task routed otherwise (a topic exchange,
-    say) gets no wake copy, whose queue the workers would not consume: its countdown copy
+    say) gets no wake copy, whose queue the workers would not consume: its backstop copy
     brings it back, as before."""
     routing_key = _routing_key(request)
     if routing_key is None:

@@ -44,7 +44,7 @@ class Ask:
     ticket, and gets a slot only if it passes no present waiter. ``label``: who holds the slot,
     for status (None: host and process id). ``ticket``: the place of a waiter that left the line
     and comes back to it. ``fresh``: the waiter never asked before (when nobody is present and a
-    slot is free it is granted on the fast path, no line bookkeeping). ``wake``: the channel on
+    slot is free it is granted on the fast path, no line bookkeeping). ``wake``: the wake address (a channel) on
     which to PUBLISH the waiter's id when a slot is offered to it ("" for nowhere). ``run``: the
     id of a run that may ask in several copies (a Celery wait re-sent both with a countdown and on
     wake-up): if another copy was granted in the last ``remember`` seconds (None: patience plus

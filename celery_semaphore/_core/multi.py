@@ -54,7 +54,7 @@ from .storage import (
     weighted_waiter,
 )
 from .validation import check_limit, check_seconds, to_ms
-from .waiting import WakeChannel, wait_for_turn, wait_or_give_up
+from .waiting import WakeAddress, wait_for_turn, wait_or_give_up
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -94,15 +94,15 @@ class MultiSemaphore:
         self.name = "+".join(semaphore.name for semaphore in semaphores)
         self.lease = min(semaphore.lease for semaphore in semaphores)
         self.patience = max(semaphore.patience for semaphore in semaphores)
-        # the first semaphore's keys: its wake channel, and its run records for runs of waits
+        # the first semaphore's keys: its wake address, and its run records for runs of waits
         self.keys = semaphores[0].keys
         self.all_keys: list[SemaphoreKeys] = [semaphore.keys for semaphore in semaphores]
         self.weight = self.check_weight(weight)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._scripts = scripts_for(client)
-        # the first semaphore's wake channel: a script tells a waiter of any line there
-        self._wake_channel = WakeChannel(client, self.keys.wake_channel)
+        # the first semaphore's wake address: a script tells a waiter of any line there
+        self._wake_address = WakeAddress(client, self.keys.wake_address)
 
     def __repr__(self) -> str:
         return f"<MultiSemaphore {self.name!r} weight={self.weight}>"
@@ -223,8 +223,8 @@ class MultiSemaphore:
         """Try; while refused, sleep until a line tells this waiter that its turn may have come
         (or ``patience / 3`` seconds pass), then try again; until granted or ``timeout``."""
         pause = (self.patience if ask.patience is None else check_seconds("patience", ask.patience)) / 3
-        wake_ups, channel = self._wake_channel.get()
-        return wait_for_turn(self, wake_ups, replace(ask, wake=channel), timeout=timeout, pause=pause)
+        wake_ups, address = self._wake_address.get()
+        return wait_for_turn(self, wake_ups, replace(ask, wake=address), timeout=timeout, pause=pause)
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
         """``leave``; with ``away_for`` and ``wake``, park, as ``FairSemaphore._leave``."""

@@ -54,7 +54,7 @@ class SemaphoreKeys:
     """The Redis keys of one semaphore, in the KEYS order every script expects (lua/_lib.lua).
 
     All share the hash tag ``{<name>}``, so a script touching them all runs on one cluster slot;
-    the wake-up channels live under the same tag (see ``wake_channel``).
+    the wake-up channels live under the same tag (see ``wake_address``).
     """
 
     holders: str
@@ -110,12 +110,12 @@ class SemaphoreKeys:
         names its line)."""
         return cls(**{name: f"{base}:{name}" for name in _KEY_NAMES}, base=base)
 
-    def wake_channel(self, process_id: str) -> str:
+    def wake_address(self, listener_id: str) -> str:
         """The channel a process's waiters on this semaphore are told on: inside the hash tag,
         so that sharded pub/sub (SPUBLISH from the script) can serve it on a cluster. A sharded
-        listener's ``process_id`` starts with ``storage.SHARDED_MARK``, which makes this an
+        listener's ``listener_id`` starts with ``storage.SHARDED_MARK``, which makes this an
         address the scripts SPUBLISH on (lua/_lib.lua, notify)."""
-        return wake_address(self.base, process_id)
+        return wake_address(self.base, listener_id)
 
 
 _KEY_NAMES = ("holders", "holder_info", "queue", "present", "deadlines", "waiter_info", "ticket", "limit", "runs",

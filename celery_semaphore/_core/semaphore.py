@@ -61,7 +61,7 @@ from .validation import (
     check_waiter,
     to_ms,
 )
-from .waiting import WakeChannel, wait_for_turn, wait_or_give_up
+from .waiting import WakeAddress, wait_for_turn, wait_or_give_up
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -132,7 +132,7 @@ class FairSemaphore:
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._scripts: Scripts = scripts_for(client)
-        self._wake_channel = WakeChannel(client, self.keys.wake_channel)
+        self._wake_address = WakeAddress(client, self.keys.wake_address)
 
     def __repr__(self) -> str:
         return f"<FairSemaphore {self.name!r} limit={self.limit} lease={self.lease}>"
@@ -227,8 +227,8 @@ class FairSemaphore:
         wait at once. The first try is made before anything else, so an uncontended call costs
         one round trip and subscribes to nothing."""
         pause = (self.patience if ask.patience is None else check_seconds("patience", ask.patience)) / 3
-        wake_ups, channel = self._wake_channel.get()
-        return wait_for_turn(self, wake_ups, replace(ask, wake=channel), timeout=timeout, pause=pause)
+        wake_ups, address = self._wake_address.get()
+        return wait_for_turn(self, wake_ups, replace(ask, wake=address), timeout=timeout, pause=pause)
 
     def _attempt(
         self, token: str, waiter: str, patience_ms: int, enqueue: bool, fresh: bool, label: str | None,

@@ -113,10 +113,10 @@ def is_weighted_waiter(waiter: str, weight: int) -> bool:
     return waiter.startswith(f"{WEIGHT_MARK}{weight}{WEIGHT_MARK}")
 
 
-def wake_address(base: str, process_id: str) -> str:
+def wake_address(base: str, listener_id: str) -> str:
     """The wake address of one listener's waiters on the semaphore whose keys start with
     ``base``. It is inside the hash tag, so the scripts may publish on it."""
-    return f"{base}:wake:{process_id}"
+    return f"{base}:wake:{listener_id}"
 
 
 class ParkedRecord(NamedTuple):

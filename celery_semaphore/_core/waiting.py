@@ -33,15 +33,16 @@ class Asker(Protocol):
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool: ...
 
 
-class WakeChannel:
-    """This process's wake-up listener for a client, and a semaphore's channel on it. Looked up
-    once per process: a fork makes a new listener with a new channel."""
+class WakeAddress:
+    """This process's wake-up listener for a client, and a semaphore's wake address on it (the
+    pub/sub channel its offers are published on). Looked up once per process: a fork makes a new
+    listener with a new id, so a new address."""
 
-    __slots__ = ("_cached", "_channel_of", "_client")
+    __slots__ = ("_address_of", "_cached", "_client")
 
-    def __init__(self, client: object, channel_of: Callable[[str], str]) -> None:
+    def __init__(self, client: object, address_of: Callable[[str], str]) -> None:
         self._client = client
-        self._channel_of = channel_of
+        self._address_of = address_of
         self._cached: tuple[int, WakeUps, str] | None = None
 
     def get(self) -> tuple[WakeUps, str]:
@@ -49,7 +50,7 @@ class WakeChannel:
         cached = self._cached
         if cached is None or cached[0] != pid:
             wake_ups = wake_ups_for(self._client)
-            cached = self._cached = (pid, wake_ups, self._channel_of(wake_ups.process_id))
+            cached = self._cached = (pid, wake_ups, self._address_of(wake_ups.listener_id))
         return cached[1], cached[2]
 
 
@@ -57,7 +58,7 @@ def wait_for_turn(semaphore: Asker, wake_ups: WakeUps, ask: Ask, *, timeout: flo
     """The loop of a semaphore's ``_wait``: try; while refused, sleep until this process's
     listener says the waiter was told (or ``pause`` seconds pass, the keep-alive that also claims
     an offer whose wake-up was lost), then try again; until granted, a Duplicate, or ``timeout``.
-    ``ask.wake`` is this process's channel.
+    ``ask.wake`` is this process's wake address.
 
     The first try registers nothing with the listener: an uncontended acquire is one round trip
     and nothing more. Only a refused waiter registers; an offer told between its refusal and its

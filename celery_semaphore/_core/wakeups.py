@@ -37,7 +37,7 @@ Sharded wake-ups. On a ``RedisCluster`` client whose masters all run Redis >= 7 
 sharded pub/sub (``ShardedSubscription``): it SSUBSCRIBEs each wake channel on the master that
 owns the channel's slot (the channel is inside the semaphore's hash tag, so that is the master of
 the semaphore's keys) and the scripts SPUBLISH, so a wake-up travels to one shard, not over the
-whole cluster bus. The listener says so in its channel names: its id (``process_id``) is the
+whole cluster bus. The listener says so in its channel names: its id (``listener_id``) is the
 process's id with ``SHARDED_MARK`` in front, so its wake addresses end in ``:wake:s.<id>``, and
 ``notify`` SPUBLISHes on exactly those (see lua/_lib.lua). Every address thus carries its own
 kind: a waiter registered by a classic listener is still told by PUBLISH. On a single Redis,
@@ -88,11 +88,11 @@ UNCLAIMED_S = 2.0
 UNCLAIMED_MAX = 10_000
 
 
-def _new_process_id() -> str:
+def _new_listener_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-_process_id = _new_process_id()
+_listener_id = _new_listener_id()
 
 
 class _Channel:
@@ -196,7 +196,7 @@ class WakeUps:
         # listener's id puts it in every wake address, where the scripts read it
         self.sharded = uses_sharded_pubsub(client)
         is_cluster = isinstance(client, redis.cluster.RedisCluster)
-        self.process_id = (SHARDED_MARK if self.sharded else CLUSTER_MARK if is_cluster else "") + _process_id
+        self.listener_id = (SHARDED_MARK if self.sharded else CLUSTER_MARK if is_cluster else "") + _listener_id
         # a sharded listener is poked through a local socket pair, not a control channel
         self._poke_in: socket.socket | None = None
         self._poke_out: socket.socket | None = None
@@ -204,7 +204,7 @@ class WakeUps:
             self._poke_out, self._poke_in = socket.socketpair()
             self._poke_out.setblocking(False)
             self._poke_in.setblocking(False)
-        self.control = f"celery-semaphore:wake-control:{self.process_id}:{id(self):x}"
+        self.control = f"celery-semaphore:wake-control:{self.listener_id}:{id(self):x}"
         self._lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
         self._signals: dict[tuple[str, str], WakeHandle] = {}
@@ -461,8 +461,8 @@ def wake_ups_for(client: Any) -> WakeUps:
 def _after_fork_in_child() -> None:
     # The parent's listener thread does not exist here, and its channels carry the parent's
     # process id: a child starts from nothing, under an id of its own.
-    global _process_id, _registry, _registry_lock
-    _process_id = _new_process_id()
+    global _listener_id, _registry, _registry_lock
+    _listener_id = _new_listener_id()
     _registry = weakref.WeakKeyDictionary()
     _registry_lock = threading.Lock()
 

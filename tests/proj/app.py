@@ -187,7 +187,7 @@ def handoff(self: Any, seconds: float, key: str = "proj.handoff") -> str:
 @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=1,
           name="proj.handoff_twin", bind=True)
 def handoff_twin(self: Any, seconds: float, key: str = "proj.handoff_twin") -> str:
-    """Its countdown copy (1 s) arrives while its woken copy still runs."""
+    """Its backstop copy (1 s) arrives while its woken copy still runs."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 
