@@ -55,6 +55,13 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   under quorum queues' static per-consumer prefetch (``worker_prefetch_multiplier`` x pool
   size) enough held copies stop the worker receiving anything (wake copies included) until the
   first countdowns end: watch "not waiting", "max send->ask" and the round's seconds.
+* ``rolling``: issue 17's rolling restart. Contended tasks at limit 1 (the default wait policy)
+  on two workers, one of them warm-restarted (SIGTERM, then a new worker of the same name) every
+  10 s (3 s with ``--quick``), its pool processes and the tasks they parked going away each time: each release to the
+  next body start. Case ``restarted`` against case ``steady``, the same run with no restart, as
+  the baseline. Figures: p50 / p90 / p99 ms of the releases outside the restarts (a restart
+  spans its SIGTERM to its replacement's "ready", widened by 1 s each side), the worst release
+  to next start anywhere (restarts included), and the p99 as a ratio of the steady run's.
 * ``overhead``: the same do-nothing task with and without the semaphore (a key whose limit is
   never reached), one worker with one child, sent as a backlog: median ``task_prerun`` to
   ``task_postrun`` ms per task, and the difference.
@@ -360,7 +367,20 @@ class Overhead:
     cases: tuple[str, ...] = ("semaphore", "plain")
 
 
-Scenario = Fairness | Handoff | Overhead
+@dataclass(frozen=True)
+class Rolling:
+    """Contended tasks at limit 1 on two workers, one warm-restarted every ``every`` seconds."""
+
+    name: str
+    title: str
+    tasks: int
+    hold: float
+    every: float
+    broker: str = "redis"
+    cases: tuple[str, ...] = ("restarted", "steady")
+
+
+Scenario = Fairness | Handoff | Overhead | Rolling
 
 
 def scenarios(quick: bool) -> list[Scenario]:
@@ -378,6 +398,8 @@ def scenarios(quick: bool) -> list[Scenario]:
         Handoff("handoff-quorum", "the same hand-off, RabbitMQ, quorum queues",
                 chains=chains, links=links, hold=0.3, broker="amqp", queue_type="quorum"),
         Overhead("overhead", "per-task cost, a limit never reached, 1 worker x 1 child", 100 if quick else 300),
+        Rolling("rolling", f"rolling restart: one of the two workers warm-restarted every {3 if quick else 10} s",
+                80 if quick else 200, 0.1, 3.0 if quick else 10.0),
     ]
 
 
@@ -517,6 +539,74 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int, broker_url: str) -> di
     }
 
 
+def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url: str) -> dict[str, Any]:
+    """``spec.tasks`` tasks sent at once to two workers; with ``case == "restarted"`` the second
+    worker is warm-restarted every ``spec.every`` seconds until every task ended."""
+    key = f"{spec.name}-{case}-r{round_no}-{lab.nonce}"
+    queue = f"bc-{key}"
+    conf: dict[str, Any] = {"semaphore_limits": {"bc:*": 1}}
+    restarts: list[tuple[float, float]] = []
+    problems: list[str] = []
+    lab.clean(broker_url)
+    with lab.workers(broker_url, [queue] * WORKERS, CHILDREN, conf) as group:
+        done = threading.Event()
+
+        def restart_every() -> None:
+            while not done.wait(spec.every):
+                began, old = time.time(), group[1]
+                old.stop()  # warm: SIGTERM, running bodies finish, parked tasks' processes go
+                try:
+                    group[1] = Worker(old.env, name=old.name, concurrency=CHILDREN, app=APP).start()
+                except Exception as error:  # reported with the round
+                    problems.append(f"restart: {error}")
+                    return
+                restarts.append((began, time.time()))
+
+        restarter = threading.Thread(target=restart_every, daemon=True)
+        ids = lab.send(broker_url, "bench.fair", [(spec.hold, key)] * spec.tasks, queue)
+        began = time.time()
+        if case == "restarted":
+            restarter.start()
+        try:
+            deadline = time.monotonic() + max(120.0, 20 * spec.tasks * spec.hold)
+            while not set(ids) <= lab._listed("bench:ends"):
+                if lab.failures() or problems or time.monotonic() > deadline:
+                    raise RoundFailed("; ".join(problems + lab.failures()[:1]) or "tasks not done in time")
+                time.sleep(0.1)
+        finally:
+            done.set()
+            if restarter.is_alive():
+                restarter.join(timeout=120)
+        makespan = time.time() - began
+    released = sorted(e.at for e in _events(lab.probe, "bench:released") if e.key == f"bc:{key}")
+    started = sorted(e.at for e in _first_by_task(
+        [e for e in _events(lab.probe, "bench:starts") if e.key == f"bc:{key}"]).values())
+    # how each start came: "<queue>/<earlier refusals>" (the start event's last two fields)
+    how = {float(parts[1]): f"{parts[4]}/{parts[5]}" for parts in
+           (_text(raw).split() for raw in lab.probe.lrange("bench:starts", 0, -1)) if len(parts) > 5}
+    gaps: list[tuple[float, float]] = []  # (release time, ms to the next start)
+    slow: dict[str, int] = {}  # how the starts that came more than 50 ms after a release came
+    for release in released:
+        later = [at for at in started if at > release]
+        if later:
+            gaps.append((release, (later[0] - release) * 1000))
+            if gaps[-1][1] > 50:
+                way = how.get(later[0], "?").replace(queue, "queue")
+                slow[way] = slow.get(way, 0) + 1
+    outside = [ms for at, ms in gaps if not any(a - 1 <= at <= b + 1 for a, b in restarts)]
+    return {
+        "outside_ms": outside,
+        "samples": len(outside),
+        "restarts": len(restarts),
+        "p50_ms": percentile(outside, 50),
+        "p90_ms": percentile(outside, 90),
+        "p99_ms": percentile(outside, 99),
+        "max_all_ms": max((ms for _, ms in gaps), default=float("nan")),
+        "makespan_s": makespan,
+        "slow_starts": slow,
+    }
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile, by linear interpolation between closest ranks; NaN with no values."""
     if not values:
@@ -608,6 +698,8 @@ def run_scenario(lab: Lab, spec: Scenario, rounds: int, only: set[str] | None, a
                 broker = amqp if spec.broker == "amqp" and amqp else lab.redis_broker
                 if isinstance(spec, Handoff):
                     result = handoff_round(lab, spec, round_no, broker)
+                elif isinstance(spec, Rolling):
+                    result = rolling_round(lab, spec, case, round_no, broker)
                 else:
                     result = fairness_round(lab, spec, case, round_no, broker)
             except RoundFailed as error:
@@ -672,6 +764,7 @@ FAIRNESS_COLUMNS = [
 def report_scenario(outcome: Outcome, rounds: int) -> str:
     spec = outcome.spec
     out = []
+    slow: list[str] = []
     if isinstance(spec, Fairness):
         head = (f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit {spec.limit}, "
                 f"{WORKERS} workers x {CHILDREN} (plain: 1 x {spec.limit}); ideal {spec.ideal:.2f} s; "
@@ -700,6 +793,20 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
                          show(figures(outcome, "semaphore", "runs_per_waiter"), 2),
                          show(figures(outcome, "semaphore", "max_send_to_ask_ms"), 0),
                          show(figures(outcome, "semaphore", "seconds"), 1)])
+    elif isinstance(spec, Rolling):
+        head = (f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit 1, {WORKERS} workers x "
+                f"{CHILDREN}; release -> next start outside the restarts, and the worst anywhere")
+        rows = [["case", "restarts", "samples", "p50 ms", "p90 ms", "p99 ms", "p99 / steady", "worst ms",
+                 "makespan s"]]
+        steady = {r["round"]: r["p99_ms"] for r in outcome.rounds.get("steady", [])}
+        for case in outcome.rounds:
+            ratios = [r["p99_ms"] / steady[r["round"]] for r in outcome.rounds[case] if steady.get(r["round"])]
+            rows.append([case, show(figures(outcome, case, "restarts"), 0), show(figures(outcome, case, "samples"), 0),
+                         *(show(figures(outcome, case, name), 1) for name in ("p50_ms", "p90_ms", "p99_ms")),
+                         show(ratios, 2), show(figures(outcome, case, "max_all_ms"), 0),
+                         show(figures(outcome, case, "makespan_s"), 1)])
+        slow = [f"{case} round {r['round']}: {r['slow_starts']}" for case in outcome.rounds
+                for r in outcome.rounds[case] if r.get("slow_starts")]
     else:
         head = f"{spec.name}: {spec.title}: {spec.tasks} tasks per case and round"
         rows = [["case", "prerun->postrun median ms", "p90 ms", "wall ms/task", "delta median ms", "delta wall ms"]]
@@ -712,6 +819,9 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
         out.append(f"  SKIPPED: {outcome.skipped}")
     elif len(rows) > 1:
         out.append(table(rows))
+    if isinstance(spec, Rolling) and slow:
+        out.append("starts more than 50 ms after a release, by the queue they came from and their earlier "
+                   "refusals: " + "; ".join(slow))
     for error in outcome.errors:
         out.append(f"  FAILED {error.splitlines()[0]}")
     return "\n".join(out)
@@ -747,6 +857,10 @@ def targets(specs: Sequence[Scenario]) -> list[Target]:
             Target(name, "p99_ms", 60, "release -> waiter body start p99 ms (pooled)"),
         ]
     found += [Target("overhead", "delta_ms", 2, "per-task overhead, median ms")]
+    found += [  # issue 17, scenario 5
+        Target("rolling", "p99_ms", 60, "release -> next start p99 ms outside the restarts (pooled)"),
+        Target("rolling", "max_all_ms", 2500, "release -> next start, worst ms, restarts included", worst=True),
+    ]
     return found
 
 
@@ -758,10 +872,16 @@ def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[s
         outcome = outcomes.get(target.scenario)
         if outcome is None or outcome.skipped:
             continue
-        for case in ("semaphore", "countdown"):
+        for case in ("semaphore", "countdown", "restarted"):
             if not outcome.rounds.get(case):
                 continue
-            if isinstance(outcome.spec, Handoff):
+            if isinstance(outcome.spec, Rolling) and target.figure == "p99_ms":
+                pooled = [s for r in outcome.rounds[case] for s in r["outside_ms"]]
+                steady = [s for r in outcome.rounds.get("steady", []) for s in r["outside_ms"]]
+                value = percentile(pooled, 99)
+                measured = f"{value:.1f} (rounds: {show(figures(outcome, case, target.figure), 1)})"
+                naive = f"steady {percentile(steady, 99):.1f}" if steady else "-"
+            elif isinstance(outcome.spec, Handoff):
                 pooled = [s for r in outcome.rounds[case] for s in r["samples_ms"]]
                 value = percentile(pooled, 50 if target.figure == "p50_ms" else 99)
                 measured = f"{value:.1f} (rounds: {show(figures(outcome, case, target.figure), 1)})"
