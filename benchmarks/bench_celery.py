@@ -97,7 +97,7 @@ import redis
 from celery import Celery
 from kombu import Connection  # type: ignore[attr-defined]  # kombu ships no type hints
 
-from tests.conftest import CeleryStack
+from tests.celery_stack import CeleryStack
 from tests.workers import Worker
 
 ROOT = Path(__file__).resolve().parent.parent

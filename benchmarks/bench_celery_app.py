@@ -5,7 +5,7 @@ nothing else, so its workers load only the tasks and signal handlers below (the 
 handlers would add Redis calls to every delivery), and the benchmark does not break when the
 test app changes. It reads the same environment variables as the test app (``PROJ_BROKER_URL``,
 ``PROJ_RESULT_URL``, ``PROJ_SEMAPHORE_URL``, ``PROJ_PROBE_URL``, ``PROJ_QUEUE``, ``PROJ_CONF``),
-so the test helpers (tests/workers.py, ``CeleryStack``) start and configure its workers.
+so the test helpers (tests/workers.py, tests/celery_stack.py) start and configure its workers.
 
 Everything the benchmark reports is recorded here, *independently of the semaphore*, in the
 probe database (db 3 of the broker's Redis), keyed by task id:

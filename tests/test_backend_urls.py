@@ -404,9 +404,14 @@ def test_client_for_unix_socket() -> None:
     """unix:// reaches a server on its socket, on the db of the db= option."""
     with RedisServer(extra=["--unixsocket", "sock", "--unixsocketperm", "700"]) as server:
         client = client_for(f"unix://{server.dir}/sock?db=2")
-        client.set("k", "v")
-        with server.client(db=2) as direct:
-            assert direct.get("k") == b"v"
+        try:
+            client.set("k", "v")
+            with server.client(db=2) as direct:
+                assert direct.get("k") == b"v"
+        finally:
+            # client_for keeps it for the process: its connection to this server, gone after
+            # the test, would stay open to the end of the run
+            client.close()
 
 
 def _ping_in_child(url: str, queue: Any) -> None:

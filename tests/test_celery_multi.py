@@ -17,7 +17,7 @@ from celery_semaphore._celery.catalogue import Catalogue, semaphore_for_call
 from celery_semaphore._core.clients import client_for
 from celery_semaphore._core.multi import MultiSemaphore
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .waiting import wait_until
 from .workers import Worker
 

@@ -24,7 +24,7 @@ from celery.result import AsyncResult
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.config import forget_config
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .redis_server import RedisClusterSet, RedisSentinelSet
 from .test_celery_handoff import first_asks, inversions, starts
 from .waiting import wait_until

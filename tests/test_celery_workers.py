@@ -18,7 +18,7 @@ from celery.result import AsyncResult
 from celery_semaphore import FairSemaphore, SemaphoreUnavailable
 from celery_semaphore._core.clients import client_for
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .waiting import wait_until
 from .workers import Worker, worker_group
 

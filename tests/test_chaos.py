@@ -40,7 +40,7 @@ import pytest
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.config import DEFAULT_LEASE
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .redis_server import RedisServer
 from .waiting import wait_until
 from .workers import Worker, worker_group

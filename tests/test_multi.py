@@ -266,22 +266,23 @@ time.sleep(60)
 def test_a_killed_holders_slots_all_come_back(own_redis: RedisServer) -> None:
     """A process SIGKILLed while holding weight 2 of two semaphores: every slot comes back when
     its lease ends, and a waiter gets them."""
-    process = subprocess.Popen([sys.executable, "-c", _HOLDER, str(own_redis.port)], stdout=subprocess.PIPE,
-                               text=True, env={**os.environ})
-    try:
-        assert process.stdout is not None and process.stdout.readline().strip() == "held"
-        client = own_redis.client()
-        sems = [FairSemaphore(client, name, 2, lease=1) for name in ("a", "b")]
-        assert [s.status().holder_count for s in sems] == [2, 2]
-        process.send_signal(signal.SIGKILL)
-        started = time.monotonic()
-        lease = MultiSemaphore(sems).acquire(timeout=10, weight=2)
-        assert time.monotonic() - started < 5
-        assert [s.status().holder_count for s in sems] == [2, 2]
-        lease.release()
-    finally:
-        process.kill()
-        process.wait()
+    # as a context manager, the pipe of the holder's output is closed too (else it is left to the
+    # garbage collector, a ResourceWarning)
+    with subprocess.Popen([sys.executable, "-c", _HOLDER, str(own_redis.port)], stdout=subprocess.PIPE,
+                          text=True, env={**os.environ}) as process:
+        try:
+            assert process.stdout is not None and process.stdout.readline().strip() == "held"
+            client = own_redis.client()
+            sems = [FairSemaphore(client, name, 2, lease=1) for name in ("a", "b")]
+            assert [s.status().holder_count for s in sems] == [2, 2]
+            process.send_signal(signal.SIGKILL)
+            started = time.monotonic()
+            lease = MultiSemaphore(sems).acquire(timeout=10, weight=2)
+            assert time.monotonic() - started < 5
+            assert [s.status().holder_count for s in sems] == [2, 2]
+            lease.release()
+        finally:
+            process.kill()
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 from kombu import Connection
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .workers import Worker
 
 # real `celery worker` processes: `pytest -m "not workers"` leaves these out

@@ -18,7 +18,7 @@ from celery.result import AsyncResult
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.tokens import task_key
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .waiting import wait_until
 from .workers import worker_group
 

@@ -30,7 +30,7 @@ from kombu import Connection
 
 from celery_semaphore import semaphore_for
 
-from .conftest import CeleryStack
+from .celery_stack import CeleryStack
 from .test_celery_handoff import parked, starts
 from .test_rabbitmq import amqp_url_or_skip
 from .waiting import wait_until

@@ -3,8 +3,11 @@ alone is told, on one shared subscription per process; offers lapse to the next 
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
+import os
+import socket
 import threading
 import time
 from typing import Any
@@ -13,6 +16,7 @@ import pytest
 import redis
 
 from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
+from celery_semaphore._core import wakeups as wakeups_module
 from celery_semaphore._core.attempts import Ask, Duplicate
 from celery_semaphore._core.wakeups import WakeUps, wake_ups_for
 
@@ -486,3 +490,50 @@ def test_after_a_redis_restart_with_nobody_waiting_the_next_blocked_caller_is_wo
     warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     assert [message for message in warnings if "wake-up" in message] == []
     client.close()
+
+
+def _socket_pair_listener(monkeypatch: pytest.MonkeyPatch) -> WakeUps:
+    """A listener that is poked through a socket pair, as on a Redis >= 7 cluster (needing no
+    cluster: the pair is made when the listener is, before it connects to anything)."""
+    monkeypatch.setattr(wakeups_module, "uses_sharded_pubsub", lambda client: True)
+    listener = WakeUps(object())
+    assert listener._poke_in is not None and listener._poke_out is not None
+    return listener
+
+
+def test_a_listeners_socket_pair_is_closed_once_the_listener_is_collected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener closes its socket pair itself: left to the sockets' own finalizers, a pair
+    still open when the interpreter shut down was reported as two "unclosed socket"
+    ResourceWarnings after the test run's summary."""
+    listener = _socket_pair_listener(monkeypatch)
+    pair = [listener._poke_in, listener._poke_out]
+    del listener
+    gc.collect()
+    assert [sock.fileno() for sock in pair if sock is not None] == [-1, -1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_closing_its_copy_of_the_socket_pair_leaves_the_parents_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefork child inherits the parent's listener and drops it (its registry starts afresh):
+    the child closes its copies of the pair, and the parent's listener is still poked through it."""
+    listener = _socket_pair_listener(monkeypatch)
+    pid = os.fork()
+    if pid == 0:  # the child: drop the inherited listener, as a Celery pool process does
+        try:
+            del listener
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert listener._poke_in is not None and listener._poke_out is not None
+    listener._poke_in.send(b"\0")
+    assert wait_until(lambda: _received(listener._poke_out), timeout=5, what="the poke") == b"\0"
+
+
+def _received(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(16)
+    except BlockingIOError:
+        return b""

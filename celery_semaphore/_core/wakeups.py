@@ -204,6 +204,13 @@ class WakeUps:
             self._poke_out, self._poke_in = socket.socketpair()
             self._poke_out.setblocking(False)
             self._poke_in.setblocking(False)
+            # Closed by a finalizer of this object, not left to the sockets' own: a listener that
+            # lived to the interpreter's shutdown (its client cached for the process) had them
+            # finalized open, each an "unclosed socket" ResourceWarning after a test run's
+            # summary. The finalizer holds the sockets, not this object, and runs when this
+            # object is collected or at exit, whichever comes first; close() without shutdown(),
+            # so a forked child closing its inherited copies leaves the parent's listener as it was.
+            weakref.finalize(self, _close_all, self._poke_out, self._poke_in)
         self.control = f"celery-semaphore:wake-control:{self.listener_id}:{id(self):x}"
         self._lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
@@ -276,8 +283,9 @@ class WakeUps:
         if not self._listening.is_set():
             return  # the listener is starting: it reads the channel table before its first wait
         if self._poke_in is not None:
-            # a full buffer already holds a poke; the listener reads the table either way
-            with contextlib.suppress(BlockingIOError, InterruptedError):
+            # a full buffer already holds a poke, the listener reads the table either way; a
+            # pair closed at exit has no listener left to poke (waiters poll)
+            with contextlib.suppress(OSError):
                 self._poke_in.send(b"\0")
             return
         # if this fails the listener is reconnecting and will read the table; waiters also poll
@@ -318,6 +326,8 @@ class WakeUps:
                 if subscription is not None:
                     subscription.close()
                 subscription = None
+                if self._poke_out is not None and self._poke_out.fileno() < 0:
+                    return  # its socket pair was closed at exit: no failure to report or retry
                 # A lost subscription has to subscribe every channel again anyway, so the idle
                 # ones (kept only to spare the next wait a subscribe) go now.
                 with self._lock:
@@ -443,6 +453,11 @@ class WakeUps:
             ]
         for handle in handles:
             handle.event.set()
+
+
+def _close_all(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 _registry: weakref.WeakKeyDictionary[Any, WakeUps] = weakref.WeakKeyDictionary()
