@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import threading
 import time
@@ -281,6 +282,21 @@ def test_the_lease_is_renewed_while_held(redis_client: redis.Redis) -> None:
             time.sleep(0.1)
         assert not lease.lost
     assert semaphore.status().holder_count == 0
+
+
+def test_a_lease_dropped_without_release_stops_being_renewed(redis_client: redis.Redis) -> None:
+    """The renewer holds leases weakly: a Lease its owner dropped (a bug, or a process that
+    forgot it) is collected and no longer renewed, so its slot comes back when the lease runs
+    out. The renewer's two threads must not keep the last lease they looked at alive while they
+    sleep (found: they did, and the dropped lease was renewed for ever)."""
+    semaphore = FairSemaphore(redis_client, "dropped", 1, lease=1.0)
+    held = [semaphore.acquire(timeout=0) for _ in range(1)]
+    wait_until(lambda: semaphore.status().holders[0].expires_in > 0.9 and semaphore.status().holders[0].held_for > 0.5,
+               timeout=5, what="a renewal of the held lease")  # both renewer threads have seen it
+    del held[:]
+    gc.collect()
+    wait_until(lambda: semaphore.status().holder_count == 0, timeout=6,
+               what="the dropped lease's slot back after its lease ran out")
 
 
 def test_scripts_survive_script_flush(redis_client: redis.Redis) -> None:

@@ -134,20 +134,33 @@ class _Renewer:
         held = self.leases.get(id(lease))
         return held if held is not None and held.ref() is lease else None
 
+    # The two threads hold no lease in a local while they sleep: a lease its owner dropped
+    # without releasing must be collected, and so stop being renewed. Hence the helpers: what a
+    # round looked at goes out of scope before the thread waits.
+
     def _run(self) -> None:
         while True:
-            with self.changed:
-                # deciding and starting to wait under the lock that track() takes, so a lease
-                # tracked meanwhile is either seen here or wakes the wait
-                leases = self._live()
-                now = time.monotonic()
-                due = [lease for lease in leases if lease.renew_due <= now]
-                if not due:
-                    self.wakes_at = min((lease.renew_due for lease in leases), default=now + IDLE_WAKE)
-                    self.changed.wait(timeout=max(0.0, self.wakes_at - now))
-                    self.wakes_at = math.inf
-                    continue
-            self.renew(due)
+            self.renew(self._due_or_wait())
+
+    def _due_or_wait(self) -> list[Lease]:
+        """The leases due for renewal now; or none, after a wait until one may be due. Decided,
+        and the wait begun, under the lock that track() takes, so a lease tracked meanwhile is
+        either seen here or wakes the wait."""
+        with self.changed:
+            now = time.monotonic()
+            due, wakes_at = self._due(now)
+            if due:
+                return due
+            self.wakes_at = wakes_at
+            self.changed.wait(timeout=max(0.0, wakes_at - now))
+            self.wakes_at = math.inf
+            return []
+
+    def _due(self, now: float) -> tuple[list[Lease], float]:
+        """(the leases due at ``now``, when the next one is due)"""
+        leases = self._live()
+        due = [lease for lease in leases if lease.renew_due <= now]
+        return due, min((lease.renew_due for lease in leases), default=now + IDLE_WAKE)
 
     def renew(self, leases: list[Lease]) -> None:
         # one round trip per semaphore: leases of equal semaphores (the Celery layer makes a
@@ -220,35 +233,46 @@ class _Renewer:
         """The watch thread: mark lost, and log, each lease whose deadline passed with no
         renewal getting through. It never calls Redis, so it cannot hang on it."""
         while True:
-            lapsed: list[tuple[Lease, str]] = []
-            with self.changed:
-                now = time.monotonic()
-                next_deadline = math.inf
-                for lease in self._live():
-                    held = self.leases[id(lease)]
-                    if held.lapsed or lease.released:
-                        continue  # a lapsed lease counts again once a renewal un-lapses it
-                    if held.until > now:
-                        next_deadline = min(next_deadline, held.until)
-                        continue
-                    held.lapsed = True
-                    if not lease.lost:  # (a renewal that found it gone logged it already)
-                        lease.lost = True  # under the lock a renewal clears it under
-                        lapsed.append((lease, held.why))
-                if not lapsed:
-                    # nothing tracked (or only lapsed leases): sleep until track() or a
-                    # renewal that un-lapses one says otherwise
-                    self.watch_wakes_at = next_deadline + WATCH_SLACK
-                    self.watched.wait(timeout=None if next_deadline == math.inf else self.watch_wakes_at - now)
-                    self.watch_wakes_at = math.inf
-                    continue
-            for lease, why in lapsed:
-                logger.error(
-                    "lease %s of %s on %r ran out with no renewal getting through (%s): it is lost, its slot may "
-                    "go to another caller and the limit may be exceeded until this holder ends",
-                    lease.token, lease.label, lease.semaphore.name, why,
-                )  # fmt: skip
-                self._tell(lease, "lost")
+            self._report_lapsed(self._lapsed_or_wait())
+
+    def _lapsed_or_wait(self) -> list[tuple[Lease, str]]:
+        """The leases that lapsed just now, marked lost, each with why; or none, after a wait
+        until the next deadline, track(), or a renewal that un-lapses one."""
+        with self.changed:
+            now = time.monotonic()
+            lapsed, next_deadline = self._lapse(now)
+            if lapsed:
+                return lapsed
+            self.watch_wakes_at = next_deadline + WATCH_SLACK
+            self.watched.wait(timeout=None if next_deadline == math.inf else self.watch_wakes_at - now)
+            self.watch_wakes_at = math.inf
+            return []
+
+    def _lapse(self, now: float) -> tuple[list[tuple[Lease, str]], float]:
+        """(the leases whose deadline passed by ``now``, marked lapsed and lost; the next deadline)"""
+        lapsed: list[tuple[Lease, str]] = []
+        next_deadline = math.inf
+        for lease in self._live():
+            held = self.leases[id(lease)]
+            if held.lapsed or lease.released:
+                continue  # a lapsed lease counts again once a renewal un-lapses it
+            if held.until > now:
+                next_deadline = min(next_deadline, held.until)
+                continue
+            held.lapsed = True
+            if not lease.lost:  # (a renewal that found it gone logged it already)
+                lease.lost = True  # under the lock a renewal clears it under
+                lapsed.append((lease, held.why))
+        return lapsed, next_deadline
+
+    def _report_lapsed(self, lapsed: list[tuple[Lease, str]]) -> None:
+        for lease, why in lapsed:
+            logger.error(
+                "lease %s of %s on %r ran out with no renewal getting through (%s): it is lost, its slot may "
+                "go to another caller and the limit may be exceeded until this holder ends",
+                lease.token, lease.label, lease.semaphore.name, why,
+            )  # fmt: skip
+            self._tell(lease, "lost")
 
     @staticmethod
     def _tell(lease: Lease, event: str) -> None:
