@@ -176,8 +176,6 @@ def inversions(asked: Sequence[str], started: Sequence[str]) -> tuple[int, int]:
 # -- servers, workers, senders ------------------------------------------------------------------
 
 
-
-
 class RoundFailed(RuntimeError):
     """A round that could not finish (a task failed, stalled or a worker died): reported, and
     the benchmark goes on with the next one."""
@@ -192,8 +190,11 @@ def queue_conf(queue_type: str) -> dict[str, Any]:
     keep ``worker_detect_quorum_queues`` on (Celery's default, spelled out)."""
     if queue_type == "classic":
         return {}
-    return {"task_default_queue_type": queue_type, "task_create_missing_queue_type": queue_type,
-            "worker_detect_quorum_queues": True}
+    return {
+        "task_default_queue_type": queue_type,
+        "task_create_missing_queue_type": queue_type,
+        "worker_detect_quorum_queues": True,
+    }
 
 
 def amqp_problem(url: str) -> str | None:
@@ -246,8 +247,13 @@ class Lab:
         """One worker per queue, started together (start-up is seconds of CPU on this host)."""
         tag = uuid.uuid4().hex[:4]
         group = [
-            Worker({**self.env, "PROJ_BROKER_URL": broker_url, "PROJ_QUEUE": queue}, name=f"bench{i}-{tag}",
-                   concurrency=children, conf=conf, app=APP)
+            Worker(
+                {**self.env, "PROJ_BROKER_URL": broker_url, "PROJ_QUEUE": queue},
+                name=f"bench{i}-{tag}",
+                concurrency=children,
+                conf=conf,
+                app=APP,
+            )
             for i, queue in enumerate(queues)
         ]
         try:
@@ -266,8 +272,9 @@ class Lab:
             for worker in group:
                 worker.stop()
 
-    def send(self, broker_url: str, name: str, calls: Sequence[tuple[Any, ...]], queue: str,
-             queue_type: str = "classic") -> list[str]:
+    def send(
+        self, broker_url: str, name: str, calls: Sequence[tuple[Any, ...]], queue: str, queue_type: str = "classic"
+    ) -> list[str]:
         """Publish the calls back to back on one producer; the task ids, in sending order."""
         app = self.sender(broker_url, queue_type)
         with self._send_lock, app.producer_or_acquire() as producer:
@@ -297,8 +304,10 @@ class Lab:
             now = time.monotonic()
             if now - last_progress > STALL_S or now - started > timeout:
                 missing = len(wanted - self._listed(listing))
-                raise RoundFailed(f"{missing} of {len(wanted)} tasks not done after {now - started:.0f} s "
-                                  f"(last progress {now - last_progress:.0f} s ago)")
+                raise RoundFailed(
+                    f"{missing} of {len(wanted)} tasks not done after {now - started:.0f} s "
+                    f"(last progress {now - last_progress:.0f} s ago)"
+                )
             time.sleep(0.1)
 
     def _listed(self, listing: str) -> set[str]:
@@ -316,11 +325,9 @@ class Lab:
         declared by workers that consume quorum queues) is shared by every app: left alone."""
         if broker_url.startswith("amqp"):
             for name in (queue, queue + WAKE_QUEUE_SUFFIX):
-                with contextlib.suppress(Exception), \
-                        Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
+                with contextlib.suppress(Exception), Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
                     connection.channel().queue_delete(name)
-            with contextlib.suppress(Exception), \
-                    Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
+            with contextlib.suppress(Exception), Connection(broker_url, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
                 connection.channel().exchange_delete(queue)
 
 
@@ -391,15 +398,38 @@ def scenarios(quick: bool) -> list[Scenario]:
         Fairness("order", "order and utilization, sent at once", order_tasks, 0.3, 3, "redis"),
         Fairness("backlog-redis", "backlog, Redis broker", backlog_tasks, 0.1, 5, "redis"),
         Fairness("backlog-amqp", "backlog, RabbitMQ", backlog_tasks, 0.1, 5, "amqp"),
-        Handoff("handoff", "hand-off to a task waiting outside the worker (inline_wait = 0), across workers",
-                chains=chains, links=links, hold=0.3),
-        Handoff("handoff-amqp", "the same hand-off, RabbitMQ, classic queues",
-                chains=chains, links=links, hold=0.3, broker="amqp"),
-        Handoff("handoff-quorum", "the same hand-off, RabbitMQ, quorum queues",
-                chains=chains, links=links, hold=0.3, broker="amqp", queue_type="quorum"),
+        Handoff(
+            "handoff",
+            "hand-off to a task waiting outside the worker (inline_wait = 0), across workers",
+            chains=chains,
+            links=links,
+            hold=0.3,
+        ),
+        Handoff(
+            "handoff-amqp",
+            "the same hand-off, RabbitMQ, classic queues",
+            chains=chains,
+            links=links,
+            hold=0.3,
+            broker="amqp",
+        ),
+        Handoff(
+            "handoff-quorum",
+            "the same hand-off, RabbitMQ, quorum queues",
+            chains=chains,
+            links=links,
+            hold=0.3,
+            broker="amqp",
+            queue_type="quorum",
+        ),
         Overhead("overhead", "per-task cost, a limit never reached, 1 worker x 1 child", 100 if quick else 300),
-        Rolling("rolling", f"rolling restart: one of the two workers warm-restarted every {3 if quick else 10} s",
-                80 if quick else 200, 0.1, 3.0 if quick else 10.0),
+        Rolling(
+            "rolling",
+            f"rolling restart: one of the two workers warm-restarted every {3 if quick else 10} s",
+            80 if quick else 200,
+            0.1,
+            3.0 if quick else 10.0,
+        ),
     ]
 
 
@@ -579,11 +609,15 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
                 restarter.join(timeout=120)
         makespan = time.time() - began
     released = sorted(e.at for e in _events(lab.probe, "bench:released") if e.key == f"bc:{key}")
-    started = sorted(e.at for e in _first_by_task(
-        [e for e in _events(lab.probe, "bench:starts") if e.key == f"bc:{key}"]).values())
+    started = sorted(
+        e.at for e in _first_by_task([e for e in _events(lab.probe, "bench:starts") if e.key == f"bc:{key}"]).values()
+    )
     # how each start came: "<queue>/<earlier refusals>" (the start event's last two fields)
-    how = {float(parts[1]): f"{parts[4]}/{parts[5]}" for parts in
-           (_text(raw).split() for raw in lab.probe.lrange("bench:starts", 0, -1)) if len(parts) > 5}
+    how = {
+        float(parts[1]): f"{parts[4]}/{parts[5]}"
+        for parts in (_text(raw).split() for raw in lab.probe.lrange("bench:starts", 0, -1))
+        if len(parts) > 5
+    }
     gaps: list[tuple[float, float]] = []  # (release time, ms to the next start)
     slow: dict[str, int] = {}  # how the starts that came more than 50 ms after a release came
     for release in released:
@@ -628,8 +662,11 @@ def overhead_rounds(lab: Lab, spec: Overhead, rounds: int, cases: Sequence[str])
     lab.clean(broker_url)
     with lab.workers(broker_url, [queue], 1, {"semaphore_limits": {"bc:*": UNREACHED_LIMIT}}) as group:
         # the first calls in a child connect and load scripts: not what a task costs
-        warm = [task_id for case in cases for task_id in
-                lab.send(broker_url, names[case], [(f"warm-{lab.nonce}",)] * spec.warmup, queue)]
+        warm = [
+            task_id
+            for case in cases
+            for task_id in lab.send(broker_url, names[case], [(f"warm-{lab.nonce}",)] * spec.warmup, queue)
+        ]
         lab.wait_for(warm, "bench:durations", group, timeout=120)
         for round_no in range(rounds):
             order = list(cases) if round_no % 2 == 0 else list(reversed(cases))
@@ -640,11 +677,13 @@ def overhead_rounds(lab: Lab, spec: Overhead, rounds: int, cases: Sequence[str])
                 lab.wait_for(ids, "bench:durations", group, timeout=300)
                 wall = time.time() - began
                 durations = [float(raw.split()[1]) for raw in lab.probe.lrange("bench:durations", 0, -1)]
-                results[case].append({
-                    "median_ms": statistics.median(durations),
-                    "p90_ms": percentile(durations, 90),
-                    "wall_ms_per_task": wall * 1000 / spec.tasks,
-                })
+                results[case].append(
+                    {
+                        "median_ms": statistics.median(durations),
+                        "p90_ms": percentile(durations, 90),
+                        "wall_ms_per_task": wall * 1000 / spec.tasks,
+                    }
+                )
     if "semaphore" in results and "plain" in results:
         for with_, without in zip(results["semaphore"], results["plain"], strict=True):
             with_["delta_ms"] = with_["median_ms"] - without["median_ms"]
@@ -691,7 +730,7 @@ def run_scenario(lab: Lab, spec: Scenario, rounds: int, only: set[str] | None, a
         return outcome
     for round_no in range(rounds):
         # rotate the order of the cases: none always runs first (cold) or last (after the others)
-        for case in cases[round_no % len(cases):] + cases[:round_no % len(cases)]:
+        for case in cases[round_no % len(cases) :] + cases[: round_no % len(cases)]:
             print(f"  {spec.name}/{case} round {round_no + 1}/{rounds} ...", file=sys.stderr, flush=True)
             began = time.monotonic()
             try:
@@ -745,8 +784,9 @@ def table(rows: list[list[str]], left: int = 1) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
-        cells = (cell.ljust(w) if i < left else cell.rjust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        cells = (
+            cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
         lines.append("  ".join(cells))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -754,10 +794,17 @@ def table(rows: list[list[str]], left: int = 1) -> str:
 
 
 FAIRNESS_COLUMNS = [
-    ("makespan/ideal", "over_ideal", 2), ("/plain", "over_plain", 2), ("inversions %", "inversions_pct", 1),
-    ("max displ.", "max_displacement", 0), ("prerun inv. %", "prerun_inversions_pct", 1),
-    ("prerun displ.", "prerun_max_displacement", 0), ("runs/task", "runs_per_task", 2), ("max runs", "runs_max", 0),
-    ("msgs/task", "msgs_per_task", 2), ("max conc.", "max_concurrency", 0), ("ran twice", "ran_twice", 0),
+    ("makespan/ideal", "over_ideal", 2),
+    ("/plain", "over_plain", 2),
+    ("inversions %", "inversions_pct", 1),
+    ("max displ.", "max_displacement", 0),
+    ("prerun inv. %", "prerun_inversions_pct", 1),
+    ("prerun displ.", "prerun_max_displacement", 0),
+    ("runs/task", "runs_per_task", 2),
+    ("max runs", "runs_max", 0),
+    ("msgs/task", "msgs_per_task", 2),
+    ("max conc.", "max_concurrency", 0),
+    ("ran twice", "ran_twice", 0),
 ]
 
 
@@ -766,62 +813,114 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
     out = []
     slow: list[str] = []
     if isinstance(spec, Fairness):
-        head = (f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit {spec.limit}, "
-                f"{WORKERS} workers x {CHILDREN} (plain: 1 x {spec.limit}); ideal {spec.ideal:.2f} s; "
-                f"{spec.tasks * (spec.tasks - 1) // 2} pairs")
+        head = (
+            f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit {spec.limit}, "
+            f"{WORKERS} workers x {CHILDREN} (plain: 1 x {spec.limit}); ideal {spec.ideal:.2f} s; "
+            f"{spec.tasks * (spec.tasks - 1) // 2} pairs"
+        )
         rows = [["case", *(title for title, _, _ in FAIRNESS_COLUMNS)]]
         for case in outcome.rounds:
             rows.append([case, *(show(figures(outcome, case, name), digits) for _, name, digits in FAIRNESS_COLUMNS)])
     elif isinstance(spec, Handoff):
-        head = (f"{spec.name}: {spec.title}: {spec.chains} chains x {spec.links} links, hold {spec.hold} s, "
-                f"limit 1 per chain, {WORKERS} workers x {CHILDREN}, {spec.broker} broker"
-                + (f", {spec.queue_type} queues" if spec.broker == "amqp" else ""))
-        rows = [["", "samples", "cross-worker", "not waiting", "p50 ms", "p90 ms", "p99 ms", "max ms",
-                 "runs/waiter", "max send->ask ms", "round s"]]
+        head = (
+            f"{spec.name}: {spec.title}: {spec.chains} chains x {spec.links} links, hold {spec.hold} s, "
+            f"limit 1 per chain, {WORKERS} workers x {CHILDREN}, {spec.broker} broker"
+            + (f", {spec.queue_type} queues" if spec.broker == "amqp" else "")
+        )
+        rows = [
+            [
+                "",
+                "samples",
+                "cross-worker",
+                "not waiting",
+                "p50 ms",
+                "p90 ms",
+                "p99 ms",
+                "max ms",
+                "runs/waiter",
+                "max send->ask ms",
+                "round s",
+            ]
+        ]
         for result in outcome.rounds.get("semaphore", []):
-            rows.append([f"round {result['round']}", str(result["samples"]), str(result["cross_worker"]),
-                         str(result["not_waiting"]),
-                         *(f"{result[k]:.1f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
-                         f"{result['runs_per_waiter']:.2f}", f"{result['max_send_to_ask_ms']:.0f}",
-                         f"{result['seconds']:.1f}"])
+            rows.append(
+                [
+                    f"round {result['round']}",
+                    str(result["samples"]),
+                    str(result["cross_worker"]),
+                    str(result["not_waiting"]),
+                    *(f"{result[k]:.1f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
+                    f"{result['runs_per_waiter']:.2f}",
+                    f"{result['max_send_to_ask_ms']:.0f}",
+                    f"{result['seconds']:.1f}",
+                ]
+            )
         pooled = [s for r in outcome.rounds.get("semaphore", []) for s in r["samples_ms"]]
         if pooled:
-            rows.append(["all rounds", str(len(pooled)),
-                         *(str(sum(int(r[name]) for r in outcome.rounds["semaphore"]))
-                           for name in ("cross_worker", "not_waiting")),
-                         *(f"{percentile(pooled, q):.1f}" for q in (50, 90, 99, 100)),
-                         show(figures(outcome, "semaphore", "runs_per_waiter"), 2),
-                         show(figures(outcome, "semaphore", "max_send_to_ask_ms"), 0),
-                         show(figures(outcome, "semaphore", "seconds"), 1)])
+            rows.append(
+                [
+                    "all rounds",
+                    str(len(pooled)),
+                    *(
+                        str(sum(int(r[name]) for r in outcome.rounds["semaphore"]))
+                        for name in ("cross_worker", "not_waiting")
+                    ),
+                    *(f"{percentile(pooled, q):.1f}" for q in (50, 90, 99, 100)),
+                    show(figures(outcome, "semaphore", "runs_per_waiter"), 2),
+                    show(figures(outcome, "semaphore", "max_send_to_ask_ms"), 0),
+                    show(figures(outcome, "semaphore", "seconds"), 1),
+                ]
+            )
     elif isinstance(spec, Rolling):
-        head = (f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit 1, {WORKERS} workers x "
-                f"{CHILDREN}; release -> next start outside the restarts, and the worst anywhere")
-        rows = [["case", "restarts", "samples", "p50 ms", "p90 ms", "p99 ms", "p99 / steady", "worst ms",
-                 "makespan s"]]
+        head = (
+            f"{spec.name}: {spec.title}: {spec.tasks} tasks x {spec.hold} s, limit 1, {WORKERS} workers x "
+            f"{CHILDREN}; release -> next start outside the restarts, and the worst anywhere"
+        )
+        rows = [["case", "restarts", "samples", "p50 ms", "p90 ms", "p99 ms", "p99 / steady", "worst ms", "makespan s"]]
         steady = {r["round"]: r["p99_ms"] for r in outcome.rounds.get("steady", [])}
         for case in outcome.rounds:
             ratios = [r["p99_ms"] / steady[r["round"]] for r in outcome.rounds[case] if steady.get(r["round"])]
-            rows.append([case, show(figures(outcome, case, "restarts"), 0), show(figures(outcome, case, "samples"), 0),
-                         *(show(figures(outcome, case, name), 1) for name in ("p50_ms", "p90_ms", "p99_ms")),
-                         show(ratios, 2), show(figures(outcome, case, "max_all_ms"), 0),
-                         show(figures(outcome, case, "makespan_s"), 1)])
-        slow = [f"{case} round {r['round']}: {r['slow_starts']}" for case in outcome.rounds
-                for r in outcome.rounds[case] if r.get("slow_starts")]
+            rows.append(
+                [
+                    case,
+                    show(figures(outcome, case, "restarts"), 0),
+                    show(figures(outcome, case, "samples"), 0),
+                    *(show(figures(outcome, case, name), 1) for name in ("p50_ms", "p90_ms", "p99_ms")),
+                    show(ratios, 2),
+                    show(figures(outcome, case, "max_all_ms"), 0),
+                    show(figures(outcome, case, "makespan_s"), 1),
+                ]
+            )
+        slow = [
+            f"{case} round {r['round']}: {r['slow_starts']}"
+            for case in outcome.rounds
+            for r in outcome.rounds[case]
+            if r.get("slow_starts")
+        ]
     else:
         head = f"{spec.name}: {spec.title}: {spec.tasks} tasks per case and round"
         rows = [["case", "prerun->postrun median ms", "p90 ms", "wall ms/task", "delta median ms", "delta wall ms"]]
         for case in outcome.rounds:
-            rows.append([case, show(figures(outcome, case, "median_ms"), 3), show(figures(outcome, case, "p90_ms"), 3),
-                         show(figures(outcome, case, "wall_ms_per_task"), 3),
-                         show(figures(outcome, case, "delta_ms"), 3), show(figures(outcome, case, "wall_delta_ms"), 3)])
+            rows.append(
+                [
+                    case,
+                    show(figures(outcome, case, "median_ms"), 3),
+                    show(figures(outcome, case, "p90_ms"), 3),
+                    show(figures(outcome, case, "wall_ms_per_task"), 3),
+                    show(figures(outcome, case, "delta_ms"), 3),
+                    show(figures(outcome, case, "wall_delta_ms"), 3),
+                ]
+            )
     out.append(head + f"; {rounds} rounds, median (min-max)")
     if outcome.skipped:
         out.append(f"  SKIPPED: {outcome.skipped}")
     elif len(rows) > 1:
         out.append(table(rows))
     if isinstance(spec, Rolling) and slow:
-        out.append("starts more than 50 ms after a release, by the queue they came from and their earlier "
-                   "refusals: " + "; ".join(slow))
+        out.append(
+            "starts more than 50 ms after a release, by the queue they came from and their earlier "
+            "refusals: " + "; ".join(slow)
+        )
     for error in outcome.errors:
         out.append(f"  FAILED {error.splitlines()[0]}")
     return "\n".join(out)
@@ -892,9 +991,18 @@ def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[s
                 digits = 0 if target.figure in ("max_displacement", "max_concurrency") else 2
                 measured = show(values, digits)
                 naive = show(figures(outcome, "naive", target.figure), digits)
-            verdicts.append({"scenario": target.scenario, "case": case, "figure": target.title,
-                             "measured": measured, "value": value, "naive": naive,
-                             "target": f"<= {target.bound:g}", "met": bool(value <= target.bound)})
+            verdicts.append(
+                {
+                    "scenario": target.scenario,
+                    "case": case,
+                    "figure": target.title,
+                    "measured": measured,
+                    "value": value,
+                    "naive": naive,
+                    "target": f"<= {target.bound:g}",
+                    "met": bool(value <= target.bound),
+                }
+            )
     return verdicts
 
 
@@ -936,11 +1044,17 @@ max send->ask: longest time from sending a link to its first ask; round s: the r
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="repeat each scenario this many times (default 3)")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer tasks (order 30, backlogs 200, hand-off 2 x 10, overhead 100), for development")
-    parser.add_argument("--only", help="comma-separated scenarios or scenario/case: order, backlog-redis, "
-                                       "backlog-amqp, handoff, handoff-amqp, handoff-quorum, overhead "
-                                       "(e.g. order/semaphore)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer tasks (order 30, backlogs 200, hand-off 2 x 10, overhead 100), for development",
+    )
+    parser.add_argument(
+        "--only",
+        help="comma-separated scenarios or scenario/case: order, backlog-redis, "
+        "backlog-amqp, handoff, handoff-amqp, handoff-quorum, overhead "
+        "(e.g. order/semaphore)",
+    )
     parser.add_argument("--json", help="also write every round's figures, versions and the commit here")
     args = parser.parse_args(argv)
     only = {name.strip() for name in args.only.split(",")} if args.only else None
@@ -975,27 +1089,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     changes = f" + {len(dirty)} uncommitted change(s) in celery_semaphore/" if dirty else ""
     commit = meta["commit"] if len(meta["commit"]) <= 72 else meta["commit"][:69] + "..."
     print(f"\ncommit {commit}{changes}")
-    print(f"celery {meta['celery']}, kombu {meta['kombu']}, redis-py {meta['redis-py']}, "
-          f"redis-server {meta['redis-server']}, Python {meta['python']}, {meta['cpus']} CPUs; "
-          f"RabbitMQ: {meta['rabbitmq']}; ran {meta['seconds']:.0f} s")
+    print(
+        f"celery {meta['celery']}, kombu {meta['kombu']}, redis-py {meta['redis-py']}, "
+        f"redis-server {meta['redis-server']}, Python {meta['python']}, {meta['cpus']} CPUs; "
+        f"RabbitMQ: {meta['rabbitmq']}; ran {meta['seconds']:.0f} s"
+    )
     for outcome in outcomes.values():
         print()
         print(report_scenario(outcome, args.rounds))
     print(LEGEND)
     verdicts = judge(outcomes, targets(specs))
     if verdicts:
-        print("\nissue 8 and 17 targets: median (min-max) over the rounds; judged on the median, max concurrency on "
-              "the worst round")
+        print(
+            "\nissue 8 and 17 targets: median (min-max) over the rounds; judged on the median, max concurrency on "
+            "the worst round"
+        )
         rows = [["scenario", "case", "figure", "measured", "naive", "target", "met"]]
-        rows += [[v["scenario"], v["case"], v["figure"], v["measured"], v["naive"], v["target"],
-                  "yes" if v["met"] else "NO"] for v in verdicts]
+        rows += [
+            [v["scenario"], v["case"], v["figure"], v["measured"], v["naive"], v["target"], "yes" if v["met"] else "NO"]
+            for v in verdicts
+        ]
         print(table(rows, left=3))
     if args.json:
         report = {
             "meta": meta,
             "scenarios": {
-                name: {"spec": outcome.spec.__dict__, "rounds": outcome.rounds, "errors": outcome.errors,
-                       "skipped": outcome.skipped}
+                name: {
+                    "spec": outcome.spec.__dict__,
+                    "rounds": outcome.rounds,
+                    "errors": outcome.errors,
+                    "skipped": outcome.skipped,
+                }
                 for name, outcome in outcomes.items()
             },
             "targets": verdicts,

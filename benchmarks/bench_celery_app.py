@@ -237,7 +237,8 @@ def _on_postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
 
 
 @signals.task_failure.connect
-def _on_failure(task_id: str | None = None, sender: Any = None, exception: BaseException | None = None,
-                **_: Any) -> None:
+def _on_failure(
+    task_id: str | None = None, sender: Any = None, exception: BaseException | None = None, **_: Any
+) -> None:
     if _ours(sender):
         probe_client().rpush("bench:failures", f"{task_id} {type(exception).__name__}: {exception}")

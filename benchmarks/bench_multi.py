@@ -32,8 +32,19 @@ import redis
 from celery_semaphore import FairSemaphore, MultiSemaphore
 from tests.redis_server import RedisServer
 
-_NOT_SCRIPTED = {"evalsha", "eval", "info", "config", "config|resetstat", "script", "script|load", "ping",
-                 "hello", "client", "publish"}
+_NOT_SCRIPTED = {
+    "evalsha",
+    "eval",
+    "info",
+    "config",
+    "config|resetstat",
+    "script",
+    "script|load",
+    "ping",
+    "hello",
+    "client",
+    "publish",
+}
 
 
 def cases(client: redis.Redis) -> dict[str, Callable[[], None]]:
@@ -59,8 +70,7 @@ def scripted_calls(client: redis.Redis, cycle: Callable[[], None]) -> int:
     client.config_resetstat()
     cycle()
     stats = client.info("commandstats")
-    return sum(int(stat["calls"]) for name, stat in stats.items()
-               if name.removeprefix("cmdstat_") not in _NOT_SCRIPTED)
+    return sum(int(stat["calls"]) for name, stat in stats.items() if name.removeprefix("cmdstat_") not in _NOT_SCRIPTED)
 
 
 def server_us(client: redis.Redis, cycle: Callable[[], None], cycles: int = 2000) -> float:
@@ -110,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
 
     base = per_round["fair-1"]
-    print(f"# bench_multi: redis {version}, python {platform.python_version()}, {args.rounds} rounds x "
-          f"{args.seconds} s per case, one client, uncontended")
-    print(f"{'case':<12} {'us/cycle':>9} {'ratio to fair-1 (min..max)':>28} {'server us':>10} "
-          f"{'server ratio (min..max)':>24} {'redis calls':>12}")
+    print(
+        f"# bench_multi: redis {version}, python {platform.python_version()}, {args.rounds} rounds x "
+        f"{args.seconds} s per case, one client, uncontended"
+    )
+    print(
+        f"{'case':<12} {'us/cycle':>9} {'ratio to fair-1 (min..max)':>28} {'server us':>10} "
+        f"{'server ratio (min..max)':>24} {'redis calls':>12}"
+    )
     results = {}
     for name, times in per_round.items():
         ratios = [t / b for t, b in zip(times, base, strict=True)]
@@ -131,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         spread = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
         server_spread = f"{statistics.median(server_ratios):.2f} ({min(server_ratios):.2f}..{max(server_ratios):.2f})"
-        print(f"{name:<12} {statistics.median(times):>9.1f} {spread:>28} {statistics.median(server[name]):>10.1f} "
-              f"{server_spread:>24} {calls[name]:>12}")
+        print(
+            f"{name:<12} {statistics.median(times):>9.1f} {spread:>28} {statistics.median(server[name]):>10.1f} "
+            f"{server_spread:>24} {calls[name]:>12}"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"redis": version, "rounds": args.rounds, "seconds": args.seconds, "results": results}, out,
-                      indent=2)
+            json.dump(
+                {"redis": version, "rounds": args.rounds, "seconds": args.seconds, "results": results}, out, indent=2
+            )
     return 0
 
 

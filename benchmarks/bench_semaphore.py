@@ -533,8 +533,22 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
 
 # -- hand-off scenarios (issue 8): blocked callers, release cost, a crowd on one key ------------------
 
-_NOT_SCRIPTED = {"evalsha", "eval", "info", "config|resetstat", "config", "script|load", "script", "ping", "hello",
-                 "client", "publish", "subscribe", "unsubscribe", "zscan"}
+_NOT_SCRIPTED = {
+    "evalsha",
+    "eval",
+    "info",
+    "config|resetstat",
+    "config",
+    "script|load",
+    "script",
+    "ping",
+    "hello",
+    "client",
+    "publish",
+    "subscribe",
+    "unsubscribe",
+    "zscan",
+}
 
 
 def _command_calls(admin: redis.Redis) -> dict[str, int]:
@@ -880,9 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         if "cpu" in scenarios:
             extra["cpu_us_per_cycle"] = cpu_per_cycle(server, max(args.repeats, 5))
         if "release-cost" in scenarios:
-            extra["release_cost"] = [
-                release_cost(server, n) for n in (1, 10, 50, 200) for _ in range(args.repeats)
-            ]
+            extra["release_cost"] = [release_cost(server, n) for n in (1, 10, 50, 200) for _ in range(args.repeats)]
         if "handoff" in scenarios:
             extra["handoff"] = [handoff_latency(server, args.waiters, args.handoffs) for _ in range(args.repeats)]
         if "crowd" in scenarios:
@@ -903,37 +915,53 @@ def main(argv: list[str] | None = None) -> int:
         )
         for r in results:
             if r.kind == "fair-blocking":
-                try_case = next((t for t in results if t.kind == "fair-try-oneshot" and t.clients == r.clients
-                                 and t.limit == r.limit), None)
+                try_case = next(
+                    (
+                        t
+                        for t in results
+                        if t.kind == "fair-try-oneshot" and t.clients == r.clients and t.limit == r.limit
+                    ),
+                    None,
+                )
                 if try_case is not None:
                     ratios = [b / t for b, t in zip(r.per_round, try_case.per_round, strict=True)]
-                    print(f"uncontended acquire(timeout=10) vs try_acquire, {r.clients} client(s): "
-                          f"{r.grants_per_s / try_case.grants_per_s:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+                    print(
+                        f"uncontended acquire(timeout=10) vs try_acquire, {r.clients} client(s): "
+                        f"{r.grants_per_s / try_case.grants_per_s:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                    )
     if "cpu_us_per_cycle" in extra:
         cpu = extra["cpu_us_per_cycle"]
         print("\nLeast client CPU per uncontended cycle (one process, best of the repeats):")
         for kind, micros in cpu.items():
-            print(f"  {KINDS[kind].title:<50} {micros:6.0f} us   2xEVALSHA/this {cpu['baseline-2x'] / micros:.2f}   "
-                  f"minimal/this {cpu['minimal-fair'] / micros:.2f}")
+            print(
+                f"  {KINDS[kind].title:<50} {micros:6.0f} us   2xEVALSHA/this {cpu['baseline-2x'] / micros:.2f}   "
+                f"minimal/this {cpu['minimal-fair'] / micros:.2f}"
+            )
     if "release_cost" in extra:
         print("\nOne release with N blocked callers (the release script + the woken waiter's claim):")
         for n in (1, 10, 50, 200):
             rows = [row for row in extra["release_cost"] if row["waiters"] == n]
             calls = sorted(row["redis_calls"] for row in rows)
-            print(f"  N={n:<4} Redis calls {calls[0]}-{calls[-1]}, EVALSHA {sorted({r['evalsha'] for r in rows})}, "
-                  f"PUBLISH {sorted({r['publish'] for r in rows})}")
+            print(
+                f"  N={n:<4} Redis calls {calls[0]}-{calls[-1]}, EVALSHA {sorted({r['evalsha'] for r in rows})}, "
+                f"PUBLISH {sorted({r['publish'] for r in rows})}"
+            )
     if "handoff" in extra:
         print(f"\nBlocked-caller hand-off, {args.waiters} threads on one client, limit 1 (per repeat):")
         for row in extra["handoff"]:
-            print(f"  p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, max {row['max_ms']:.1f} ms, "
-                  f"{row['handoffs_per_s']:,.0f} hand-offs/s, {row['redis_calls_per_release']:.1f} Redis calls, "
-                  f"{row['evalsha_per_release']:.2f} EVALSHA, {row['publish_per_release']:.2f} PUBLISH per release")
+            print(
+                f"  p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, max {row['max_ms']:.1f} ms, "
+                f"{row['handoffs_per_s']:,.0f} hand-offs/s, {row['redis_calls_per_release']:.1f} Redis calls, "
+                f"{row['evalsha_per_release']:.2f} EVALSHA, {row['publish_per_release']:.2f} PUBLISH per release"
+            )
     if "crowd" in extra:
         print(f"\n{args.crowd_processes} processes, one key, limit 5, 5 ms holds (ideal 1,000 acquires/s):")
         for row in extra["crowd"]:
-            print(f"  {row['acquires_per_s']:,.0f} acquires/s = {row['of_ideal']:.0%} of ideal, wait p50 "
-                  f"{row['wait_p50_ms']:.1f} ms p99 {row['wait_p99_ms']:.1f} ms, "
-                  f"max concurrent {row['max_concurrent']}")
+            print(
+                f"  {row['acquires_per_s']:,.0f} acquires/s = {row['of_ideal']:.0%} of ideal, wait p50 "
+                f"{row['wait_p50_ms']:.1f} ms p99 {row['wait_p99_ms']:.1f} ms, "
+                f"max concurrent {row['max_concurrent']}"
+            )
     if args.json:
         document = {
             "redis_version": redis_version,

@@ -86,8 +86,13 @@ def _spread(values: list[float]) -> str:
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "not a git checkout"
@@ -109,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         node_ports = [node.port]
         cluster_ports = [server.port for server in cluster.nodes]
         with cluster.client() as probe:
-            owners = {probe.get_node_from_key(f"semaphore:{{bench-{index}}}:holders").name
-                      for index in range(args.keys)}
+            owners = {
+                probe.get_node_from_key(f"semaphore:{{bench-{index}}}:holders").name for index in range(args.keys)
+            }
         rows: dict[str, list[float]] = {"node": [], "cluster": [], "ratio": []}
         for repeat in range(args.repeats):
             on_node = measure("node", node_ports, args.processes, args.keys, args.seconds)
@@ -118,12 +124,19 @@ def main(argv: list[str] | None = None) -> int:
             rows["node"].append(on_node)
             rows["cluster"].append(on_cluster)
             rows["ratio"].append(on_cluster / on_node)
-            print(f"repeat {repeat + 1}/{args.repeats}: node {on_node:,.0f}/s, cluster {on_cluster:,.0f}/s, "
-                  f"ratio {on_cluster / on_node:.2f}", file=sys.stderr)
-        print(f"celery-semaphore {_commit()}, Redis {binary_version(binary)}, redis-py {redis.__version__}, "
-              f"Python {platform.python_version()}, {os.cpu_count()} CPUs")
-        print(f"{args.processes} client processes, {args.keys} semaphores (on {len(owners)} cluster masters), "
-              f"{args.seconds:g} s per topology x {args.repeats} interleaved repeats; median (min - max)")
+            print(
+                f"repeat {repeat + 1}/{args.repeats}: node {on_node:,.0f}/s, cluster {on_cluster:,.0f}/s, "
+                f"ratio {on_cluster / on_node:.2f}",
+                file=sys.stderr,
+            )
+        print(
+            f"celery-semaphore {_commit()}, Redis {binary_version(binary)}, redis-py {redis.__version__}, "
+            f"Python {platform.python_version()}, {os.cpu_count()} CPUs"
+        )
+        print(
+            f"{args.processes} client processes, {args.keys} semaphores (on {len(owners)} cluster masters), "
+            f"{args.seconds:g} s per topology x {args.repeats} interleaved repeats; median (min - max)"
+        )
         print()
         print("| topology              | acquires/s (with release)  |")
         print("|-----------------------|----------------------------|")

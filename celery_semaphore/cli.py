@@ -152,8 +152,13 @@ def detail_lines(r: Report) -> list[str]:
     if r.waiters:
         # "away": re-sent with a countdown, so it keeps its place but holds up nobody until it asks again
         rows = [
-            [str(w.position), w.waiter, "asking" if w.present else "away", duration(w.waited),
-             duration(w.must_ask_within)]
+            [
+                str(w.position),
+                w.waiter,
+                "asking" if w.present else "away",
+                duration(w.waited),
+                duration(w.must_ask_within),
+            ]
             for w in r.waiters
         ]
         lines += ["waiters:", *table(["POS", "WAITER", "STATE", "WAITED", "MUST ASK WITHIN"], rows, indent="  ")]
@@ -262,8 +267,10 @@ def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None
         }
         ctx.obj.echo(json.dumps(data, indent=2))
     elif not reports:
-        ctx.obj.echo(f"no semaphores in {catalogue.backend} (prefix {catalogue.config.prefix!r}), "
-                     "and no semaphore task of this app has a fixed key")
+        ctx.obj.echo(
+            f"no semaphores in {catalogue.backend} (prefix {catalogue.config.prefix!r}), "
+            "and no semaphore task of this app has a fixed key"
+        )
     else:
         ctx.obj.echo("\n".join(summary_lines(reports)))
 
@@ -271,8 +278,13 @@ def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None
 @semaphore.command(name="set-limit")
 @click.argument("key")
 @click.argument("limit", metavar="N", callback=_check_limit)
-@click.option("--ttl", type=float, metavar="SECONDS", callback=_check_ttl,
-              help="Drop the override by itself after this many seconds (default: keep it until unset).")
+@click.option(
+    "--ttl",
+    type=float,
+    metavar="SECONDS",
+    callback=_check_ttl,
+    help="Drop the override by itself after this many seconds (default: keep it until unset).",
+)
 @click.pass_context
 def set_limit(ctx: click.Context, key: str, limit: int, ttl: float | None) -> None:
     """Override the limit of KEY with N, for every worker.
@@ -285,8 +297,10 @@ def set_limit(ctx: click.Context, key: str, limit: int, ttl: float | None) -> No
         task = catalogue.task_for(key)
         rule = catalogue.configured_limit(key, task)
         if task is None and rule is None and key not in catalogue.scan(glob_escape(key)):
-            ctx.obj.error(f"note: no task of this app, no semaphore_limits entry and no live semaphore "
-                          f"matches {key!r}; storing the override anyway (check the key for typos)")
+            ctx.obj.error(
+                f"note: no task of this app, no semaphore_limits entry and no live semaphore "
+                f"matches {key!r}; storing the override anyway (check the key for typos)"
+            )
         catalogue.semaphore(key, placeholder_limit=True).set_limit(limit, ttl=ttl)
         r = report(catalogue, key)
     ctx.obj.echo(f"{key}: limit {_limit_text(r)}")

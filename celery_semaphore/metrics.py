@@ -96,9 +96,7 @@ def _get() -> _Instruments | None:
                 return None
             labels = ["family"]
             _instruments = _Instruments(
-                acquired=Counter(
-                    "celery_semaphore_acquired", "Slots granted to semaphore tasks.", labels
-                ),
+                acquired=Counter("celery_semaphore_acquired", "Slots granted to semaphore tasks.", labels),
                 refused=Counter(
                     "celery_semaphore_refused", "Tries of semaphore tasks that found no free slot and wait.", labels
                 ),
@@ -207,9 +205,7 @@ class StatusCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         return (
-            GaugeMetricFamily(
-                "celery_semaphore_holders", "Slots held now, per semaphore family.", labels=["family"]
-            ),
+            GaugeMetricFamily("celery_semaphore_holders", "Slots held now, per semaphore family.", labels=["family"]),
             GaugeMetricFamily(
                 "celery_semaphore_waiters", "Tasks in line for a slot now, per semaphore family.", labels=["family"]
             ),

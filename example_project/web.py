@@ -29,8 +29,9 @@ def http_post(port: int, path: str, timeout: float = 10) -> tuple[int, str]:
     return _request("POST", port, path, {"Content-Type": "application/json"}, b"{}", timeout)
 
 
-def _request(method: str, port: int, path: str, headers: dict[str, str], body: bytes | None,
-             timeout: float) -> tuple[int, str]:
+def _request(
+    method: str, port: int, path: str, headers: dict[str, str], body: bytes | None, timeout: float
+) -> tuple[int, str]:
     conn = http.client.HTTPConnection(LOOPBACK_HOST, port, timeout=timeout)
     try:
         conn.request(method, path, body=body, headers=headers)

@@ -33,7 +33,9 @@ HARD_LIMIT = 750
 # Modules allowed over MOST_LINES for now, with their ceiling: lower a ceiling when a module
 # shrinks, drop the entry when it is under MOST_LINES.
 OVERSIZE: dict[str, int] = {
-    "celery_semaphore._celery.task": 590,  # SemaphoreTask's acquire, wait and give-back paths
+    # ceilings as `ruff format` lays the code out (one argument a line where a call is too long)
+    "celery_semaphore._celery.task": 650,  # SemaphoreTask's acquire, wait and give-back paths
+    "celery_semaphore._core.scripts": 550,  # one typed wrapper and reply per Lua script
 }
 
 
@@ -46,7 +48,8 @@ def module_name(path: Path) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[tuple[str, bool]]:
@@ -101,7 +104,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return [*path[path.index(target):], target]
+                return [*path[path.index(target) :], target]
             if target not in state:
                 found = visit(target)
                 if found:

@@ -19,13 +19,19 @@ SCRIPT = ROOT / "scripts" / "check_architecture.py"
 
 
 def check(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(root / "scripts" / "check_architecture.py")], capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / "check_architecture.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def copy_of_the_package(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "celery_semaphore", tmp_path / "celery_semaphore",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "celery_semaphore", tmp_path / "celery_semaphore", ignore=shutil.ignore_patterns("__pycache__")
+    )
     (tmp_path / "scripts").mkdir()
     shutil.copy(SCRIPT, tmp_path / "scripts" / "check_architecture.py")
     return tmp_path
@@ -82,8 +88,11 @@ def test_public_methods_take_at_most_four_keyword_arguments(semaphore_class: typ
     for name, method in inspect.getmembers(semaphore_class, inspect.isfunction):
         if name.startswith("_"):
             continue
-        parameters = [p for p in inspect.signature(method).parameters.values()
-                      if p.name != "self" and p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+        parameters = [
+            p
+            for p in inspect.signature(method).parameters.values()
+            if p.name != "self" and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+        ]
         if len(parameters) > 4:
             too_many[name] = [p.name for p in parameters]
     assert not too_many

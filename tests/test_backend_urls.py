@@ -239,9 +239,15 @@ def test_a_non_string_is_a_configuration_error() -> None:
         (f"rediss://alice:{SECRET}@h/0", "rediss://alice:***@h/0"),
         (f"unix://:{SECRET}@/run/r.sock", "unix://:***@/run/r.sock"),
         (f"redis+cluster://alice:{SECRET}@h1:1,h2:2", "redis+cluster://alice:***@h1:1,h2:2"),
-        (f"redis+sentinel://:{SECRET}@s1,s2/m/1?sentinel_password={SECRET}", "redis+sentinel://:***@s1,s2/m/1?sentinel_password=***"),
+        (
+            f"redis+sentinel://:{SECRET}@s1,s2/m/1?sentinel_password={SECRET}",
+            "redis+sentinel://:***@s1,s2/m/1?sentinel_password=***",
+        ),
         (f"redis://h/0?password={SECRET}&db=1", "redis://h/0?password=***&db=1"),
-        (f"sentinel://:{SECRET}@s1:26379;sentinel://u:{SECRET}@s2:26379", "sentinel://:***@s1:26379;sentinel://u:***@s2:26379"),
+        (
+            f"sentinel://:{SECRET}@s1:26379;sentinel://u:{SECRET}@s2:26379",
+            "sentinel://:***@s1:26379;sentinel://u:***@s2:26379",
+        ),
         (f"http://user:{SECRET}@host/1", "http://user:***@host/1"),
         (f"redis://:p@ss/w{SECRET}@h/0", "redis://:***@h/0"),
         (f"user:{SECRET}@host", "user:***@host"),

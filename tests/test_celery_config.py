@@ -28,7 +28,11 @@ def test_defaults_with_a_redis_broker() -> None:
     config = config_for(make_app())
     assert config.backend.url == "redis://127.0.0.1:1/0"
     assert (config.prefix, config.lease, config.countdown, config.max_wait, config.fail_open) == (
-        "semaphore", 60.0, (1.0, 30.0), None, False,
+        "semaphore",
+        60.0,
+        (1.0, 30.0),
+        None,
+        False,
     )
     assert config.visibility_timeout == 3600
 
@@ -122,9 +126,7 @@ def test_app_task_with_a_bad_template_fails_when_the_task_is_created() -> None:
     app = make_app()
     with pytest.raises(ConfigurationError, match="missing"):
 
-        @app.task(
-            base=SemaphoreTask, semaphore_limit=1, semaphore_key="k:{missing}", lazy=False, shared=False
-        )
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key="k:{missing}", lazy=False, shared=False)
         def work(present: int) -> None: ...
 
 
@@ -163,9 +165,7 @@ def test_keys_from_templates_positional_fields_and_functions() -> None:
     @limit_concurrency(2, key="crawl:{host}:{0}:{depth}", app=app, lazy=False, shared=False)
     def crawl(host: str, path: str, depth: int = 1) -> None: ...
 
-    @app.task(
-        base=SemaphoreTask, semaphore_limit=1, semaphore_key=lambda a, k: f"fn:{a[0]}", lazy=False, shared=False
-    )
+    @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_key=lambda a, k: f"fn:{a[0]}", lazy=False, shared=False)
     def by_function(x: int) -> None: ...
 
     @app.task(base=SemaphoreTask, semaphore_limit=1, lazy=False, shared=False, name="cfg.plain")
@@ -267,8 +267,12 @@ def test_eviction_is_warned_of_only_where_redis_can_evict(caplog: pytest.LogCapt
     from celery_semaphore._celery.worker import _warn_about_eviction
 
     with RedisServer() as server, server.client() as client:
-        cases = [("0", "allkeys-lru", False), ("1gb", "noeviction", False),
-                 ("1gb", "volatile-ttl", True), ("1gb", "allkeys-lru", True)]
+        cases = [
+            ("0", "allkeys-lru", False),
+            ("1gb", "noeviction", False),
+            ("1gb", "volatile-ttl", True),
+            ("1gb", "allkeys-lru", True),
+        ]
         for maxmemory, policy, warned in cases:
             client.config_set("maxmemory", maxmemory)
             client.config_set("maxmemory-policy", policy)

@@ -104,8 +104,9 @@ def test_fail_open_runs_an_eager_task_when_redis_is_unreachable() -> None:
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
     app = Celery("eager", broker="memory://", set_as_current=False)
-    app.conf.update(task_always_eager=True, task_eager_propagates=True, semaphore_backend_url=url,
-                    semaphore_fail_open=True)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=True, semaphore_backend_url=url, semaphore_fail_open=True
+    )
 
     @limit_concurrency(1, app=app, lazy=False, shared=False, name="eager.open")
     def work() -> str:

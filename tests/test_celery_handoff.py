@@ -76,8 +76,11 @@ def test_a_task_waiting_outside_the_worker_starts_soon_after_the_release(proj: A
     assert task_id == result.id
     assert started_at - released_at < 2.5, "woken by the release, not by its 5 s countdown"
     # the backstop copy comes later and finds the run done
-    wait_until(lambda: f"{result.id}]: another copy of this wait has run" in logs(workers), timeout=30,
-               what="the backstop copy dropped")
+    wait_until(
+        lambda: f"{result.id}]: another copy of this wait has run" in logs(workers),
+        timeout=30,
+        what="the backstop copy dropped",
+    )
     assert len(starts(proj, key)) == 1
     wait_until(lambda: semaphore.status().holder_count == 0, timeout=10, what="no slot held")
 
@@ -94,12 +97,18 @@ def test_a_copy_arriving_while_its_twin_runs_is_dropped(proj: Any, workers: list
     result = send(proj.handoff_twin, 3.0, key)
     wait_until(lambda: parked(proj, "proj.handoff_twin", result.id), timeout=30, what="the task parked")
     holder.release()
-    wait_until(lambda: f"{result.id}]: another copy of this wait holds the slot" in logs(workers), timeout=30,
-               what="the backstop copy sent to look again while its twin runs")
+    wait_until(
+        lambda: f"{result.id}]: another copy of this wait holds the slot" in logs(workers),
+        timeout=30,
+        what="the backstop copy sent to look again while its twin runs",
+    )
     assert result.get(timeout=30) == result.id
     assert result.state == "SUCCESS"
-    wait_until(lambda: f"{result.id}]: another copy of this wait has run" in logs(workers), timeout=90,
-               what="the backstop copy dropped once the run finished")
+    wait_until(
+        lambda: f"{result.id}]: another copy of this wait has run" in logs(workers),
+        timeout=90,
+        what="the backstop copy dropped once the run finished",
+    )
     assert proj.probe(key).entries == 1
     assert proj.probe(key).maximum == 1
     retries = proj.probe(key).client.lrange("probe:proj.handoff_twin:retries", 0, -1)
@@ -117,8 +126,11 @@ def test_tasks_sent_one_at_a_time_start_in_that_order(proj: Any) -> None:
     for _ in range(8):
         results.append(send(proj.handoff, 0.15, key))
         # sent one at a time: each asks before the next is sent
-        wait_until(lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
-                   timeout=30, what="the task to ask")
+        wait_until(
+            lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
+            timeout=30,
+            what="the task to ask",
+        )
     for result in results:
         result.get(timeout=60)
     assert [task_id for task_id, _ in starts(proj, key)] == [r.id for r in results]
@@ -145,8 +157,12 @@ def inversions(
 ) -> list[tuple[str, str]]:
     """Pairs that started in the opposite order to their first asks, the asks more than
     ``resolution`` seconds apart."""
-    return [(started[i], started[j]) for i in range(len(started)) for j in range(i + 1, len(started))
-            if asked[started[i]] - asked[started[j]] > resolution]
+    return [
+        (started[i], started[j])
+        for i in range(len(started))
+        for j in range(i + 1, len(started))
+        if asked[started[i]] - asked[started[j]] > resolution
+    ]
 
 
 def test_a_backlog_across_two_workers_starts_in_first_ask_order(proj: Any) -> None:

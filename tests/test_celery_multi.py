@@ -79,8 +79,11 @@ def test_per_host_and_total_limits_hold_together(proj: Any) -> None:
     for host in hosts:
         assert 1 <= proj.probe(f"crawl:{host}").maximum <= 2
     assert sum(proj.probe(f"crawl:{host}").entries for host in hosts) == 18
-    wait_until(lambda: all(holders(proj, key) == 0 for key in ["crawl-all", *(f"crawl:{h}" for h in hosts)]),
-               timeout=10, what="every slot released")
+    wait_until(
+        lambda: all(holders(proj, key) == 0 for key in ["crawl-all", *(f"crawl:{h}" for h in hosts)]),
+        timeout=10,
+        what="every slot released",
+    )
 
 
 def test_opposite_key_orders_under_load_all_finish_never_two_at_once(proj: Any) -> None:
@@ -138,12 +141,18 @@ def test_a_sigkilled_workers_multi_key_slots_all_come_back(celery_stack: CeleryS
     try:
         proj.gpu.apply_async((2, 30), {"key": "gpu-crash"}, queue="multi-crash")
         proj.crawl_multi.apply_async(("mkill", 30), queue="multi-crash")
-        wait_until(lambda: holders(proj, "gpu") == 2 and holders(proj, "crawl:mkill") == 1
-                   and holders(proj, "crawl-all") == 1, timeout=30, what="both tasks to hold their slots")
+        wait_until(
+            lambda: holders(proj, "gpu") == 2 and holders(proj, "crawl:mkill") == 1 and holders(proj, "crawl-all") == 1,
+            timeout=30,
+            what="both tasks to hold their slots",
+        )
         victim.kill()
         killed_at = time.monotonic()
-        wait_until(lambda: holders(proj, "gpu") + holders(proj, "crawl:mkill") + holders(proj, "crawl-all") == 0,
-                   timeout=10, what="every slot to come back")
+        wait_until(
+            lambda: holders(proj, "gpu") + holders(proj, "crawl:mkill") + holders(proj, "crawl-all") == 0,
+            timeout=10,
+            what="every slot to come back",
+        )
         assert time.monotonic() - killed_at < 2 + 1.5
     finally:
         victim.kill()
@@ -192,8 +201,9 @@ def test_a_weight_above_the_tasks_own_limit_is_refused_at_declaration() -> None:
 
     def too_heavy() -> None: ...
 
-    decorate = limit_concurrency(4, key="gpu", app=app, semaphore_weight=5, name="t.too_heavy", shared=False,
-                                 lazy=False)
+    decorate = limit_concurrency(
+        4, key="gpu", app=app, semaphore_weight=5, name="t.too_heavy", shared=False, lazy=False
+    )
     with pytest.raises(ConfigurationError, match="above the task's semaphore_limit 4"):
         decorate(too_heavy)
 
@@ -249,8 +259,12 @@ def test_multi_key_tasks_on_a_redis_cluster_with_the_apps_hash_tag(celery_stack:
     cluster = RedisClusterSet().start()
     saved = dict(proj.app.conf.items())
     queue = "multi-cluster"
-    env = {**celery_stack.env, "PROJ_QUEUE": queue, "PROJ_SEMAPHORE_URL": cluster.url,
-           "PROJ_CONF": json.dumps({"semaphore_hash_tag": "proj"})}
+    env = {
+        **celery_stack.env,
+        "PROJ_QUEUE": queue,
+        "PROJ_SEMAPHORE_URL": cluster.url,
+        "PROJ_CONF": json.dumps({"semaphore_hash_tag": "proj"}),
+    }
     worker = Worker(env, name="multi-cluster", concurrency=4)
     try:
         proj.app.conf.semaphore_backend_url = cluster.url
@@ -288,12 +302,17 @@ def test_eager_multi_key_weighted_tasks_hold_every_limit(redis_server: Any) -> N
     from .concurrency_probe import ConcurrencyProbe
 
     app = Celery("eager-multi", broker=redis_server.url, set_as_current=False)
-    app.conf.update(task_always_eager=True, task_eager_propagates=True, semaphore_backend_url=redis_server.url,
-                    semaphore_limits={"team:*": 2, "all": 3})
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        semaphore_backend_url=redis_server.url,
+        semaphore_limits={"team:*": 2, "all": 3},
+    )
     probe = ConcurrencyProbe(redis_server.client(db=1))
 
-    @limit_concurrency(key=["team:{team}", "all"], app=app, lazy=False, shared=False,
-                       semaphore_weight=lambda args, kwargs: args[1])
+    @limit_concurrency(
+        key=["team:{team}", "all"], app=app, lazy=False, shared=False, semaphore_weight=lambda args, kwargs: args[1]
+    )
     def work(team: str, weight: int) -> int:
         for _ in range(weight):
             probe.enter()

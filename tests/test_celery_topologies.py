@@ -61,8 +61,12 @@ def topology(request: pytest.FixtureRequest, celery_stack: CeleryStack) -> Itera
     servers = RedisClusterSet(replicas=1) if request.param == "cluster" else RedisSentinelSet()
     servers.start()
     queue = f"topology-{request.param}"
-    env = {**celery_stack.env, "PROJ_QUEUE": queue, "PROJ_SEMAPHORE_URL": servers.url,
-           "PROJ_CONF": json.dumps({"task_acks_late": True})}
+    env = {
+        **celery_stack.env,
+        "PROJ_QUEUE": queue,
+        "PROJ_SEMAPHORE_URL": servers.url,
+        "PROJ_CONF": json.dumps({"task_acks_late": True}),
+    }
     saved = proj.app.conf.semaphore_backend_url
     proj.app.conf.semaphore_backend_url = servers.url
     forget_config(proj.app)
@@ -98,8 +102,9 @@ def test_tasks_hold_the_limit_and_start_in_first_ask_order(topology: Topology, p
     assert sorted(started) == sorted(ids)
     assert inversions(started, first_asks(proj, "proj.handoff", ids)) == []
     assert proj.probe(key).maximum == 1
-    wait_until(lambda: semaphore_for(proj.app, "proj.handoff").status().holder_count == 0, timeout=10,
-               what="no slot held")
+    wait_until(
+        lambda: semaphore_for(proj.app, "proj.handoff").status().holder_count == 0, timeout=10, what="no slot held"
+    )
 
 
 def test_the_cli_lists_semaphores_on_every_master(topology: Topology, proj: Any) -> None:
@@ -114,9 +119,24 @@ def test_the_cli_lists_semaphores_on_every_master(topology: Topology, proj: Any)
             assert len(homes) >= 2, "the keys spread over several masters"
         env = {**os.environ, **topology.env, "PYTHONPATH": str(ROOT)}
         out = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "tests.proj.app", "semaphore", "status", "--json",
-             "--match", f"crawl:{topology.name}-*"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.proj.app",
+                "semaphore",
+                "status",
+                "--json",
+                "--match",
+                f"crawl:{topology.name}-*",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         assert out.returncode == 0, out.stderr
         listed = {entry["key"]: entry for entry in json.loads(out.stdout)["semaphores"]}
@@ -165,5 +185,6 @@ def test_a_planned_failover_mid_run_loses_no_task(topology: Topology, proj: Any)
         for task_id, started_at in runs:
             if task_id in first_run:
                 assert failover_at - REPLICATION_LAG_S <= first_run[task_id] <= failed_over_at + SENTINEL_WINDOW_S, (
-                    "ran twice, yet its first grant was not made in the failover window")
+                    "ran twice, yet its first grant was not made in the failover window"
+                )
             first_run.setdefault(task_id, started_at)

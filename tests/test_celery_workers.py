@@ -86,8 +86,9 @@ def test_every_exit_of_the_body_releases_the_slot(proj: Any, task_name: str, arg
     """An exception, Ignore and Reject each give the slot back at once."""
     task = getattr(proj, task_name)
     result = send(task, *args)
-    wait_until(lambda: holders(proj, task.name) == 0 and _ran(proj, result), timeout=30,
-               what=f"{task_name} to end and release")
+    wait_until(
+        lambda: holders(proj, task.name) == 0 and _ran(proj, result), timeout=30, what=f"{task_name} to end and release"
+    )
     second = send(task, *args)
     wait_until(lambda: _ran(proj, second), timeout=30, what="the next task to get the slot")
     assert holders(proj, task.name) == 0
@@ -148,8 +149,9 @@ def test_a_second_copy_of_a_running_task_waits_for_the_first(proj: Any) -> None:
     key = "duplicate"
     first = send(proj.sleepy, 1.0, key, task_id="same-id-twice")
     send(proj.sleepy, 1.0, key, task_id="same-id-twice")
-    wait_until(lambda: proj.probe(key).entries == 2 and proj.probe(key).live == 0, timeout=60,
-               what="both copies to run")
+    wait_until(
+        lambda: proj.probe(key).entries == 2 and proj.probe(key).live == 0, timeout=60, what="both copies to run"
+    )
     assert proj.probe(key).maximum == 1
     assert first.get(timeout=10) == "woke"
 
@@ -227,7 +229,9 @@ def test_sigkill_of_a_worker_frees_its_slot_within_the_lease_and_the_task_reruns
         "task_reject_on_worker_lost": True,
         # redeliver unacked messages of a dead worker after 4 s, sweeping every second
         "broker_transport_options": {
-            "visibility_timeout": 4, "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+            "visibility_timeout": 4,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
         },
     }
     victim = Worker(env, name="victim", concurrency=1, conf=conf).start()
@@ -263,8 +267,9 @@ def test_fail_closed_when_the_semaphore_redis_is_down(celery_stack: CeleryStack,
         result = send(proj.sleepy, 0.1, key)
         # a second refused try while Redis stays down (each try spends a while in redis-py's
         # own connection retries first)
-        wait_until(lambda: count(f"{result.id}] retry: waiting") >= 2, timeout=120, interval=0.2,
-                   what="two refused tries")
+        wait_until(
+            lambda: count(f"{result.id}] retry: waiting") >= 2, timeout=120, interval=0.2, what="two refused tries"
+        )
         assert proj.probe(key).entries == 0
     finally:
         celery_stack.semaphore.start()
@@ -332,8 +337,9 @@ def test_a_semaphore_redis_restart_mid_run_loses_no_task_and_leaves_no_slot(
         assert result.get(timeout=180) == key
     starts = proj.probe(f"crawl:{key}").client.lrange(f"probe:crawl:{key}:starts", 0, -1)
     assert sorted(entry.split()[0] for entry in starts) == sorted(r.id.encode() for r in results)
-    wait_until(lambda: semaphore(proj, f"crawl:{key}").status().holder_count == 0, timeout=30,
-               what="no slot held at the end")
+    wait_until(
+        lambda: semaphore(proj, f"crawl:{key}").status().holder_count == 0, timeout=30, what="no slot held at the end"
+    )
 
 
 def test_the_worker_warns_when_redis_may_evict_lease_keys(celery_stack: CeleryStack) -> None:

@@ -53,8 +53,11 @@ TASKS = 300
 SEED = int(os.environ.get("CHAOS_SEED", "20261124"))
 CONF = {
     "task_acks_late": True,
-    "broker_transport_options": {"visibility_timeout": 10, "unacked_restore_interval": 1,
-                                 "unacked_restore_throttle": 1},
+    "broker_transport_options": {
+        "visibility_timeout": 10,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
 }
 # how long the run may go without a task finishing before what is unfinished counts as lost:
 # longer than a dead worker's messages take to come back (visibility timeout) plus a countdown,
@@ -110,8 +113,9 @@ def story(task_id: str, deliveries: list[tuple[str, int, float]], killed: dict[i
     return "\n".join(lines)
 
 
-def most_at_once(starts: list[tuple[str, int, float]], ends: list[tuple[str, int, float]],
-                 killed: dict[int, float]) -> int:
+def most_at_once(
+    starts: list[tuple[str, int, float]], ends: list[tuple[str, int, float]], killed: dict[int, float]
+) -> int:
     """Most bodies running at once. A run is a start and the end its process recorded next; a
     run with none was cut short, and ended when its process was killed."""
     events: list[tuple[float, int]] = []
@@ -133,8 +137,9 @@ def most_at_once(starts: list[tuple[str, int, float]], ends: list[tuple[str, int
 
 @pytest.fixture
 def chaos_workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
-    with worker_group(celery_stack.env, queue=QUEUE, names=("chaos1", "chaos2", "chaos3"), concurrency=3,
-                      conf=CONF, kill_at_end=True) as group:
+    with worker_group(
+        celery_stack.env, queue=QUEUE, names=("chaos1", "chaos2", "chaos3"), concurrency=3, conf=CONF, kill_at_end=True
+    ) as group:
         yield group
 
 
@@ -184,10 +189,13 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
     delivered = {task_id for task_id, _, _ in deliveries}
     finished = {task_id for task_id, _, _ in ends}
     # each worker's lines under its name, for the story of a lost task
-    log = "".join(f"== {worker.name} (pid {worker.process.pid if worker.process else '-'})\n{worker.log()}"
-                  for worker in workers)
-    summary = (f"seed {SEED}: {len(kills.at)} processes killed, {len(deliveries)} deliveries of {TASKS} tasks, "
-               f"{len(finished)} finished; whole workers killed at {kills.workers}")
+    log = "".join(
+        f"== {worker.name} (pid {worker.process.pid if worker.process else '-'})\n{worker.log()}" for worker in workers
+    )
+    summary = (
+        f"seed {SEED}: {len(kills.at)} processes killed, {len(deliveries)} deliveries of {TASKS} tasks, "
+        f"{len(finished)} finished; whole workers killed at {kills.workers}"
+    )
 
     # the schedule did what it is for: tasks waited (re-sent), and processes died under them
     assert len(deliveries) > 1.5 * TASKS, summary
@@ -198,7 +206,8 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
 
     lost = set(ids) - finished
     assert not (lost & delivered), f"waiting tasks lost ({summary}):\n" + "\n".join(
-        story(task_id, deliveries, kills.at, log) for task_id in sorted(lost & delivered))
+        story(task_id, deliveries, kills.at, log) for task_id in sorted(lost & delivered)
+    )
     # a message the broker lost before any worker saw it is kombu's limit; it stays rare
     assert len(lost) <= 2, f"{len(lost)} never delivered ({summary})"
 
@@ -210,13 +219,17 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
             killed_at = kills.at.get(pid)
             assert killed_at is not None and at <= killed_at, (
                 f"{task_id} completed twice, the first time in process {pid} that was not killed "
-                f"before its message was acknowledged ({summary})")
+                f"before its message was acknowledged ({summary})"
+            )
 
     for task_id in finished & set(ids):
         assert proj.chaos.AsyncResult(task_id).get(timeout=30) == task_id
 
-    wait_until(lambda: semaphore.status().holder_count == 0 and not semaphore.status().waiters,
-               timeout=30, what=f"no slot held and nobody waiting ({summary})")
+    wait_until(
+        lambda: semaphore.status().holder_count == 0 and not semaphore.status().waiters,
+        timeout=30,
+        what=f"no slot held and nobody waiting ({summary})",
+    )
 
 
 # --- the full run of issue 16 ----------------------------------------------------------------
@@ -315,12 +328,24 @@ def _results(ids: list[str]) -> dict[str, str]:
 
     backend = proj.app.backend
     values = backend.mget([backend.get_key_for_task(task_id) for task_id in ids])
-    return {task_id: backend.decode_result(value)["status"] if value else "PENDING"
-            for task_id, value in zip(ids, values, strict=True)}
+    return {
+        task_id: backend.decode_result(value)["status"] if value else "PENDING"
+        for task_id, value in zip(ids, values, strict=True)
+    }
 
 
-@pytest.mark.parametrize("seed", FULL_SEEDS or [pytest.param(0, marks=pytest.mark.skip(
-    reason="set CHAOS_SEEDS (e.g. 1,2,3,4,5) to run the full chaos test; see the comment on FULL_SEEDS"))])
+@pytest.mark.parametrize(
+    "seed",
+    FULL_SEEDS
+    or [
+        pytest.param(
+            0,
+            marks=pytest.mark.skip(
+                reason="set CHAOS_SEEDS (e.g. 1,2,3,4,5) to run the full chaos test; see the comment on FULL_SEEDS"
+            ),
+        )
+    ],
+)
 def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: CeleryStack, seed: int) -> None:
     """Issue 16's target, one seed a run (``CHAOS_SEEDS=1,2,3,4,5`` for five).
 
@@ -363,10 +388,16 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
     started = time.monotonic()
     # seeded task ids, so the rejected first attempts (a hash of the id) replay with the seed
     ids = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(FULL_TASKS)]
-    bursts = [ids[i:i + FULL_TASKS // 10] for i in range(0, FULL_TASKS, FULL_TASKS // 10)]
+    bursts = [ids[i : i + FULL_TASKS // 10] for i in range(0, FULL_TASKS, FULL_TASKS // 10)]
 
-    with worker_group(celery_stack.env, queue=queue, names=[f"full{seed}-{n}" for n in (1, 2, 3)],
-                      concurrency=4, conf=CONF, kill_at_end=True) as workers:
+    with worker_group(
+        celery_stack.env,
+        queue=queue,
+        names=[f"full{seed}-{n}" for n in (1, 2, 3)],
+        concurrency=4,
+        conf=CONF,
+        kill_at_end=True,
+    ) as workers:
 
         def live() -> list[Worker]:
             return [w for w in workers if w.process is not None and w.process.poll() is None]
@@ -453,16 +484,23 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
             f"{sum(faults.in_restart_window(at) for _, _, at in starts)} starts in it), {elapsed:.0f} s"
         )
         print(f"\n{summary}")
-        print("  faults: " + ", ".join(f"{what} at {at - first_start:.1f} s"
-                                        for at, what in faults.timeline) + " (from the first body's start)")
+        print(
+            "  faults: "
+            + ", ".join(f"{what} at {at - first_start:.1f} s" for at, what in faults.timeline)
+            + " (from the first body's start)"
+        )
 
         assert not lost, f"tasks lost ({summary}):\n" + "\n".join(
-            f"{story(task_id, deliveries, faults.at, log)}\n  result: {states[task_id]}" for task_id in lost)
+            f"{story(task_id, deliveries, faults.at, log)}\n  result: {states[task_id]}" for task_id in lost
+        )
         # the transport's own loss, before any worker saw the task: rare, and not a waiting task's
         assert len(never_delivered) <= 1, f"{len(never_delivered)} tasks never delivered ({summary})"
         assert not twice, f"tasks that completed ran again ({summary}):\n" + "\n".join(
-            story(task_id, deliveries, faults.at, log) + "\n  completed: "
-            + ", ".join(f"{pid} at {at:.3f}" for pid, at in completions[task_id]) for task_id in twice)
+            story(task_id, deliveries, faults.at, log)
+            + "\n  completed: "
+            + ", ".join(f"{pid} at {at:.3f}" for pid, at in completions[task_id])
+            for task_id in twice
+        )
         assert most <= FULL_LIMIT, summary
         assert "runs WITHOUT its semaphore" not in log
         # the schedule did what it is for: tasks waited (re-sent), first attempts were rejected,
@@ -472,5 +510,8 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
         assert len(faults.at) >= 10, summary
 
         # a slot stranded by a worker killed late comes back with its lease
-        wait_until(lambda: semaphore.status().holder_count == 0 and not semaphore.status().waiters,
-                   timeout=DEFAULT_LEASE + 15, what=f"no slot held and nobody waiting ({summary})")
+        wait_until(
+            lambda: semaphore.status().holder_count == 0 and not semaphore.status().waiters,
+            timeout=DEFAULT_LEASE + 15,
+            what=f"no slot held and nobody waiting ({summary})",
+        )

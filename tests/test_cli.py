@@ -255,7 +255,11 @@ def test_the_installed_celery_command_shows_a_live_holder(proj: Proj, redis_serv
     with proj.hold("proj.hold", 3):
         done = subprocess.run(
             [str(CELERY), "-A", "tests.proj.app", "semaphore", "status", "proj.hold"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert done.returncode == 0, done.stderr
     assert "holders    1 of 3" in done.stdout

@@ -87,13 +87,25 @@ class DemoRun:
         env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "CELERY_SEMAPHORE_DEMO")}
         pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         # TMPDIR: the demo's logs (kept when it fails) land in this test's own directory
-        return {**env, "PYTHONPATH": pythonpath, MARKER_VAR: self.marker, PIDFILE_VAR: str(self.pidfile),
-                "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.cwd), **self.extra_env}
+        return {
+            **env,
+            "PYTHONPATH": pythonpath,
+            MARKER_VAR: self.marker,
+            PIDFILE_VAR: str(self.pidfile),
+            "PYTHONUNBUFFERED": "1",
+            "TMPDIR": str(self.cwd),
+            **self.extra_env,
+        }
 
     def start(self, *args: str) -> DemoRun:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "example_project", *args], cwd=self.cwd, env=self.env(),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "example_project", *args],
+            cwd=self.cwd,
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -157,8 +169,12 @@ def demo(tmp_path: Path) -> Iterator[DemoRun]:
 
 def _assert_nothing_left(run: DemoRun) -> None:
     assert run.started_pids(), f"the demo recorded no process ids:\n{run.output}"
-    wait_until(lambda: not run.leftovers(), timeout=10, interval=0.1,
-               what=f"every process of the demo to be gone (left: {sorted(run.leftovers())})")
+    wait_until(
+        lambda: not run.leftovers(),
+        timeout=10,
+        interval=0.1,
+        what=f"every process of the demo to be gone (left: {sorted(run.leftovers())})",
+    )
 
 
 def _assert_checks_hold(output: str) -> None:
@@ -228,8 +244,12 @@ def test_a_signal_stops_the_demo_promptly_and_leaves_nothing_behind(
     """A signal in the middle of a run makes the demo stop its workers and Redis and exit with
     128 + the signal number within seconds, leaving no process behind."""
     demo.start("--quick", "--no-live")
-    wait_until(lambda: trigger in demo.output or demo.process is None or demo.process.poll() is not None,
-               timeout=RUN_TIMEOUT, interval=0.02, what=f"the demo to print {trigger!r}")
+    wait_until(
+        lambda: trigger in demo.output or demo.process is None or demo.process.poll() is not None,
+        timeout=RUN_TIMEOUT,
+        interval=0.02,
+        what=f"the demo to print {trigger!r}",
+    )
     assert demo.process is not None
     assert demo.process.poll() is None, f"the demo ended before the signal:\n{demo.output}"
     demo.process.send_signal(signum)
@@ -247,6 +267,7 @@ def test_a_signal_stops_the_demo_promptly_and_leaves_nothing_behind(
 
 def _imports_of_the_library(path: Path) -> list[tuple[str, str]]:
     """(module, name) for every ``celery_semaphore`` import of a file (name "" for ``import x``)."""
+
     def ours(module: str | None) -> bool:
         return module is not None and module.split(".")[0] == "celery_semaphore"
 

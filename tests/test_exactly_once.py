@@ -36,8 +36,9 @@ VISIBILITY_TIMEOUT = 4
 @pytest.fixture(scope="module")
 def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
     conf = {"broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT}}
-    with worker_group(celery_stack.env, queue=QUEUE, names=("once1", "once2"), concurrency=2, conf=conf,
-                      kill_at_end=True) as group:
+    with worker_group(
+        celery_stack.env, queue=QUEUE, names=("once1", "once2"), concurrency=2, conf=conf, kill_at_end=True
+    ) as group:
         yield group
 
 
@@ -59,8 +60,16 @@ def parked(proj: Any, semaphore_key: str, task_id: str) -> bool:
     return any(w.waiter == waiter and w.present for w in semaphore_for(proj.app, semaphore_key).status().waiters)
 
 
-def waited_then_started(proj: Any, task: Any, key: str, *args: Any, task_id: str | None = None,
-                        workers: list[Worker] | None = None, sender: Any = None, queue: str = QUEUE) -> AsyncResult:
+def waited_then_started(
+    proj: Any,
+    task: Any,
+    key: str,
+    *args: Any,
+    task_id: str | None = None,
+    workers: list[Worker] | None = None,
+    sender: Any = None,
+    queue: str = QUEUE,
+) -> AsyncResult:
     """Send ``task`` while its only slot is held, so that it parks; release; wait for its body.
     ``sender``: the app to send with (another broker's), else the test app."""
     holder = semaphore_for(proj.app, task.name).acquire(timeout=5)
@@ -72,8 +81,11 @@ def waited_then_started(proj: Any, task: Any, key: str, *args: Any, task_id: str
     before = len([run for run in runs(proj, key) if run[0] == result.id])
     holder.release()
     try:
-        wait_until(lambda: len([run for run in runs(proj, key) if run[0] == result.id]) > before, timeout=30,
-                   what="its body started")
+        wait_until(
+            lambda: len([run for run in runs(proj, key) if run[0] == result.id]) > before,
+            timeout=30,
+            what="its body started",
+        )
     except AssertionError:
         print("".join(worker.log() for worker in workers or []))
         raise
@@ -106,8 +118,10 @@ def whole_worker_killed(proj: Any, workers: list[Worker], sender: Any = None, qu
         assert len(ends) == 1
         assert ends[0][1] != pid
     finally:
-        workers[:] = [*survivors, victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency)
-                      .start()]
+        workers[:] = [
+            *survivors,
+            victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency).start(),
+        ]
 
 
 def test_a_body_that_rejects_with_requeue_runs_again(proj: Any, workers: list[Worker]) -> None:
@@ -136,8 +150,7 @@ def amqp_workers(celery_stack: CeleryStack) -> Iterator[tuple[list[Worker], Any,
     queue = f"celery-semaphore-once-{time.time_ns()}"
     env = {**celery_stack.env, "PROJ_BROKER_URL": url}
     sender = Celery("sender", broker=url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
-    with worker_group(env, queue=queue, names=("once-amqp1", "once-amqp2"), concurrency=2,
-                      kill_at_end=True) as group:
+    with worker_group(env, queue=queue, names=("once-amqp1", "once-amqp2"), concurrency=2, kill_at_end=True) as group:
         yield group, sender, queue
     with Connection(url) as connection:
         channel = connection.channel()
@@ -147,7 +160,8 @@ def amqp_workers(celery_stack: CeleryStack) -> Iterator[tuple[list[Worker], Any,
 
 @pytest.mark.rabbitmq
 def test_a_whole_worker_killed_mid_run_loses_nothing_on_rabbitmq(
-    proj: Any, amqp_workers: tuple[list[Worker], Any, str],
+    proj: Any,
+    amqp_workers: tuple[list[Worker], Any, str],
 ) -> None:
     """RabbitMQ redelivers the dead worker's message at once, long before the dead run's 15 s
     lease lapses: the copy waits for the lapse, then runs the task."""
@@ -157,7 +171,8 @@ def test_a_whole_worker_killed_mid_run_loses_nothing_on_rabbitmq(
 
 @pytest.mark.rabbitmq
 def test_a_body_that_rejects_with_requeue_runs_again_on_rabbitmq(
-    proj: Any, amqp_workers: tuple[list[Worker], Any, str],
+    proj: Any,
+    amqp_workers: tuple[list[Worker], Any, str],
 ) -> None:
     """RabbitMQ requeues the rejected message at once: that delivery runs the task."""
     workers, sender, queue = amqp_workers
@@ -174,8 +189,11 @@ def test_a_child_killed_mid_run_without_acks_late_never_runs_twice(proj: Any, wo
     with pytest.raises(Exception, match=r"(?i)worker|lost|signal"):
         result.get(timeout=30)
     # the backstop copy comes 4 s after the park, and is dropped as a finished run
-    wait_until(lambda: any(f"{result.id}]: another copy of this wait has run" in worker.log() for worker in workers),
-               timeout=30, what="the backstop copy dropped")
+    wait_until(
+        lambda: any(f"{result.id}]: another copy of this wait has run" in worker.log() for worker in workers),
+        timeout=30,
+        what="the backstop copy dropped",
+    )
     assert [run[0] for run in runs(proj, key)] == [result.id]
 
 
@@ -205,9 +223,15 @@ def test_wait_headers_not_ours_are_ignored_with_a_warning(proj: Any, workers: li
     fail, and it takes no place it did not earn."""
     key = "recycled"
     result = proj.recycled.apply_async(
-        (0.1,), queue=QUEUE,
-        headers={"semaphore_first_refused": "x", "semaphore_wait_of_retry": 0, "semaphore_waits": 1,
-                 "semaphore_ticket": "not a ticket"})
+        (0.1,),
+        queue=QUEUE,
+        headers={
+            "semaphore_first_refused": "x",
+            "semaphore_wait_of_retry": 0,
+            "semaphore_waits": 1,
+            "semaphore_ticket": "not a ticket",
+        },
+    )
     assert result.get(timeout=30) == result.id
     assert any(f"{result.id}]: ignoring wait headers" in worker.log() for worker in workers)
     assert result.id in [run[0] for run in runs(proj, key, "ends")]
@@ -224,8 +248,14 @@ def test_a_redelivered_first_message_does_not_rerun_a_success_the_redis_forgot(
     key, queue = "dies_at_first_refusal", "once_refusal"
     # the first message comes back after 12 s, well after the copy (2 s backstop) has run; a
     # prefetch of one leaves the copy in the queue while the first message is unacked
-    conf = {"broker_transport_options": {"visibility_timeout": 12, "unacked_restore_interval": 1,
-                                         "unacked_restore_throttle": 1}, "worker_prefetch_multiplier": 1}
+    conf = {
+        "broker_transport_options": {
+            "visibility_timeout": 12,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+        "worker_prefetch_multiplier": 1,
+    }
     env = {**celery_stack.env, "PROJ_QUEUE": queue}
     first = Worker(env, name="refusal1", concurrency=1, conf=conf).start()
     second = None
@@ -233,14 +263,20 @@ def test_a_redelivered_first_message_does_not_rerun_a_success_the_redis_forgot(
         semaphore_for(proj.app, proj.dies_at_first_refusal.name).acquire(timeout=5)  # the task is refused
         result = proj.dies_at_first_refusal.apply_async(queue=queue)
         assert first.process is not None
-        wait_until(lambda: first.process is not None and first.process.poll() is not None, timeout=30,
-                   what="the worker killed at the task's first refusal")
+        wait_until(
+            lambda: first.process is not None and first.process.poll() is not None,
+            timeout=30,
+            what="the worker killed at the task's first refusal",
+        )
         celery_stack.semaphore.restart()  # the note of the wait and the slot held above are gone
         second = Worker(env, name="refusal2", concurrency=1, conf=conf).start()
         assert result.get(timeout=30) == result.id, second.log()  # the copy of the wait ran the task
         # the only other message of the task is its first one (the wake copy went with the Redis)
-        wait_until(lambda: "the task has succeeded already" in second.log() or len(runs(proj, key, "ends")) > 1,
-                   timeout=40, what="the first message delivered again, and dropped or run")
+        wait_until(
+            lambda: "the task has succeeded already" in second.log() or len(runs(proj, key, "ends")) > 1,
+            timeout=40,
+            what="the first message delivered again, and dropped or run",
+        )
         assert [run[0] for run in runs(proj, key, "ends")] == [result.id], second.log()
     finally:
         for worker in (first, second):
@@ -271,5 +307,7 @@ def test_a_cold_shutdown_mid_run_with_acks_late_runs_the_task_once_more(proj: An
         semaphore = semaphore_for(proj.app, proj.long_acks_late.name)
         wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="no slot left held")
     finally:
-        workers[:] = [*survivors, victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency)
-                      .start()]
+        workers[:] = [
+            *survivors,
+            victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency).start(),
+        ]

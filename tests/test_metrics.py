@@ -172,7 +172,9 @@ def test_registering_the_collector_does_not_touch_redis(collector_app: Any) -> N
     collector_app.conf.semaphore_backend_url = f"redis://127.0.0.1:{free_port()}/1"
     collector = StatusCollector(collector_app)
     assert [family.name for family in collector.describe()] == [
-        "celery_semaphore_holders", "celery_semaphore_waiters", "celery_semaphore_status_up",
+        "celery_semaphore_holders",
+        "celery_semaphore_waiters",
+        "celery_semaphore_status_up",
     ]
 
 

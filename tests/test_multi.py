@@ -57,6 +57,7 @@ def run_threads(targets: list[Callable[[], None]], *, timeout: float = 30.0) -> 
                 target()
             except BaseException as error:  # reported below
                 errors.append(error)
+
         return run
 
     threads = [threading.Thread(target=guarded(target), daemon=True) for target in targets]
@@ -84,6 +85,7 @@ def test_per_host_and_total_limits_hold_together(redis_client: redis.Redis) -> N
                 time.sleep(0.02)
                 probes["total"].leave()
                 probes[host].leave()
+
         return run
 
     run_threads([crawl("abc"[i % 3]) for i in range(60)])
@@ -107,6 +109,7 @@ def test_opposite_key_orders_never_deadlock(redis_client: redis.Redis) -> None:
                     probe.enter()
                     time.sleep(0.002)
                     probe.leave()
+
         return run
 
     run_threads([worker([x, y] if i % 2 else [y, x]) for i in range(16)])
@@ -124,6 +127,7 @@ def test_weights_in_flight_never_pass_the_limit(redis_client: redis.Redis) -> No
                 probe.enter(weight)
                 time.sleep(0.01)
                 probe.leave(weight)
+
         return run
 
     run_threads([job(3 if i % 3 == 0 else 1) for i in range(45)])
@@ -149,6 +153,7 @@ def test_a_heavy_waiter_is_not_passed_by_light_ones(redis_client: redis.Redis) -
             lease = MultiSemaphore([gpus]).acquire(timeout=20) if multi else gpus.acquire(timeout=20)
             started.append(name)
             lease.release()
+
         return run
 
     threads = [threading.Thread(target=heavy, daemon=True)]
@@ -268,8 +273,9 @@ def test_a_killed_holders_slots_all_come_back(own_redis: RedisServer) -> None:
     its lease ends, and a waiter gets them."""
     # as a context manager, the pipe of the holder's output is closed too (else it is left to the
     # garbage collector, a ResourceWarning)
-    with subprocess.Popen([sys.executable, "-c", _HOLDER, str(own_redis.port)], stdout=subprocess.PIPE,
-                          text=True, env={**os.environ}) as process:
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(own_redis.port)], stdout=subprocess.PIPE, text=True, env={**os.environ}
+    ) as process:
         try:
             assert process.stdout is not None and process.stdout.readline().strip() == "held"
             client = own_redis.client()

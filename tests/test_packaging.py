@@ -111,8 +111,9 @@ def test_a_bare_install_runs_a_worker_on_a_redis_broker(wheel: zipfile.ZipFile, 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
-    install = subprocess.run([python, "-m", "pip", "install", "-q", wheel.filename],
-                             capture_output=True, text=True, timeout=600, check=False)
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", wheel.filename], capture_output=True, text=True, timeout=600, check=False
+    )
     assert install.returncode == 0, install.stderr
     (tmp_path / "bareapp.py").write_text(
         "import os\n"
@@ -126,14 +127,35 @@ def test_a_bare_install_runs_a_worker_on_a_redis_broker(wheel: zipfile.ZipFile, 
     with RedisServer() as server:
         env = {"PATH": os.environ.get("PATH", ""), "BROKER": server.url, "PYTHONPATH": str(tmp_path)}
         worker = subprocess.Popen(
-            [python, "-m", "celery", "-A", "bareapp", "worker", "-P", "solo", "--without-gossip",
-             "--without-mingle", "--without-heartbeat", "--loglevel", "WARNING"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "bareapp",
+                "worker",
+                "-P",
+                "solo",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel",
+                "WARNING",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         try:
             client = subprocess.run(
                 [python, "-c", "import bareapp; print(bareapp.add.delay(2, 3).get(timeout=60))"],
-                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
             )
         finally:
             worker.terminate()
@@ -164,11 +186,21 @@ def test_the_core_works_on_the_lowest_redis_py_it_declares(wheel: zipfile.ZipFil
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
-    install = subprocess.run([python, "-m", "pip", "install", "-q", f"redis=={floor}"],
-                             capture_output=True, text=True, timeout=600, check=False)
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", f"redis=={floor}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert install.returncode == 0, install.stderr
-    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", wheel.filename],
-                             capture_output=True, text=True, timeout=600, check=False)
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", wheel.filename],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert install.returncode == 0, install.stderr
     script = (
         "import os, sys, threading, redis\n"
@@ -191,8 +223,12 @@ def test_the_core_works_on_the_lowest_redis_py_it_declares(wheel: zipfile.ZipFil
     )
     with RedisServer() as server, RedisClusterSet() as cluster:
         result = subprocess.run(
-            [python, "-c", script, server.url, cluster.url], capture_output=True, text=True, timeout=180,
-            check=False, env={"PATH": os.environ.get("PATH", ""), "FLOOR": floor},
+            [python, "-c", script, server.url, cluster.url],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+            env={"PATH": os.environ.get("PATH", ""), "FLOOR": floor},
         )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(f"ok {floor}")

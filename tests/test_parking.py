@@ -79,15 +79,15 @@ def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer
         semaphore._leave(waiter, 0.5, address)
     # the backstop copy of "asked" arrives and asks again (it is refused: the slot is held)
     assert isinstance(semaphore._try(Ask(token="asked:b", waiter="asked", run="asked#0", remember=60)), Waiting)
-    wait_until(lambda: _queued(redis_server, "q-lost.semaphore-wake") == 1, timeout=10,
-               what="the lost wait sent again")
+    wait_until(lambda: _queued(redis_server, "q-lost.semaphore-wake") == 1, timeout=10, what="the lost wait sent again")
     wait_until(lambda: parking.parked_count() == 0, timeout=10, what="both parked entries swept")
     assert _queued(redis_server, "q-asked.semaphore-wake") == 0
     holder.release()
 
 
-def _parked_then_away(redis_server: RedisServer, redis_client: redis.Redis, name: str, parking: Parking
-                      ) -> tuple[FairSemaphore, float]:
+def _parked_then_away(
+    redis_server: RedisServer, redis_client: redis.Redis, name: str, parking: Parking
+) -> tuple[FairSemaphore, float]:
     """Parks waiter "late" of ``name`` for 0.3 s, then steps it away for 2.5 s, as a task does
     whose park waited for its wake-up subscription: its record is due before its place lapses.
     Returns the semaphore and the server time (s) at which the place lapses."""
@@ -116,6 +116,7 @@ def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
     holder = FairSemaphore(redis_client, "park-late", 1, prefix=PREFIX).acquire(timeout=5)
     semaphore, lapses_at = _parked_then_away(redis_server, redis_client, "park-late", parking)
     due_key = parked_keys(PREFIX)[0]
+
     # the first sweep after 0.3 s finds the place alive: the record is back, due after 2.5 s
     def put_back() -> bool:
         due = redis_client.zrange(due_key, 0, -1, withscores=True)
@@ -123,8 +124,11 @@ def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
 
     wait_until(put_back, timeout=10, what="the record put back, due after the place lapses")
     assert _queued(redis_server, "q-park-late.semaphore-wake") == 0
-    wait_until(lambda: _queued(redis_server, "q-park-late.semaphore-wake") == 1, timeout=15,
-               what="the wake copy sent once the place lapsed")
+    wait_until(
+        lambda: _queued(redis_server, "q-park-late.semaphore-wake") == 1,
+        timeout=15,
+        what="the wake copy sent once the place lapsed",
+    )
     assert _server_time(redis_client) >= lapses_at
     wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record gone")
     assert _queued(redis_server, "q-park-late.semaphore-wake") == 1
@@ -145,8 +149,11 @@ def test_a_wait_kept_in_this_process_only_is_swept_when_its_place_lapses(
     holder = FairSemaphore(redis_client, "park-here", 1, prefix=PREFIX).acquire(timeout=5)
     _, lapses_at = _parked_then_away(redis_server, redis_client, "park-here", parking)
     assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0, "not kept in Redis"
-    wait_until(lambda: _queued(redis_server, "q-park-here.semaphore-wake") == 1, timeout=15,
-               what="the wake copy sent once the place lapsed")
+    wait_until(
+        lambda: _queued(redis_server, "q-park-here.semaphore-wake") == 1,
+        timeout=15,
+        what="the wake copy sent once the place lapsed",
+    )
     assert _server_time(redis_client) >= lapses_at
     assert parking.parked_count() == 0
     holder.release()
@@ -181,8 +188,12 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
     (task, arguments, queue, headers), and of two processes sweeping, exactly one sends it."""
     app = _app(redis_server)
     holder = FairSemaphore(redis_client, "park-dead", 1, prefix=PREFIX).acquire(timeout=5)
-    parker = subprocess.Popen([sys.executable, "-c", _PARK_AND_WAIT, str(redis_server.port)], cwd=ROOT,
-                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    parker = subprocess.Popen(
+        [sys.executable, "-c", _PARK_AND_WAIT, str(redis_server.port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert parker.stdout is not None
         assert parker.stdout.readline().strip() == b"parked"
@@ -196,8 +207,9 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
     sweepers = [Parking(), Parking()]
     for sweeper in sweepers:
         sweeper.sweep(app, redis_client, PREFIX)
-    wait_until(lambda: _queued(redis_server, "q-dead.semaphore-wake") >= 1, timeout=15,
-               what="the wake copy sent by a sweep")
+    wait_until(
+        lambda: _queued(redis_server, "q-dead.semaphore-wake") >= 1, timeout=15, what="the wake copy sent by a sweep"
+    )
     wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record taken")
     with redis_server.client(db=5) as broker:
         (message,) = broker.lrange("q-dead.semaphore-wake", 0, -1)
@@ -216,8 +228,9 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
     holder = semaphore.acquire(timeout=5)
     assert isinstance(semaphore.try_acquire(token="up:a", waiter="up"), Waiting)
     parking = Parking()
-    address = parking.park(semaphore, "up", app.signature("parking.job", queue="q-up.semaphore-wake"),
-                           away_for=0.3, run="up#0")
+    address = parking.park(
+        semaphore, "up", app.signature("parking.job", queue="q-up.semaphore-wake"), away_for=0.3, run="up#0"
+    )
     semaphore._leave("up", 0.3, address)
     parking.unpark(semaphore, "up", "up#0")
     assert parking.parked_count() == 0

@@ -100,8 +100,11 @@ def test_hand_off_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str,
         results = []
         for _ in range(6):
             results.append(sender.send_task("proj.handoff", (0.1, key), queue=amqp_queue))
-            wait_until(lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
-                       timeout=30, what="the task to ask")
+            wait_until(
+                lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
+                timeout=30,
+                what="the task to ask",
+            )
         for result in results:
             result.get(timeout=120)
         runs = starts(proj, key)

@@ -33,6 +33,7 @@ def test_only_the_lost_process_slot_comes_back(app: Celery) -> None:
     """Ids "job:1" and "job:1:x" hold slots, and "job:1" holds a second one in another process
     (its wake copy and a redelivery, say): losing the child 111 that ran "job:1" frees that slot
     only; the other copy and the other task keep theirs (the limit holds)."""
+
     @app.task(base=SemaphoreTask, name="byid.job", shared=False)
     def task() -> None: ...
 

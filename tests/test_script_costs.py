@@ -32,21 +32,30 @@ def redis_server(request: pytest.FixtureRequest, _servers_of_this_module: dict[s
     scripts instead of 2, once, in a full CI run."""
     return emptied_server(_servers_of_this_module, request.param)
 
+
 # Redis calls of one uncontended acquire + release, made inside the two scripts (EVALSHA itself
 # not counted). Acquire: TIME, GET limit, ZCARD holders, ZCARD present, ZADD, HSET, 2 x PEXPIRE;
 # release: ZREM, EXISTS, HDEL. Issue 8's budget is 12; the first version made 34.
 CYCLE_CALLS = 11
 
-_NOT_SCRIPTED = {"evalsha", "eval", "info", "config", "config|resetstat", "script", "script|load", "ping",
-                 "hello", "client", "publish"}
+_NOT_SCRIPTED = {
+    "evalsha",
+    "eval",
+    "info",
+    "config",
+    "config|resetstat",
+    "script",
+    "script|load",
+    "ping",
+    "hello",
+    "client",
+    "publish",
+}
 
 
 def calls(client: redis.Redis) -> dict[str, int]:
     """Calls per command since the last CONFIG RESETSTAT (commands run by scripts included)."""
-    return {
-        name.removeprefix("cmdstat_"): int(stat["calls"])
-        for name, stat in client.info("commandstats").items()
-    }
+    return {name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in client.info("commandstats").items()}
 
 
 def scripted(counts: dict[str, int]) -> int:
@@ -190,8 +199,11 @@ def test_a_release_costs_the_same_whatever_the_number_of_blocked_waiters(
         thread.start()
     wait_until(lambda: semaphore.status(listed=0).waiter_count == waiters, timeout=30, what="every waiter in line")
     wake_ups, channel = semaphore._wake_address.get()
-    wait_until(lambda: channel in wake_ups._channels and wake_ups._channels[channel].ready.is_set(), timeout=30,
-               what="the waiters' channel to be subscribed")
+    wait_until(
+        lambda: channel in wake_ups._channels and wake_ups._channels[channel].ready.is_set(),
+        timeout=30,
+        what="the waiters' channel to be subscribed",
+    )
     # every waiter has made its second (post-subscription) ask
     wait_until(lambda: _quiet(redis_client, 0.3), timeout=30, what="the waiters to settle")
     redis_client.config_resetstat()
@@ -277,6 +289,7 @@ def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: 
 # Moved here from test_semaphore.py and test_multi.py: they count every command the server runs,
 # so they need this module's own servers (see redis_server above).
 
+
 def test_acquire_and_release_are_one_round_trip_each(redis_client: redis.Redis) -> None:
     """INFO commandstats: one EVALSHA per acquire and one per release, nothing else."""
     semaphore = FairSemaphore(redis_client, "trips", 1)
@@ -293,8 +306,19 @@ def test_acquire_and_release_are_one_round_trip_each(redis_client: redis.Redis) 
 
 
 def _scripted_calls(client: redis.Redis) -> int:
-    skip = {"evalsha", "eval", "info", "config", "config|resetstat", "script", "script|load", "ping", "hello",
-            "client", "publish"}
+    skip = {
+        "evalsha",
+        "eval",
+        "info",
+        "config",
+        "config|resetstat",
+        "script",
+        "script|load",
+        "ping",
+        "hello",
+        "client",
+        "publish",
+    }
     stats = client.info("commandstats")
     return sum(int(stat["calls"]) for name, stat in stats.items() if name.removeprefix("cmdstat_") not in skip)
 

@@ -211,8 +211,7 @@ def test_lease_expires_on_server_time(redis_client: redis.Redis) -> None:
     lease = semaphore.acquire(timeout=0)
     renewer.forget(lease)  # play a crashed holder: nobody renews it any more
     assert isinstance(semaphore.try_acquire(enqueue=False), Waiting)
-    wait_until(lambda: isinstance(semaphore.try_acquire(enqueue=False), Granted), timeout=5,
-               what="the lease to expire")
+    wait_until(lambda: isinstance(semaphore.try_acquire(enqueue=False), Granted), timeout=5, what="the lease to expire")
 
 
 def test_client_clock_skew_cannot_steal_a_slot(redis_client: redis.Redis) -> None:
@@ -291,12 +290,18 @@ def test_a_lease_dropped_without_release_stops_being_renewed(redis_client: redis
     sleep (found: they did, and the dropped lease was renewed for ever)."""
     semaphore = FairSemaphore(redis_client, "dropped", 1, lease=1.0)
     held = [semaphore.acquire(timeout=0) for _ in range(1)]
-    wait_until(lambda: semaphore.status().holders[0].expires_in > 0.9 and semaphore.status().holders[0].held_for > 0.5,
-               timeout=5, what="a renewal of the held lease")  # both renewer threads have seen it
+    wait_until(
+        lambda: semaphore.status().holders[0].expires_in > 0.9 and semaphore.status().holders[0].held_for > 0.5,
+        timeout=5,
+        what="a renewal of the held lease",
+    )  # both renewer threads have seen it
     del held[:]
     gc.collect()
-    wait_until(lambda: semaphore.status().holder_count == 0, timeout=6,
-               what="the dropped lease's slot back after its lease ran out")
+    wait_until(
+        lambda: semaphore.status().holder_count == 0,
+        timeout=6,
+        what="the dropped lease's slot back after its lease ran out",
+    )
 
 
 def test_scripts_survive_script_flush(redis_client: redis.Redis) -> None:

@@ -199,9 +199,12 @@ def test_blocked_callers_on_every_master_are_woken(
         for port, group in semaphores.items():
             mine = {semaphore.keys.wake_address(wake_ups.listener_id) for semaphore in group}
             with masters[port].client() as node:
-                wait_until(lambda node=node, mine=mine: mine <= set(
-                    _names(_cmd(node, "PUBSUB", "SHARDCHANNELS", "semaphore:*"))),
-                    what=f"shard channels on {port}")
+                wait_until(
+                    lambda node=node, mine=mine: (
+                        mine <= set(_names(_cmd(node, "PUBSUB", "SHARDCHANNELS", "semaphore:*")))
+                    ),
+                    what=f"shard channels on {port}",
+                )
         assert _classic_channels(redis_cluster) == set()
     else:
         # ClusterPubSub SUBSCRIBEs on a node of its choosing: the channels are somewhere
@@ -277,8 +280,10 @@ def test_hand_off_latency_on_a_cluster(
     semaphore = FairSemaphore(cluster_client, "latency", 1, lease=30, patience=PATIENCE)
     owner = redis_cluster.node_for_key(semaphore.keys.holders).port
     quiet = [names[0] for port, names in _names_on_every_master(redis_cluster, 1, "quiet").items() if port != owner]
-    handles = [wake_ups.signal(FairSemaphore(cluster_client, name, 1).keys.wake_address(wake_ups.listener_id), "idle")
-               for name in quiet]
+    handles = [
+        wake_ups.signal(FairSemaphore(cluster_client, name, 1).keys.wake_address(wake_ups.listener_id), "idle")
+        for name in quiet
+    ]
     try:
         for handle in handles:
             assert handle.subscribe(10)
@@ -294,8 +299,10 @@ def test_hand_off_latency_on_a_cluster(
     p50 = statistics.median(latencies) * 1000
     p99 = latencies[int(len(latencies) * 0.99) - 1] * 1000
     kind = "sharded" if wake_ups.sharded else "classic"
-    print(f"\nhand-off on a {binary_version(redis_cluster.binary)} cluster ({kind}), {len(latencies)} hand-offs: "
-          f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {latencies[-1] * 1000:.2f} ms")
+    print(
+        f"\nhand-off on a {binary_version(redis_cluster.binary)} cluster ({kind}), {len(latencies)} hand-offs: "
+        f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {latencies[-1] * 1000:.2f} ms"
+    )
     assert p99 < 100, f"p99 {p99:.1f} ms"
     assert latencies[-1] < 2.0
 
@@ -374,8 +381,11 @@ def test_wake_ups_keep_working_through_a_cluster_failover(own_redis_cluster: Red
         new_master = cluster.failover(old_master)
         assert cluster.node_for_key(semaphore.keys.holders).port == new_master.port
         with new_master.client() as node:
-            wait_until(lambda: channel in _names(_cmd(node, "PUBSUB", "SHARDCHANNELS")), timeout=15,
-                       what="the shard channel on the new master")
+            wait_until(
+                lambda: channel in _names(_cmd(node, "PUBSUB", "SHARDCHANNELS")),
+                timeout=15,
+                what="the shard channel on the new master",
+            )
         started = time.monotonic()
         holder.release()
         caller.join(WOKEN_WITHIN + 5)
@@ -394,8 +404,22 @@ def test_an_acl_user_of_the_documented_rules_gets_sharded_wake_ups(redis_cluster
     SSUBSCRIBE and SPUBLISH from the scripts: the caller is woken by a release."""
     if not _is_7(redis_cluster):
         pytest.skip("sharded pub/sub needs Redis >= 7")
-    rule = ["on", ">sharded-pw", "resetkeys", "~semaphore:*", "resetchannels", "&*", "-@all", "+@read", "+@write",
-            "+@scripting", "+@pubsub", "+@connection", "+time", "+cluster|slots"]
+    rule = [
+        "on",
+        ">sharded-pw",
+        "resetkeys",
+        "~semaphore:*",
+        "resetchannels",
+        "&*",
+        "-@all",
+        "+@read",
+        "+@write",
+        "+@scripting",
+        "+@pubsub",
+        "+@connection",
+        "+time",
+        "+cluster|slots",
+    ]
     for node in redis_cluster.live_nodes():
         with node.client() as admin:
             _cmd(admin, "ACL", "SETUSER", "sharded-user", "reset", *rule)
@@ -407,8 +431,13 @@ def test_an_acl_user_of_the_documented_rules_gets_sharded_wake_ups(redis_cluster
         holder = semaphore.acquire(timeout=0)
         caller = BlockedCaller(semaphore)
         _wait_in_line(semaphore)
-        wait_until(lambda: wake_ups_for(client)._channels and all(
-            entry.ready.is_set() for entry in wake_ups_for(client)._channels.values()), what="the subscription")
+        wait_until(
+            lambda: (
+                wake_ups_for(client)._channels
+                and all(entry.ready.is_set() for entry in wake_ups_for(client)._channels.values())
+            ),
+            what="the subscription",
+        )
         started = time.monotonic()
         holder.release()
         caller.join(WOKEN_WITHIN)
@@ -447,8 +476,11 @@ def test_wake_ups_come_back_after_the_owning_master_is_killed(own_redis_cluster:
         cluster.kill(old_master)
         new_master = cluster.wait_for_promotion(old_master, replicas)
         with new_master.client() as node:
-            wait_until(lambda: channel in _names(_cmd(node, "PUBSUB", "SHARDCHANNELS")), timeout=30,
-                       what="the shard channel on the promoted replica")
+            wait_until(
+                lambda: channel in _names(_cmd(node, "PUBSUB", "SHARDCHANNELS")),
+                timeout=30,
+                what="the shard channel on the promoted replica",
+            )
         _wait_in_line(semaphore)
         started = time.monotonic()
         holder.release()

@@ -72,7 +72,7 @@ def lua_pattern(pattern: str) -> re.Pattern[str]:
         elif char == "[":
             end = pattern.index("]", i)
             assert "%" not in pattern[i:end], "a set with escapes is not translated here"
-            out.append(pattern[i:end + 1])
+            out.append(pattern[i : end + 1])
             i = end
         elif char == "^" and i == 0:
             out.append(r"\A")

@@ -55,31 +55,41 @@ def test_worker_max_tasks_per_child_strands_no_waiter(proj: Any, celery_stack: C
     issue is reported, not asserted."""
     with worker_group(celery_stack.env, queue="steady", names=("steady",), concurrency=3):
         baseline = makespan(proj, "steady", 6)
-    with worker_group(celery_stack.env, queue="recycling", names=("recycling",), concurrency=3,
-                      conf={"worker_max_tasks_per_child": 1}) as group:
+    with worker_group(
+        celery_stack.env, queue="recycling", names=("recycling",), concurrency=3, conf={"worker_max_tasks_per_child": 1}
+    ) as group:
         recycled = makespan(proj, "recycling", 6)
         log = group[0].log()
-    print(f"makespan: {recycled:.2f} s with worker_max_tasks_per_child=1, {baseline:.2f} s without "
-          f"({recycled / baseline:.2f} x)")
+    print(
+        f"makespan: {recycled:.2f} s with worker_max_tasks_per_child=1, {baseline:.2f} s without "
+        f"({recycled / baseline:.2f} x)"
+    )
     assert recycled < 30 / 2, log[-4000:]
     assert proj.probe("recycled").client.get("probe:recycled:max") in (None, b"1")
 
 
 def test_a_slot_whose_holders_worker_was_killed_reaches_a_parked_waiter_within_the_lease(
-    proj: Any, celery_stack: CeleryStack,
+    proj: Any,
+    celery_stack: CeleryStack,
 ) -> None:
     """Limit 1, a 3 s lease: the holder's whole worker is SIGKILLed; the task parked on another
     worker starts within the lease + 2 s of the kill, not at its 30 s backstop."""
     key = "short_lease"
-    with worker_group(celery_stack.env, queue="lease-holder", names=("lease-holder",), concurrency=1,
-                      kill_at_end=True) as holders, \
-            worker_group(celery_stack.env, queue="lease-waiter", names=("lease-waiter",), concurrency=1) as waiters:
+    with (
+        worker_group(
+            celery_stack.env, queue="lease-holder", names=("lease-holder",), concurrency=1, kill_at_end=True
+        ) as holders,
+        worker_group(celery_stack.env, queue="lease-waiter", names=("lease-waiter",), concurrency=1) as waiters,
+    ):
         holder = proj.short_lease.apply_async((60,), queue="lease-holder")
         wait_until(lambda: any(run[0] == holder.id for run in runs(proj, key)), timeout=30, what="the holder runs")
         waiter = proj.short_lease.apply_async((0.1,), queue="lease-waiter")
         semaphore = semaphore_for(proj.app, "proj.short_lease")
-        wait_until(lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
-                   timeout=30, what="the waiter parked")
+        wait_until(
+            lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
+            timeout=30,
+            what="the waiter parked",
+        )
         killed_at = time.time()
         holders[0].kill()
         assert waiter.get(timeout=60) == waiter.id, waiters[0].log()[-4000:]
@@ -89,7 +99,8 @@ def test_a_slot_whose_holders_worker_was_killed_reaches_a_parked_waiter_within_t
 
 
 def test_under_a_hard_time_limit_the_next_body_starts_only_once_the_killed_one_stopped(
-    proj: Any, celery_stack: CeleryStack,
+    proj: Any,
+    celery_stack: CeleryStack,
 ) -> None:
     """A body that ignores the SIGTERM of its hard time limit runs on until the SIGKILL that
     follows; its slot must not go to the next task before then. Each body beats in Redis every
@@ -102,8 +113,9 @@ def test_under_a_hard_time_limit_the_next_body_starts_only_once_the_killed_one_s
         assert second.get(timeout=30) == second.id
         with pytest.raises(Exception, match=r"(?i)time ?limit"):
             first.get(timeout=30)
-    alive = {task_id.decode(): float(at) for task_id, at in proj.probe(key).client.hgetall(
-        f"probe:{key}:alive").items()}
+    alive = {
+        task_id.decode(): float(at) for task_id, at in proj.probe(key).client.hgetall(f"probe:{key}:alive").items()
+    }
     ((_, _, second_started),) = [run for run in runs(proj, key) if run[0] == second.id]
     print(f"the second body started {second_started - alive[first.id]:+.3f} s after the first one's last beat")
     assert second_started > alive[first.id]
@@ -145,8 +157,10 @@ def test_a_rolling_restart_strands_no_waiter(proj: Any, celery_stack: CeleryStac
     worst = max(gap for gap, _ in gaps)
     outside = sorted(gap for gap, at in gaps if not any(a - 1 <= at <= b + 1 for a, b in restarts))
     p50, p90, p99 = (outside[int(q * (len(outside) - 1))] * 1000 for q in (0.5, 0.9, 0.99))
-    print(f"{len(restarts)} restarts; release to next start: max {worst:.3f} s; outside the restarts p50 "
-          f"{p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms ({len(outside)} samples)")
+    print(
+        f"{len(restarts)} restarts; release to next start: max {worst:.3f} s; outside the restarts p50 "
+        f"{p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms ({len(outside)} samples)"
+    )
     assert restarts, "the test restarted nothing"
     assert worst <= 2.5
 
@@ -181,8 +195,9 @@ def test_worker_eta_task_limit_strands_no_waiter_on_rabbitmq(proj: Any, celery_s
     try:
         with worker_group(env, queue=free, names=("eta_free",), concurrency=2):
             baseline = makespan_of(sender, free, 100, 0.1)
-        with worker_group(env, queue=capped, names=("eta_capped",), concurrency=2,
-                          conf={"worker_eta_task_limit": 8}) as group:
+        with worker_group(
+            env, queue=capped, names=("eta_capped",), concurrency=2, conf={"worker_eta_task_limit": 8}
+        ) as group:
             limited = makespan_of(sender, capped, 100, 0.1)
             log = group[0].log()
     finally:
@@ -193,7 +208,8 @@ def test_worker_eta_task_limit_strands_no_waiter_on_rabbitmq(proj: Any, celery_s
                         connection.channel().queue_delete(name)
                     except Exception as error:  # never declared: nothing to delete
                         print(f"could not delete {name}: {error}")
-    print(f"makespan: {limited:.2f} s with worker_eta_task_limit=8, {baseline:.2f} s without "
-          f"({limited / baseline:.2f} x)")
+    print(
+        f"makespan: {limited:.2f} s with worker_eta_task_limit=8, {baseline:.2f} s without ({limited / baseline:.2f} x)"
+    )
     assert limited <= 1.2 * baseline, log[-4000:]
     assert proj.probe("recycled").client.get("probe:recycled:max") in (None, b"1")

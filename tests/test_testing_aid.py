@@ -137,7 +137,7 @@ def test_semaphore_redis_sentinel_fixture(semaphore_redis_sentinel: RedisSentine
 
 # --- the plugin as a user gets it: a separate pytest run ----------------------------------
 
-USER_TESTS = '''
+USER_TESTS = """
 import redis
 from celery import Celery
 
@@ -169,10 +169,10 @@ def test_each_test_starts_empty(semaphore_redis):
 
 def test_no_fixture_no_server():
     pass
-'''
+"""
 
 # Fails any test that starts a server: proves a test without the fixtures starts nothing.
-NO_START_CONFTEST = '''
+NO_START_CONFTEST = """
 import pytest
 import celery_semaphore.testing as testing
 
@@ -183,7 +183,7 @@ def _refuse(self, timeout=10.0):
 def _no_servers(request, monkeypatch):
     if "no_fixture" in request.node.name:
         monkeypatch.setattr(testing.RedisServer, "start", _refuse)
-'''
+"""
 
 
 def _run_pytest(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:

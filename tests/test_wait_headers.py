@@ -61,16 +61,25 @@ def test_hosts_reaching_the_same_redis_by_other_names_agree() -> None:
     assert history.ticket == 42
 
 
-@pytest.mark.parametrize("headers", [
-    {"semaphore_first_refused": "x", "semaphore_wait_of_retry": 0},
-    {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_ticket": "not a ticket"},
-    {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_ticket": -5},
-    {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_run": "../x",
-     "semaphore_protocol": 2},
-    {"semaphore_first_refused": float("nan"), "semaphore_wait_of_retry": 0},
-])
-def test_headers_that_do_not_parse_start_a_fresh_wait(headers: dict[str, Any], caplog: pytest.LogCaptureFixture,
-                                                      ) -> None:
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"semaphore_first_refused": "x", "semaphore_wait_of_retry": 0},
+        {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_ticket": "not a ticket"},
+        {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_ticket": -5},
+        {
+            "semaphore_first_refused": 1.0,
+            "semaphore_wait_of_retry": 0,
+            "semaphore_run": "../x",
+            "semaphore_protocol": 2,
+        },
+        {"semaphore_first_refused": float("nan"), "semaphore_wait_of_retry": 0},
+    ],
+)
+def test_headers_that_do_not_parse_start_a_fresh_wait(
+    headers: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.WARNING, logger="celery_semaphore")
     history = WaitHistory.of(request(**headers))
     assert (history.waits, history.ticket) == (0, None)
@@ -90,6 +99,12 @@ def test_a_re_sent_copy_leaves_the_brokers_headers_behind() -> None:
     them from its own retries) may be dropped by RabbitMQ quorum queues or delayed delivery."""
     from celery_semaphore._celery.wait_headers import without_broker_headers
 
-    delivered = {"x-death": [{"count": 1}], "x-first-death-queue": "q", "x-last-death-reason": "rejected",
-                 "x-delivery-count": 2, "semaphore_waits": 1, "tenant": "a"}
+    delivered = {
+        "x-death": [{"count": 1}],
+        "x-first-death-queue": "q",
+        "x-last-death-reason": "rejected",
+        "x-delivery-count": 2,
+        "semaphore_waits": 1,
+        "tenant": "a",
+    }
     assert without_broker_headers(delivered) == {"semaphore_waits": 1, "tenant": "a"}

@@ -140,7 +140,8 @@ def test_a_parked_task_of_a_quorum_queue_is_woken(celery_stack: CeleryStack, mis
         assert "inequivalent arg" not in logs(workers)
         with Connection(broker.url) as connection:  # RabbitMQ refuses this if the wake queue is not a quorum one
             _, _, consumers = connection.channel().queue_declare(
-                queue + WAKE, durable=True, auto_delete=False, arguments={"x-queue-type": "quorum"})
+                queue + WAKE, durable=True, auto_delete=False, arguments={"x-queue-type": "quorum"}
+            )
             assert consumers >= 1
     finally:
         for started in workers:
@@ -160,8 +161,9 @@ def test_a_queue_added_by_add_consumer_brings_its_wake_queue(celery_stack: Celer
         destination = [f"{workers[0].name}@127.0.0.1"]
         replies = sender.control.add_consumer(added, destination=destination, reply=True, timeout=10)
         assert replies, "the worker answered add_consumer"
-        wait_until(lambda: f"Started consuming from {added}" in logs(workers), timeout=30,
-                   what=f"the worker consuming {added}")
+        wait_until(
+            lambda: f"Started consuming from {added}" in logs(workers), timeout=30, what=f"the worker consuming {added}"
+        )
         assert_woken_by_the_release(proj, sender, added, workers)
 
         sender.control.cancel_consumer(added, destination=destination, reply=True, timeout=10)
@@ -195,7 +197,6 @@ def test_wake_copies_need_no_missing_queues(celery_stack: CeleryStack, broker: B
     finally:
         for started in workers:
             started.stop()
-
 
 
 def test_a_backstop_copy_comes_back_when_due(celery_stack: CeleryStack, broker: Broker) -> None:
@@ -234,15 +235,20 @@ def backstop_copy_waits_until_due(celery_stack: CeleryStack, broker: Broker, que
         refused = f"proj.handoff[{result.id}] retry: waiting for a slot"
         wait_until(lambda: parked(proj, "proj.handoff", result.id), timeout=30, what="the task parked")
         parked_at = time.time()
-        wait_until(lambda: logs(workers).count(refused) >= 2, timeout=15, interval=0.05,
-                   what="the backstop copy back, and refused again")
+        wait_until(
+            lambda: logs(workers).count(refused) >= 2,
+            timeout=15,
+            interval=0.05,
+            what="the backstop copy back, and refused again",
+        )
         came_back_after = time.time() - parked_at
         assert 2.0 <= came_back_after <= 6.0, f"the backstop copy came {came_back_after:.2f} s after the park"
         if broker.url.startswith("amqp"):
             arguments = {"x-queue-type": "quorum"} if queue_type == "quorum" else None
             with Connection(broker.url) as connection:  # refused unless declared exactly so
                 _, _, consumers = connection.channel().queue_declare(
-                    queue + BACKSTOP_QUEUE, durable=True, auto_delete=False, arguments=arguments)
+                    queue + BACKSTOP_QUEUE, durable=True, auto_delete=False, arguments=arguments
+                )
             assert consumers == 1, "the worker's main process holds the backstop queue"
         holder.release()
         assert result.get(timeout=30) == result.id
@@ -261,19 +267,23 @@ def test_a_retry_to_another_queue_waits_in_that_queue(celery_stack: CeleryStack,
 
     first, second = broker.queue("retry-first"), broker.queue("retry-second")
     key = f"retry-{uuid.uuid4().hex[:8]}"
-    workers = [worker(celery_stack, broker, first, "retry-first", {}),
-               worker(celery_stack, broker, second, "retry-second", {})]
+    workers = [
+        worker(celery_stack, broker, first, "retry-first", {}),
+        worker(celery_stack, broker, second, "retry-second", {}),
+    ]
     semaphore = semaphore_for(proj.app, "proj.retries_elsewhere")
     try:
         sender = sender_app(celery_stack, broker, {"task_default_queue": first})
         result = sender.send_task("proj.retries_elsewhere", (second, key), queue=first)
-        wait_until(lambda: len(proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)) == 1, timeout=30,
-                   what="the first run, which retries into the second queue")
+        wait_until(
+            lambda: len(proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)) == 1,
+            timeout=30,
+            what="the first run, which retries into the second queue",
+        )
         # queue behind the first run, so that the retry finds the slot held and waits
         holder = semaphore.acquire(timeout=10)
         try:
-            wait_until(lambda: parked(proj, "proj.retries_elsewhere", result.id), timeout=30,
-                       what="the retry parked")
+            wait_until(lambda: parked(proj, "proj.retries_elsewhere", result.id), timeout=30, what="the retry parked")
         finally:
             holder.release()
         assert result.get(timeout=30) == result.id

@@ -93,8 +93,9 @@ def test_an_unclaimed_offer_lapses_to_the_next_waiter_and_the_late_one_keeps_its
     assert [(w.waiter, w.offered) for w in status.waiters] == [("sleepy", True), ("next", False)]
     assert isinstance(semaphore.try_acquire(waiter="next"), Waiting), "the offer holds the slot for sleepy"
     started = time.monotonic()
-    granted = wait_until(lambda: _granted(semaphore.try_acquire(waiter="next")), timeout=10,
-                         what="the offer to lapse to the next waiter")
+    granted = wait_until(
+        lambda: _granted(semaphore.try_acquire(waiter="next")), timeout=10, what="the offer to lapse to the next waiter"
+    )
     assert time.monotonic() - started >= 1.0, "not before the claim deadline"
     back = semaphore.try_acquire(waiter="sleepy")
     assert isinstance(back, Waiting) and back.position == 0
@@ -245,8 +246,7 @@ def test_a_forked_child_gets_its_own_wake_up_listener(redis_server: RedisServer)
     try:
         wait_until(lambda: semaphore.status(listed=0).waiter_count == 1, what="the child in line")
         # the parent's channel (still subscribed while idle) and the child's own
-        wait_until(lambda: len(client.pubsub_channels("semaphore:{fork}:wake:*")) == 2,
-                   what="the child's subscription")
+        wait_until(lambda: len(client.pubsub_channels("semaphore:{fork}:wake:*")) == 2, what="the child's subscription")
         time.sleep(0.3)  # its post-subscription ask
         holder.release()
         waited = done.get(timeout=15)
@@ -343,7 +343,8 @@ def test_an_uncontended_blocking_acquire_registers_nothing_with_the_listener(red
 
 
 def test_an_offer_told_between_a_refusal_and_the_registration_is_claimed_at_once(
-    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A blocked caller registers for wake-ups only after its first try was refused, so a release
     can tell it of an offer before it registered. The listener keeps that wake-up and the
@@ -356,8 +357,11 @@ def test_an_offer_told_between_a_refusal_and_the_registration_is_claimed_at_once
     other = threading.Thread(target=lambda: semaphore.acquire(timeout=60).release(), daemon=True)
     holder = semaphore.acquire(timeout=0)
     other.start()
-    wait_until(lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()), timeout=10,
-               what="the channel to be subscribed")
+    wait_until(
+        lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()),
+        timeout=10,
+        what="the channel to be subscribed",
+    )
     registering = wake_ups.signal
     released: list[bool] = []
 
@@ -367,8 +371,11 @@ def test_an_offer_told_between_a_refusal_and_the_registration_is_claimed_at_once
         # the other caller asked first: the release offers the slot to it; its claim and
         # release offer it on to "late", which is refused and not yet registered
         released.append(holder.release())
-        wait_until(lambda: (channel, "late") in wake_ups._unclaimed, timeout=10,
-                   what="the wake-up for the unregistered waiter to arrive")
+        wait_until(
+            lambda: (channel, "late") in wake_ups._unclaimed,
+            timeout=10,
+            what="the wake-up for the unregistered waiter to arrive",
+        )
         return registering(channel, waiter)
 
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the other caller to wait")
@@ -382,8 +389,9 @@ def test_an_offer_told_between_a_refusal_and_the_registration_is_claimed_at_once
     other.join(timeout=10)
 
 
-def test_an_unclaimed_wake_up_is_kept_for_a_while_only(redis_client: redis.Redis,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unclaimed_wake_up_is_kept_for_a_while_only(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A wake-up for a waiter that never registers does not stay: after UNCLAIMED_S it is
     forgotten, and a later registration of that waiter is not woken by it."""
     import celery_semaphore._core.wakeups as wakeups_module
@@ -415,8 +423,11 @@ def _with_an_idle_channel(semaphore: FairSemaphore) -> WakeUps:
     holder = semaphore.acquire(timeout=0)
     waiter = threading.Thread(target=lambda: semaphore.acquire(timeout=30).release(), daemon=True)
     waiter.start()
-    wait_until(lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()), timeout=10,
-               what="the waiter's channel to be subscribed")
+    wait_until(
+        lambda: any(entry.ready.is_set() for entry in wake_ups._channels.values()),
+        timeout=10,
+        what="the waiter's channel to be subscribed",
+    )
     holder.release()
     waiter.join(timeout=10)
     assert not waiter.is_alive()
@@ -424,7 +435,8 @@ def _with_an_idle_channel(semaphore: FairSemaphore) -> WakeUps:
 
 
 def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
-    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An application closes its client when it is done with it, which also closes the wake-up
     listener's connection (still subscribed: its channel is kept a while for the next wait). With
@@ -446,8 +458,7 @@ def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
     # the client is still usable (redis-py reconnects on use): the next wait listens again
     holder = semaphore.acquire(timeout=0)
     outcome: list[bool] = []
-    again = threading.Thread(target=lambda: outcome.append(bool(semaphore.acquire(timeout=30).release())),
-                             daemon=True)
+    again = threading.Thread(target=lambda: outcome.append(bool(semaphore.acquire(timeout=30).release())), daemon=True)
     started = time.monotonic()
     again.start()
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the second waiter in line")
@@ -459,7 +470,8 @@ def test_closing_a_client_nobody_waits_on_ends_its_listener_without_a_warning(
 
 
 def test_after_a_redis_restart_with_nobody_waiting_the_next_blocked_caller_is_woken(
-    own_redis: RedisServer, caplog: pytest.LogCaptureFixture,
+    own_redis: RedisServer,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Redis restarts (empty) while the listener holds only an idle channel. Nobody was waiting,
     so nothing is worth a warning, whether the listener notices (and ends) or redis-py reconnects
@@ -477,7 +489,8 @@ def test_after_a_redis_restart_with_nobody_waiting_the_next_blocked_caller_is_wo
         wait_until(lambda: semaphore.status().holder_count == 1, timeout=10, what="the held slot registered again")
         assert not holder.lost
         second = threading.Thread(
-            target=lambda: outcome.append(bool(semaphore.acquire(timeout=30).release())), daemon=True)
+            target=lambda: outcome.append(bool(semaphore.acquire(timeout=30).release())), daemon=True
+        )
         second.start()
         wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the second caller in line")
         assert semaphore.status().holder_count == 1, "never more than the limit"

@@ -57,12 +57,27 @@ class Worker:
 
     def start(self, *, wait_ready: bool = True) -> Worker:
         command = [
-            sys.executable, "-m", "celery", "-A", self.app, "worker",
-            "-P", self.pool, "-c", str(self.concurrency),
-            "-n", f"{self.name}@127.0.0.1",
-            "-Q", self.env.get("PROJ_QUEUE", "celery"),
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "--loglevel", "INFO", "--logfile", str(self.logfile),
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            self.app,
+            "worker",
+            "-P",
+            self.pool,
+            "-c",
+            str(self.concurrency),
+            "-n",
+            f"{self.name}@127.0.0.1",
+            "-Q",
+            self.env.get("PROJ_QUEUE", "celery"),
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "--loglevel",
+            "INFO",
+            "--logfile",
+            str(self.logfile),
         ]
         self.output = self.logfile.with_suffix(".out")
         with self.output.open("wb") as output:
@@ -123,8 +138,13 @@ class Worker:
 
 @contextlib.contextmanager
 def worker_group(
-    env: dict[str, str], *, queue: str, names: Sequence[str], concurrency: int = 4,
-    conf: dict[str, Any] | None = None, kill_at_end: bool = False,
+    env: dict[str, str],
+    *,
+    queue: str,
+    names: Sequence[str],
+    concurrency: int = 4,
+    conf: dict[str, Any] | None = None,
+    kill_at_end: bool = False,
 ) -> Iterator[list[Worker]]:
     """Workers of the test app consuming ``queue``, started together and stopped at the end (warm,
     or killed): those in the list then, so a test may add the workers it started meanwhile."""

@@ -75,7 +75,11 @@ class BackstopHolder:
         self.connection = consumer.connection
         self.channel = consumer.connection.channel()
         self.consumer: Any = Consumer(  # type: ignore[no-untyped-call]
-            self.channel, queues=[], on_message=self._on_message, no_ack=False, prefetch_count=HOLD_AT_MOST,
+            self.channel,
+            queues=[],
+            on_message=self._on_message,
+            no_ack=False,
+            prefetch_count=HOLD_AT_MOST,
         )
         self.origins: dict[str, str] = {}  # backstop queue name -> the queue it serves
         self.targets: dict[str, Any] = {}  # the queue served -> where its copies go when due
@@ -94,8 +98,9 @@ class BackstopHolder:
         # a backlog of fresh tasks (a countdown message did not); to the queue itself if its
         # wake queue cannot be declared here
         wake = wake_queue_for(self.app, origin)
-        self.targets[origin] = wake if declarable(self.connection, wake) else origin_declaration(
-            wake_aware(self.app), origin)
+        self.targets[origin] = (
+            wake if declarable(self.connection, wake) else origin_declaration(wake_aware(self.app), origin)
+        )
         self.consumer.add_queue(queue)
         self.consumer.consume()
 
@@ -136,16 +141,26 @@ class BackstopHolder:
                     exchange=queue.exchange,
                     routing_key=queue.routing_key,
                     declare=[queue],
-                    headers={name: value for name, value in (message.headers or {}).items()
-                             if name not in _DROPPED_HEADERS and not name.startswith("x-")},
+                    headers={
+                        name: value
+                        for name, value in (message.headers or {}).items()
+                        if name not in _DROPPED_HEADERS and not name.startswith("x-")
+                    },
                     content_type=message.content_type,
                     content_encoding=message.content_encoding,
-                    **{name: properties[name] for name in ("correlation_id", "reply_to", "priority", "delivery_mode")
-                       if properties.get(name) is not None},
+                    **{
+                        name: properties[name]
+                        for name in ("correlation_id", "reply_to", "priority", "delivery_mode")
+                        if properties.get(name) is not None
+                    },
                 )
         except Exception as error:  # still held (not acknowledged): try again shortly
-            logger.warning("could not send a waiting task's backstop copy on to %s (trying again in %.0f s): %s",
-                           origin, REPUBLISH_PAUSE_S, error)
+            logger.warning(
+                "could not send a waiting task's backstop copy on to %s (trying again in %.0f s): %s",
+                origin,
+                REPUBLISH_PAUSE_S,
+                error,
+            )
             if not self.closed:
                 self.timers[id(message)] = self.timer.call_after(REPUBLISH_PAUSE_S, self._publish, (message,))
             return
@@ -229,5 +244,9 @@ def follow_backstops(consumer: Any, origin: str) -> None:
     try:
         holder.follow(origin)
     except Exception as error:
-        logger.error("not holding the backstop copies of %s: %s; waiting tasks of that queue whose wake-up is lost "
-                     "are not sent again until a worker that can hold them starts", origin, error)
+        logger.error(
+            "not holding the backstop copies of %s: %s; waiting tasks of that queue whose wake-up is lost "
+            "are not sent again until a worker that can hold them starts",
+            origin,
+            error,
+        )

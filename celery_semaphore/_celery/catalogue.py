@@ -77,8 +77,9 @@ def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _semaphore(config: SemaphoreConfig, key: str, limit: int, lease: float) -> FairSemaphore:
-    return FairSemaphore(client_for(config.backend), key, limit, lease=lease, prefix=config.prefix,
-                         hash_tag=config.hash_tag)
+    return FairSemaphore(
+        client_for(config.backend), key, limit, lease=lease, prefix=config.prefix, hash_tag=config.hash_tag
+    )
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class Catalogue:
                 name = raw.decode() if isinstance(raw, bytes) else str(raw)
                 body, _, part = name.rpartition(end)
                 if part in _PRESENCE_PARTS and body.startswith(head):
-                    keys.add(body[len(head):])
+                    keys.add(body[len(head) :])
         except (redis.RedisError, redis.exceptions.RedisClusterException) as error:
             raise SemaphoreError(f"listing semaphores in {self.backend}: {error}") from error
         return keys

@@ -117,9 +117,9 @@ def parse_config(app: Any) -> SemaphoreConfig:
     if url is None:
         if broker is None:
             raise ConfigurationError(
-                "semaphore_backend_url", None,
-                f"not set, and the broker URL {mask_url(_joined(conf.broker_url))!r} "
-                "is not a Redis to default to",
+                "semaphore_backend_url",
+                None,
+                f"not set, and the broker URL {mask_url(_joined(conf.broker_url))!r} is not a Redis to default to",
             )
         backend = broker
     else:

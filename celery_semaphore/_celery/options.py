@@ -108,8 +108,9 @@ def check_task_options(cls: type) -> None:
         check_limit(f"{name}.semaphore_weight", weight)
         limit = options.get("semaphore_limit")
         if limit is not None and weight > limit:
-            raise ConfigurationError(f"{name}.semaphore_weight", weight,
-                                     f"above the task's semaphore_limit {limit}: it would wait forever")
+            raise ConfigurationError(
+                f"{name}.semaphore_weight", weight, f"above the task's semaphore_limit {limit}: it would wait forever"
+            )
     # the key may be inherited from a base class: check it against every class that has a run
     key = key_option(cls)
     keys = key if isinstance(key, list) else [key]
@@ -122,8 +123,11 @@ def check_task_options(cls: type) -> None:
                 raise ConfigurationError(f"{name}.semaphore_key", key, "None in a list of keys")
             continue
         if not isinstance(item, str) or not item:
-            raise ConfigurationError(f"{name}.semaphore_key", item,
-                                     "expected a format string or a callable (args, kwargs), or a list of these")
+            raise ConfigurationError(
+                f"{name}.semaphore_key",
+                item,
+                "expected a format string or a callable (args, kwargs), or a list of these",
+            )
         if parameters is not None:
             check_template(f"{name}.semaphore_key", item, parameters)
 
@@ -144,8 +148,9 @@ def wait_options(task: Any, config: SemaphoreConfig) -> WaitOptions:
     max_wait = task.semaphore_max_wait
     return WaitOptions(
         lease=config.lease if task.semaphore_lease is None else float(task.semaphore_lease),
-        countdown=config.countdown if countdown is None else parse_countdown(
-            f"{task.name}.semaphore_countdown", countdown),
+        countdown=config.countdown
+        if countdown is None
+        else parse_countdown(f"{task.name}.semaphore_countdown", countdown),
         max_wait=config.max_wait if max_wait is FROM_SETTINGS else max_wait,
         inline_wait=config.inline_wait if task.semaphore_inline_wait is None else float(task.semaphore_inline_wait),
     )

@@ -93,7 +93,8 @@ def serialized(wake_copy: Any) -> bytes | None:
     or None when it cannot be written that way."""
     try:
         content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
-            dict(wake_copy), serializer=wake_copy.app.conf.task_serializer)
+            dict(wake_copy), serializer=wake_copy.app.conf.task_serializer
+        )
     except Exception as error:
         logger.debug("a wake copy is kept in this process only (it cannot be serialized): %s", error)
         return None
@@ -104,9 +105,8 @@ def serialized(wake_copy: Any) -> bytes | None:
 def deserialized(copy: bytes, app: Any) -> Any:
     """The wake copy ``serialized`` wrote, as a signature of ``app``."""
     content_type, encoding, body = copy.split(b"\n", 2)
-    fields = loads(  # type: ignore[no-untyped-call]
-        body, content_type.decode(), encoding.decode(),
-        accept=prepare_accept_content(app.conf.accept_content))  # type: ignore[no-untyped-call]
+    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+    fields = loads(body, content_type.decode(), encoding.decode(), accept=accept)  # type: ignore[no-untyped-call]
     return signature(fields, app=app)
 
 
@@ -160,8 +160,16 @@ class Parking:
 
         recorded = self._record(semaphore, waiter, run, wake_copy, away_for)
         handle = wake_ups.on_wake(channel, waiter, woken)
-        entry = _Parked(handle, wake_copy, time.monotonic() + away_for, semaphore, waiter, run, name=semaphore.name,
-                        recorded=recorded)
+        entry = _Parked(
+            handle,
+            wake_copy,
+            time.monotonic() + away_for,
+            semaphore,
+            waiter,
+            run,
+            name=semaphore.name,
+            recorded=recorded,
+        )
         with self._lock:
             old = self._parked.pop(key, None)
             self._parked[key] = entry
@@ -180,11 +188,16 @@ class Parking:
         if parked is not None:
             parked.handle.close()
         try:
-            scripts_for(semaphore.client).park(parked_keys(_prefix_of(semaphore)),
-                                               record=_record_of(semaphore, waiter, run), look_in_ms=0, copy=b"")
+            scripts_for(semaphore.client).park(
+                parked_keys(_prefix_of(semaphore)), record=_record_of(semaphore, waiter, run), look_in_ms=0, copy=b""
+            )
         except Exception as error:  # Redis down, as it likely was for the send that failed
-            logger.warning("could not forget the parked record of a task that gave up waiting for %r (a sweep "
-                           "may send it again once its time is up): %s", semaphore.name, error)
+            logger.warning(
+                "could not forget the parked record of a task that gave up waiting for %r (a sweep "
+                "may send it again once its time is up): %s",
+                semaphore.name,
+                error,
+            )
 
     def sweep(self, app: Any, client: Any, prefix: str) -> None:
         """Sweep the parked-task records of the deployment at ``client`` and ``prefix`` from now
@@ -194,18 +207,25 @@ class Parking:
             self._sweep_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
             self._start()
 
-    def _record(self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any,
-                away_for: float) -> bool:
+    def _record(
+        self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any, away_for: float
+    ) -> bool:
         """Keep the wake copy in Redis too, due when ``away_for`` is up; whether it is kept there."""
         copy = serialized(wake_copy)
         if copy is None:
             return False
         prefix = _prefix_of(semaphore)
-        scripts_for(semaphore.client).park(parked_keys(prefix), record=_record_of(semaphore, waiter, run),
-                                           look_in_ms=round(away_for * 1000), copy=copy, line=_line_of(semaphore))
+        scripts_for(semaphore.client).park(
+            parked_keys(prefix),
+            record=_record_of(semaphore, waiter, run),
+            look_in_ms=round(away_for * 1000),
+            copy=copy,
+            line=_line_of(semaphore),
+        )
         with self._lock:
-            self._sweep_targets.setdefault((id(semaphore.client), prefix),
-                                           _SweepTarget(semaphore.client, prefix, wake_copy.app))
+            self._sweep_targets.setdefault(
+                (id(semaphore.client), prefix), _SweepTarget(semaphore.client, prefix, wake_copy.app)
+            )
         return True
 
     def _start(self) -> None:
@@ -224,8 +244,13 @@ class Parking:
             state: WaitState | None = None
             if not parked.recorded:
                 try:
-                    state = wait_state(parked.semaphore.client, parked.semaphore.keys.deadlines,
-                                       parked.semaphore.keys.runs, parked.waiter, parked.run)
+                    state = wait_state(
+                        parked.semaphore.client,
+                        parked.semaphore.keys.deadlines,
+                        parked.semaphore.keys.runs,
+                        parked.waiter,
+                        parked.run,
+                    )
                 except Exception as error:  # Redis down: the backstop copy is the better bet
                     logger.debug("sweep of %r could not read the line: %s", parked.name, error)
             with self._lock:
@@ -262,13 +287,16 @@ class Parking:
                         continue
                     if state.left_ms is not None:  # still in line: look again once its place would lapse
                         scripts_for(target.client).park(
-                            parked_keys(target.prefix), record=record, copy=copy, only_if_absent=True,
-                            look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000))
+                            parked_keys(target.prefix),
+                            record=record,
+                            copy=copy,
+                            only_if_absent=True,
+                            look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000),
+                        )
                         continue
                     wake_copy = deserialized(copy, target.app)
                 except Exception as error:
-                    logger.warning("could not sweep a parked task (%s): its backstop copy is its only way back",
-                                   error)
+                    logger.warning("could not sweep a parked task (%s): its backstop copy is its only way back", error)
                     continue
                 _sent_again(name)
                 self._send(wake_copy, name)
@@ -282,8 +310,9 @@ class Parking:
         for target in targets:
             scripts = scripts_for(target.client)
             try:
-                lines = scripts.lines_to_tick(parked_keys(target.prefix), round_ms=round(SWEEP_EVERY_S * 1000),
-                                              most=TICK_BATCH)
+                lines = scripts.lines_to_tick(
+                    parked_keys(target.prefix), round_ms=round(SWEEP_EVERY_S * 1000), most=TICK_BATCH
+                )
             except Exception as error:  # Redis down: the next round
                 logger.debug("could not list the lines to tick: %s", error)
                 continue
@@ -324,15 +353,19 @@ class Parking:
             try:
                 wake_copy = deserialized(copy, app)
             except Exception as error:
-                logger.warning("could not wake a task that did not hear its turn (%s): its backstop copy is its "
-                               "way back", error)
+                logger.warning(
+                    "could not wake a task that did not hear its turn (%s): its backstop copy is its way back", error
+                )
                 continue
             self._send(wake_copy, ParkedRecord.read(record).name)
 
     def _send_parked_here(self, deadlines_key: str, waiter: str) -> None:
         with self._lock:
-            found = [(key, parked) for key, parked in self._parked.items()
-                     if parked.waiter == waiter and parked.semaphore.keys.deadlines == deadlines_key]
+            found = [
+                (key, parked)
+                for key, parked in self._parked.items()
+                if parked.waiter == waiter and parked.semaphore.keys.deadlines == deadlines_key
+            ]
             for key, _ in found:
                 del self._parked[key]
         for _, parked in found:
@@ -358,8 +391,9 @@ class Parking:
         try:
             wake_copy.apply_async()
         except Exception as error:  # the backstop copy still comes, at its countdown
-            logger.warning("could not send the wake copy of a task waiting for %r (its backstop copy "
-                           "still comes): %s", name, error)
+            logger.warning(
+                "could not send the wake copy of a task waiting for %r (its backstop copy still comes): %s", name, error
+            )
 
     def parked_count(self) -> int:
         with self._lock:
@@ -372,8 +406,9 @@ def _record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str)
 
 
 def _sent_again(name: str) -> None:
-    logger.warning("no copy of a task waiting for %r asked in time (its backstop copy was lost?): "
-                   "sending it again", name)
+    logger.warning(
+        "no copy of a task waiting for %r asked in time (its backstop copy was lost?): sending it again", name
+    )
 
 
 _parking = Parking()

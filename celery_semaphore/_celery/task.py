@@ -118,8 +118,17 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         install(app)
         return bound
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, producer: Any = None,
-                    link: Any = None, link_error: Any = None, shadow: str | None = None, **options: Any) -> Any:
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
         """Stamps the message with its send time (kept by every copy of its waits): a copy that
         finds the task's success in the result backend can tell this invocation's success from
         that of an earlier one that used the same id."""
@@ -188,12 +197,19 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                     raise SemaphoreError(
                         f"{self.name} was called eagerly inside a task that holds a slot of {semaphore.name!r}, "
                         f"and no slot of it is free: it would wait for ever for its own caller (limit "
-                        f"{getattr(attempt, 'limit', semaphore.limit)})", key=semaphore.name)
+                        f"{getattr(attempt, 'limit', semaphore.limit)})",
+                        key=semaphore.name,
+                    )
                 lease = semaphore.acquire(timeout=max_wait, label=self._label())
         except RedisUnavailable as error:
             if config.fail_open:
-                logger.warning("%s[%s] runs WITHOUT its semaphore %r (fail open): %s", self.name, self.request.id,
-                               semaphore.name, error)
+                logger.warning(
+                    "%s[%s] runs WITHOUT its semaphore %r (fail open): %s",
+                    self.name,
+                    self.request.id,
+                    semaphore.name,
+                    error,
+                )
                 return None
             raise
         metrics.acquired(template_of(self), time.monotonic() - started, lease)
@@ -217,17 +233,26 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             # a first delivery never asked before: when nobody waits and a slot is free, the
             # grant takes the fast path (8 Redis calls, no line bookkeeping)
-            ask = Ask(token=token, waiter=waiter, label=self._label(), ticket=history.ticket, run=run,
-                      remember=remember, fresh=history.waits == 0 and history.ticket is None)
+            ask = Ask(
+                token=token,
+                waiter=waiter,
+                label=self._label(),
+                ticket=history.ticket,
+                run=run,
+                remember=remember,
+                fresh=history.waits == 0 and history.ticket is None,
+            )
             attempt = semaphore._try(ask)
             if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, options.inline_wait):
-                attempt = semaphore._wait(dataclasses.replace(ask, ticket=attempt.ticket, fresh=False),
-                                          options.inline_wait)
+                attempt = semaphore._wait(
+                    dataclasses.replace(ask, ticket=attempt.ticket, fresh=False), options.inline_wait
+                )
             outages.back(semaphore)
         except RedisUnavailable as error:
             if config.fail_open:
-                logger.warning("%s[%s] runs WITHOUT its semaphore %r (fail open): %s", self.name, request.id,
-                               semaphore.name, error)
+                logger.warning(
+                    "%s[%s] runs WITHOUT its semaphore %r (fail open): %s", self.name, request.id, semaphore.name, error
+                )
                 return None
             outages.down(semaphore, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
@@ -237,13 +262,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 raise Ignore()
             self._wait_for_twin(semaphore, attempt, history, args, kwargs)
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        if (isinstance(attempt, Granted) and (history.waits or redelivered)
-                and self._succeeded_since(history.since())):
+        if isinstance(attempt, Granted) and (history.waits or redelivered) and self._succeeded_since(history.since()):
             # the semaphore's Redis forgot the run (restarted empty, or the copy came after the
             # run was forgotten), but the result backend remembers that the task succeeded
             attempt.lease.release()
-            logger.info("%s[%s]: the task has succeeded already (result backend); this copy is dropped", self.name,
-                        request.id)
+            logger.info(
+                "%s[%s]: the task has succeeded already (result backend); this copy is dropped", self.name, request.id
+            )
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
@@ -272,13 +297,21 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request = self.request
         return {
             **without_broker_headers(request.headers),
-            **history.next(ticket, retries=request.retries or 0, signer=TicketSigner.of(config_for(self.app)),
-                           task_id=request.id),
+            **history.next(
+                ticket, retries=request.retries or 0, signer=TicketSigner.of(config_for(self.app)), task_id=request.id
+            ),
             **({QUEUE_HEADER: origin} if origin else {}),
         }
 
-    def _copy_due_in(self, countdown: float, origin: str | None, came_woken: bool, headers: dict[str, Any],
-                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _copy_due_in(
+        self,
+        countdown: float,
+        origin: str | None,
+        came_woken: bool,
+        headers: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         """A copy of this wait that is due in ``countdown`` seconds. On RabbitMQ it is sent at
         once to the backstop queue of its queue, where a worker's main process holds it until it
         is due and then sends it on (``backstop.py``): held as a Celery countdown instead, it
@@ -287,10 +320,16 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         a topic exchange, say), it is a Celery countdown, as Celery routes it."""
         request = self.request
         if origin is not None and holds_backstops(self.app):
-            return self.signature_from_request(request, args, kwargs, queue=backstop_queue(origin),
-                                               headers={**headers, DUE_HEADER: time.time() + countdown})
-        return self.signature_from_request(request, args, kwargs, queue=origin if came_woken else None,
-                                           countdown=countdown, headers=headers)
+            return self.signature_from_request(
+                request,
+                args,
+                kwargs,
+                queue=backstop_queue(origin),
+                headers={**headers, DUE_HEADER: time.time() + countdown},
+            )
+        return self.signature_from_request(
+            request, args, kwargs, queue=origin if came_woken else None, countdown=countdown, headers=headers
+        )
 
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began
@@ -316,7 +355,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         return done is None or done >= since
 
     def _wait_for_twin(
-        self, semaphore: AnySemaphore, attempt: Duplicate, history: WaitHistory, args: tuple[Any, ...],
+        self,
+        semaphore: AnySemaphore,
+        attempt: Duplicate,
+        history: WaitHistory,
+        args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> NoReturn:
         """Another copy of this wait holds the slot. It may be running, or its process may be
@@ -333,20 +376,31 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
         headers = self._headers_of_copy(history, history.ticket, origin)
         again = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs)
-        logger.info("%s[%s]: another copy of this wait holds the slot; this copy looks again in %d s", self.name,
-                    request.id, countdown)
+        logger.info(
+            "%s[%s]: another copy of this wait holds the slot; this copy looks again in %d s",
+            self.name,
+            request.id,
+            countdown,
+        )
         try:
             again.apply_async()
         except Exception as error:
-            raise SemaphoreError(f"could not re-send {self.name}[{request.id}] while its twin runs: {error}",
-                                 key=semaphore.name) from error
+            raise SemaphoreError(
+                f"could not re-send {self.name}[{request.id}] while its twin runs: {error}", key=semaphore.name
+            ) from error
         # Ignore, not Retry: the run this copy waits on owns the task's state. A RETRY stored by
         # this copy could land just after the run's SUCCESS and hide it from ``get()``.
         raise Ignore()
 
     def _wait_outside(
-        self, semaphore: AnySemaphore, attempt: Waiting, history: WaitHistory, args: tuple[Any, ...],
-        kwargs: dict[str, Any], countdown: int, backstop_countdown: int,
+        self,
+        semaphore: AnySemaphore,
+        attempt: Waiting,
+        history: WaitHistory,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        countdown: int,
+        backstop_countdown: int,
     ) -> NoReturn:
         """Leave the worker: send the backstop copy (countdown) and park the wake copy, then
         raise Retry. While away the task holds up nobody who is present before its turn."""
@@ -359,16 +413,25 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         if not history.waits and history.run_part is not None:
             # before any copy exists: a redelivery of this message (acks_late, its worker killed
             # before the ack) must continue this wait, not begin a second one
-            _remember_wait(semaphore, request, history.run_part, remember_for(wait_options(self, config_for(self.app)),
-                                                                            config_for(self.app)))
+            _remember_wait(
+                semaphore,
+                request,
+                history.run_part,
+                remember_for(wait_options(self, config_for(self.app)), config_for(self.app)),
+            )
         if origin is not None and not outages.is_down(semaphore):
             wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
             try:
-                address = parking().park(semaphore, waiter, wake_copy, away_for=backstop_countdown + AWAY_SLACK,
-                                         run=run)
+                address = parking().park(
+                    semaphore, waiter, wake_copy, away_for=backstop_countdown + AWAY_SLACK, run=run
+                )
             except Exception as error:  # no wake-up then: the backstop copy must bring it back
-                logger.warning("%s[%s] waits for its countdown only (could not listen for its turn): %s",
-                               self.name, request.id, error)
+                logger.warning(
+                    "%s[%s] waits for its countdown only (could not listen for its turn): %s",
+                    self.name,
+                    request.id,
+                    error,
+                )
         if address:
             countdown = backstop_countdown
         away_for = countdown + AWAY_SLACK
@@ -385,8 +448,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             _leave_quietly(semaphore, waiter)  # no copy will come: give the place up
             if address:
                 parking().unpark(semaphore, waiter, run)  # nor may a wake-up or a sweep send one
-            raise SemaphoreError(f"could not re-send {self.name}[{request.id}] to wait for {semaphore.name!r}: "
-                                 f"{error}", key=semaphore.name) from error
+            raise SemaphoreError(
+                f"could not re-send {self.name}[{request.id}] to wait for {semaphore.name!r}: {error}",
+                key=semaphore.name,
+            ) from error
         raise Retry(
             f"waiting for a slot of {semaphore.name!r}: place {attempt.position} in line, retry in {countdown} s",
             when=countdown,
@@ -406,11 +471,16 @@ def _runs_home(semaphore: AnySemaphore) -> FairSemaphore:
 def _remember_wait(semaphore: AnySemaphore, request: Any, wait_id: str, remember: float) -> None:
     home = _runs_home(semaphore)
     try:
-        scripts_for(home.client).remember_wait(home.keys, first_delivery=_first_delivery_note(request),
-                                               wait_id=wait_id, remember_ms=to_ms(remember))
+        scripts_for(home.client).remember_wait(
+            home.keys, first_delivery=_first_delivery_note(request), wait_id=wait_id, remember_ms=to_ms(remember)
+        )
     except Exception as error:  # Redis down: the copies still run once; a redelivery may wait twice
-        logger.warning("could not note the wait of %s[%s] (a redelivery of its message would wait anew): %s",
-                       getattr(request, "task", "?"), request.id, error)
+        logger.warning(
+            "could not note the wait of %s[%s] (a redelivery of its message would wait anew): %s",
+            getattr(request, "task", "?"),
+            request.id,
+            error,
+        )
 
 
 def _continued_wait(semaphore: AnySemaphore, request: Any, history: WaitHistory) -> WaitHistory:
@@ -421,14 +491,18 @@ def _continued_wait(semaphore: AnySemaphore, request: Any, history: WaitHistory)
     try:
         wait_id = home.client.hget(home.keys.runs, _first_delivery_note(request))
     except Exception as error:
-        logger.debug("could not look up the wait of a redelivered %s[%s]: %s", getattr(request, "task", "?"),
-                     request.id, error)
+        logger.debug(
+            "could not look up the wait of a redelivered %s[%s]: %s", getattr(request, "task", "?"), request.id, error
+        )
         return history
     if not wait_id:
         return history
     text = wait_id.decode() if isinstance(wait_id, bytes) else str(wait_id)
-    logger.info("%s[%s]: a redelivery of a message whose wait began already; it continues that wait",
-                getattr(request, "task", "?"), request.id)
+    logger.info(
+        "%s[%s]: a redelivery of a message whose wait began already; it continues that wait",
+        getattr(request, "task", "?"),
+        request.id,
+    )
     return dataclasses.replace(history, waits=1, run_part=text)
 
 

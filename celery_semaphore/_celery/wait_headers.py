@@ -105,12 +105,19 @@ class WaitHistory:
                 sent=sent,
             )
         except (TypeError, ValueError) as error:
-            logger.warning("%s[%s]: ignoring wait headers this package did not write (%s): a fresh wait begins",
-                           getattr(request, "task", "?"), getattr(request, "id", "?"), error)
+            logger.warning(
+                "%s[%s]: ignoring wait headers this package did not write (%s): a fresh wait begins",
+                getattr(request, "task", "?"),
+                getattr(request, "id", "?"),
+                error,
+            )
             return cls.fresh(sent)
         if history.waits < 0 or not math.isfinite(history.first_refused):
-            logger.warning("%s[%s]: ignoring wait headers this package did not write: a fresh wait begins",
-                           getattr(request, "task", "?"), getattr(request, "id", "?"))
+            logger.warning(
+                "%s[%s]: ignoring wait headers this package did not write: a fresh wait begins",
+                getattr(request, "task", "?"),
+                getattr(request, "id", "?"),
+            )
             return cls.fresh(sent)
         return history
 
@@ -118,12 +125,17 @@ class WaitHistory:
         """This history, less a ticket that this deployment did not give out: a place in line
         is taken back only with a ticket signed here (a forged or foreign one would jump the
         line). Such a copy keeps waiting, from the back."""
-        if self.ticket is None or (self.run_part is not None and signer.signs(
-                self.ticket_signature, task_id=request.id, run_part=self.run_part, ticket=self.ticket)):
+        if self.ticket is None or (
+            self.run_part is not None
+            and signer.signs(self.ticket_signature, task_id=request.id, run_part=self.run_part, ticket=self.ticket)
+        ):
             return self
-        logger.warning("%s[%s]: ignoring a semaphore_ticket this deployment did not sign (another producer, or a "
-                       "release before protocol 2): it waits from the back of the line",
-                       getattr(request, "task", "?"), getattr(request, "id", "?"))
+        logger.warning(
+            "%s[%s]: ignoring a semaphore_ticket this deployment did not sign (another producer, or a "
+            "release before protocol 2): it waits from the back of the line",
+            getattr(request, "task", "?"),
+            getattr(request, "id", "?"),
+        )
         return dataclasses.replace(self, ticket=None, ticket_signature=None)
 
     @classmethod
@@ -143,8 +155,9 @@ class WaitHistory:
         base = f"{request.id}#{request.retries or 0}"
         return base if self.run_part is None else f"{base}#{self.run_part}"
 
-    def next(self, ticket: int | None, *, retries: int, signer: TicketSigner | None = None,
-             task_id: str | None = None) -> dict[str, Any]:
+    def next(
+        self, ticket: int | None, *, retries: int, signer: TicketSigner | None = None, task_id: str | None = None
+    ) -> dict[str, Any]:
         """The headers of the re-sent message that continues this wait."""
         ticket = ticket if ticket is not None else self.ticket
         signature = None
@@ -190,7 +203,8 @@ class TicketSigner:
 
     def signs(self, signature: Any, *, task_id: str, run_part: str, ticket: int) -> bool:
         return isinstance(signature, str) and hmac.compare_digest(
-            signature, self.sign(task_id=task_id, run_part=run_part, ticket=ticket))
+            signature, self.sign(task_id=task_id, run_part=run_part, ticket=ticket)
+        )
 
 
 # tickets are server milliseconds * 1024 plus a counter: positive, exact in a float
@@ -212,8 +226,12 @@ def _run_part(value: Any, protocol: Any) -> str | None:
     if protocol is None and value is None:
         return None  # protocol 1
     if int(protocol) > PROTOCOL:
-        logger.warning("a task's wait headers are of protocol %s, newer than this worker's %d (a rolling deploy?): "
-                       "reading what this release knows of them", protocol, PROTOCOL)
+        logger.warning(
+            "a task's wait headers are of protocol %s, newer than this worker's %d (a rolling deploy?): "
+            "reading what this release knows of them",
+            protocol,
+            PROTOCOL,
+        )
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{1,32}", value):
         raise ValueError(f"{RUN_HEADER} {value!r}")
     return value

@@ -41,8 +41,15 @@ _KEYLESS_EXCHANGE_TYPES = frozenset({"fanout", "headers"})
 # Not taken: the name, the routing key and bindings (its own), an alias (one name, one queue), and
 # ``no_declare``: a wake queue nobody declares does not exist, and wake copies sent to it vanish.
 _COPIED = (
-    "durable", "exclusive", "auto_delete", "no_ack", "expires", "message_ttl", "max_length",
-    "max_length_bytes", "max_priority",
+    "durable",
+    "exclusive",
+    "auto_delete",
+    "no_ack",
+    "expires",
+    "message_ttl",
+    "max_length",
+    "max_length_bytes",
+    "max_priority",
 )
 
 logger = logging.getLogger("celery_semaphore")
@@ -144,7 +151,10 @@ def declared_like(origin: Queue, name: str) -> Queue:
         arguments = getattr(origin, attribute, None)
         settings[attribute] = dict(arguments) if arguments else None
     return Queue(  # type: ignore[no-untyped-call]
-        name, exchange, name, **{attribute: value for attribute, value in settings.items() if value is not None},
+        name,
+        exchange,
+        name,
+        **{attribute: value for attribute, value in settings.items() if value is not None},
     )
 
 
@@ -162,7 +172,9 @@ def declarable(connection: Any, queue: Queue) -> bool:
     except connection.channel_errors as error:
         logger.error(
             "not consuming %s: it exists declared otherwise than its queue (%s); delete it once no task waits, and "
-            "restart: until then waiting tasks of that queue come back later than they could", queue.name, error,
+            "restart: until then waiting tasks of that queue come back later than they could",
+            queue.name,
+            error,
         )
         return False
     finally:

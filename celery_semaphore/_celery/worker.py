@@ -179,7 +179,8 @@ def check_app(app: Any) -> None:
         logger.warning(
             "countdowns of %s may reach half the Redis broker's visibility_timeout (%s s), past which the broker "
             "would deliver a waiting task twice; they are capped there",
-            ", ".join(sorted(near_visibility_timeout)), config.visibility_timeout,
+            ", ".join(sorted(near_visibility_timeout)),
+            config.visibility_timeout,
         )
     _warn_about_eviction(config.backend)
     if semaphore_tasks(app):
@@ -197,7 +198,8 @@ def _warn_about_eta_task_limit(app: Any) -> None:
             "else, the wake-ups of waiting tasks included, so a line of waiting tasks advances once per backstop "
             "countdown. With this broker, unset worker_eta_task_limit or set it above the number of tasks that may "
             "wait at once (on RabbitMQ backstop copies wait in backstop queues, outside the prefetch window)",
-            eta_task_limit, eta_task_limit,
+            eta_task_limit,
+            eta_task_limit,
         )
 
 
@@ -223,10 +225,12 @@ def check_state_protocol(config: SemaphoreConfig) -> None:
         return
     if int(stored) > STATE_PROTOCOL:
         raise ConfigurationError(
-            "semaphore_prefix", config.prefix,
+            "semaphore_prefix",
+            config.prefix,
             f"the semaphore state under this prefix is of protocol {int(stored)}, written by a newer celery-semaphore "
             f"than this worker's ({STATE_PROTOCOL}): upgrade this worker, or give the new release its own prefix "
-            "(docs/deploying.md, rolling deploys)")
+            "(docs/deploying.md, rolling deploys)",
+        )
 
 
 def check_limits(task: Any, config: SemaphoreConfig) -> None:
@@ -244,12 +248,16 @@ def check_limits(task: Any, config: SemaphoreConfig) -> None:
             raise ConfigurationError(
                 f"{task.name}.semaphore_limit",
                 None,
-                "the task has no limit" + (f" for its key {item!r}" if isinstance(key, list) else "")
+                "the task has no limit"
+                + (f" for its key {item!r}" if isinstance(key, list) else "")
                 + ": set semaphore_limit on it or an entry in semaphore_limits",
             )
         if isinstance(weight, int) and weight > rule.limit:
-            raise ConfigurationError(f"{task.name}.semaphore_weight", weight,
-                                     f"above the limit {rule.limit} of {sample!r}: the task would wait forever")
+            raise ConfigurationError(
+                f"{task.name}.semaphore_weight",
+                weight,
+                f"above the limit {rule.limit} of {sample!r}: the task would wait forever",
+            )
 
 
 def may_evict(maxmemory: int, policy: str) -> bool:
@@ -269,12 +277,14 @@ def _warn_about_eviction(backend: BackendSpec | str) -> None:
         logger.warning(
             "the semaphore Redis has maxmemory %d with maxmemory-policy %s: it may evict lease keys under memory "
             "pressure and so admit more holders than the limit; use noeviction",
-            maxmemory, policy,
+            maxmemory,
+            policy,
         )
 
 
-def _release_by_task_id(task: Any, task_id: str, args: Any, kwargs: Any, *, pid: int | None,
-                        finished_run: str | None = None) -> None:
+def _release_by_task_id(
+    task: Any, task_id: str, args: Any, kwargs: Any, *, pid: int | None, finished_run: str | None = None
+) -> None:
     """Give back the slot that task id holds in pool process ``pid`` (gone, or about to be), take
     the task out of the line, and with ``finished_run`` mark that run finished: Celery will not
     deliver the task again, so no other copy of its wait may run it. Only that process's slot: a
@@ -319,8 +329,12 @@ def delivers_again(task: Any, exception: BaseException, retries: int) -> bool:
 def run_of(request: Any) -> str | None:
     """The run a delivery of a waiting task asks under (None for a first delivery, which has no
     other copy), read from its message headers as the task will read them."""
-    shim = SimpleNamespace(id=request.id, retries=getattr(request, "retries", 0) or 0, task=request.task_name,
-                           headers=dict(getattr(request, "request_dict", None) or {}))
+    shim = SimpleNamespace(
+        id=request.id,
+        retries=getattr(request, "retries", 0) or 0,
+        task=request.task_name,
+        headers=dict(getattr(request, "request_dict", None) or {}),
+    )
     history = WaitHistory.of(shim)
     return history.run_id(shim) if history.waits else None
 
@@ -395,13 +409,18 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
             run = run_of(request)
         except Exception:
             run = None
-        _release_by_task_id(sender, request.id, request.args, request.kwargs, pid=getattr(request, "worker_pid", None),
-                            finished_run=run)
+        _release_by_task_id(
+            sender, request.id, request.args, request.kwargs, pid=getattr(request, "worker_pid", None), finished_run=run
+        )
 
 
 def _on_failure(
-    sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
-    args: Any = None, kwargs: Any = None, **_: Any,
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
 ) -> None:
     # The request class did the release (it knows the lost process); a task class with a Request
     # of its own gets here only: its slot comes back with its lease, and it leaves the line now.

@@ -148,7 +148,9 @@ def _build(spec: BackendSpec) -> Client:
             raise redis.ConnectionError(f"Redis Cluster {spec.masked_url}: {detail}") from error
     assert spec.service_name is not None
     data_options: dict[str, Any] = {
-        "health_check_interval": HEALTH_CHECK_INTERVAL, **_timeouts(spec.options), **spec.options,
+        "health_check_interval": HEALTH_CHECK_INTERVAL,
+        **_timeouts(spec.options),
+        **spec.options,
     }
     if spec.tls:
         data_options["ssl"] = True

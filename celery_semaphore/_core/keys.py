@@ -87,8 +87,9 @@ def check_template(setting: str, template: str, parameters: list[inspect.Paramet
             )
 
 
-def render(setting: str, template: str, function: Callable[..., Any], args: tuple[Any, ...],
-           kwargs: dict[str, Any]) -> str:
+def render(
+    setting: str, template: str, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
     """The key of one call: the template filled from the call's bound arguments.
 
     Arguments gathered by ``**kwargs`` are offered by their own names too, so
@@ -118,8 +119,9 @@ def render(setting: str, template: str, function: Callable[..., Any], args: tupl
         ) from None
 
 
-def call_key(setting: str, key: str | KeyFunction, function: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> str:
+def call_key(
+    setting: str, key: str | KeyFunction, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
     """The key of one call for a template or a key function (whose answer must be a non-empty str)."""
     if callable(key):
         return check_name(setting, key(args, kwargs))

@@ -41,8 +41,18 @@ class Lease:
     on exit. ``lost`` turns true when a renewal found the slot gone and could not take it back:
     from then on the holder no longer counts against the limit."""
 
-    __slots__ = ("__weakref__", "acquired_at", "label", "lost", "released", "remember_ms", "renew_due", "run",
-                 "semaphore", "token")
+    __slots__ = (
+        "__weakref__",
+        "acquired_at",
+        "label",
+        "lost",
+        "released",
+        "remember_ms",
+        "renew_due",
+        "run",
+        "semaphore",
+        "token",
+    )
 
     def __init__(
         self, semaphore: SlotOwner, token: str, *, label: str, run: str | None = None, remember_ms: int = 0

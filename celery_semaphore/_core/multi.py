@@ -78,13 +78,17 @@ class MultiSemaphore:
             raise ConfigurationError("semaphores", [s.name for s in semaphores], "expected one shared Redis client")
         holders = [semaphore.keys.holders for semaphore in semaphores]
         if len(set(holders)) != len(holders):
-            raise ConfigurationError("semaphores", [s.name for s in semaphores],
-                                     "a semaphore is listed twice (use a weight to take several slots)")
+            raise ConfigurationError(
+                "semaphores",
+                [s.name for s in semaphores],
+                "a semaphore is listed twice (use a weight to take several slots)",
+            )
         if isinstance(client, redis.cluster.RedisCluster):
             slots = {key_slot(key.encode()) for key in holders}
             if len(slots) > 1:
                 raise ConfigurationError(
-                    "semaphores", [s.name for s in semaphores],
+                    "semaphores",
+                    [s.name for s in semaphores],
                     "on a Redis Cluster one acquire runs in one hash slot, and these semaphores live in "
                     f"{len(slots)}: give them the same hash_tag (FairSemaphore(..., hash_tag=...); for Celery "
                     "tasks, the semaphore_hash_tag setting)",
@@ -126,8 +130,11 @@ class MultiSemaphore:
         check_limit("weight", weight)
         for semaphore in self.semaphores:
             if weight > semaphore.limit:
-                raise ConfigurationError("weight", weight, f"above the limit {semaphore.limit} of {semaphore.name!r}: "
-                                         "such an acquire would wait forever")
+                raise ConfigurationError(
+                    "weight",
+                    weight,
+                    f"above the limit {semaphore.limit} of {semaphore.name!r}: such an acquire would wait forever",
+                )
         return weight
 
     def waiter_id(self, unique: str | None = None) -> str:
@@ -162,7 +169,12 @@ class MultiSemaphore:
         return wait_or_give_up(self, ask, timeout=timeout, started=started).lease
 
     def try_acquire(
-        self, *, waiter: str | None = None, token: str | None = None, enqueue: bool = True, label: str | None = None,
+        self,
+        *,
+        waiter: str | None = None,
+        token: str | None = None,
+        enqueue: bool = True,
+        label: str | None = None,
     ) -> Attempt:
         """One try, one round trip: Granted, or Waiting (``turn`` is ``position``: the most
         waiters ahead in any line), as ``FairSemaphore.try_acquire``. ``token`` gets the weight
@@ -201,9 +213,19 @@ class MultiSemaphore:
             remember_ms = to_ms(self.patience + self.lease if remember is None else check_seconds("remember", remember))
         with RedisErrors(self.name, "acquire"):
             reply = self._scripts.acquire_many(
-                self.all_keys, token=token, waiter=waiter, default_limits=self.limits, lease_ms=self._lease_ms,
-                patience_ms=patience_ms, enqueue=ask.enqueue, label=label, ticket=ask.ticket, wake=ask.wake,
-                run=ask.run or "", remember_ms=remember_ms, fresh=ask.fresh,
+                self.all_keys,
+                token=token,
+                waiter=waiter,
+                default_limits=self.limits,
+                lease_ms=self._lease_ms,
+                patience_ms=patience_ms,
+                enqueue=ask.enqueue,
+                label=label,
+                ticket=ask.ticket,
+                wake=ask.wake,
+                run=ask.run or "",
+                remember_ms=remember_ms,
+                fresh=ask.fresh,
             )
         if reply.outcome == GRANTED:
             lease = Lease(self, token, label=label, run=ask.run or None, remember_ms=remember_ms)
@@ -215,8 +237,11 @@ class MultiSemaphore:
             return Duplicate(running=reply.outcome == RUNNING)
         if reply.outcome == TOO_HEAVY:
             semaphore = self.semaphores[reply.index]
-            raise ConfigurationError("weight", self.weight, f"above the limit {reply.limit} in force for "
-                                     f"{semaphore.name!r}: such an acquire would wait forever")
+            raise ConfigurationError(
+                "weight",
+                self.weight,
+                f"above the limit {reply.limit} in force for {semaphore.name!r}: such an acquire would wait forever",
+            )
         raise SemaphoreError(f"acquire_many on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
     def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
@@ -232,14 +257,16 @@ class MultiSemaphore:
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
-            return self._scripts.leave_many(self.all_keys, waiter=waiter, default_limits=self.limits,
-                                            away_ms=away_ms, wake=wake)
+            return self._scripts.leave_many(
+                self.all_keys, waiter=waiter, default_limits=self.limits, away_ms=away_ms, wake=wake
+            )
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """Give back every slot of a grant, and mark its run, if any, finished."""
         with RedisErrors(self.name, "release"):
-            return self._scripts.release_many(self.all_keys, token=token, default_limits=self.limits, run=run or "",
-                                              remember_ms=remember_ms)
+            return self._scripts.release_many(
+                self.all_keys, token=token, default_limits=self.limits, run=run or "", remember_ms=remember_ms
+            )
 
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
         """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
@@ -249,8 +276,9 @@ class MultiSemaphore:
 
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):
-            return self._scripts.renew_many(self.all_keys, lease_ms=self._lease_ms, default_limits=self.limits,
-                                            reclaim=reclaim, holders=holders)
+            return self._scripts.renew_many(
+                self.all_keys, lease_ms=self._lease_ms, default_limits=self.limits, reclaim=reclaim, holders=holders
+            )
 
 
 __all__ = ["MultiSemaphore"]

@@ -125,7 +125,12 @@ class ShardedSubscription:
     moved): the listener subscribes it again, here after a refresh of the slot map."""
 
     def __init__(
-        self, client: Any, on_reconnect: Callable[[], None], pokes: socket.socket, *, refresh: bool,
+        self,
+        client: Any,
+        on_reconnect: Callable[[], None],
+        pokes: socket.socket,
+        *,
+        refresh: bool,
     ) -> None:
         self._client = client
         self._on_reconnect = on_reconnect

@@ -14,7 +14,9 @@ from ..errors import RedisUnavailable, SemaphoreError
 # Answers that mean "not now" rather than "wrong": the caller should wait and try again.
 _NOT_NOW = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 _CLUSTER_NOT_NOW = (
-    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.RedisClusterException,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
 )
 
 

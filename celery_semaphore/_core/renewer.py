@@ -210,8 +210,12 @@ class _Renewer:
                         lease.lost = False  # under the lock the watch marks it lost under
                         back.append(lease)
         for lease in back:
-            logger.warning("lease %s of %s on %r renewed after its deadline had passed: Redis still held it",
-                           lease.token, lease.label, semaphore.name)
+            logger.warning(
+                "lease %s of %s on %r renewed after its deadline had passed: Redis still held it",
+                lease.token,
+                lease.label,
+                semaphore.name,
+            )
         for lease, code in zip(group, codes, strict=True):
             lease.renew_due = started + semaphore.lease / 3
             if code == RENEW_LOST:

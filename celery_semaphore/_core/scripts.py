@@ -27,9 +27,25 @@ from redis.exceptions import NoScriptError
 
 from .storage import CLAIMED, GRANTED, INFO_SEPARATOR, RAN, TOO_HEAVY, parked_waiter_entry, wake_address
 
-_NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "reset",
-          "acquire_many", "release_many", "renew_many", "leave_many", "park", "claim_parked",
-          "claim_parked_waiter", "tick", "lines_to_tick", "remember_wait")
+_NAMES = (
+    "acquire",
+    "release",
+    "renew",
+    "leave",
+    "status",
+    "set_limit",
+    "reset",
+    "acquire_many",
+    "release_many",
+    "renew_many",
+    "leave_many",
+    "park",
+    "claim_parked",
+    "claim_parked_waiter",
+    "tick",
+    "lines_to_tick",
+    "remember_wait",
+)
 
 
 # In lua/_lib.lua, the line that ends the helpers of the uncontended paths; in a script, where
@@ -89,8 +105,18 @@ class SemaphoreKeys:
 
     @property
     def ordered(self) -> list[str]:
-        return [self.holders, self.holder_info, self.queue, self.present, self.deadlines, self.waiter_info,
-                self.ticket, self.limit, self.runs, self.run_expiry]
+        return [
+            self.holders,
+            self.holder_info,
+            self.queue,
+            self.present,
+            self.deadlines,
+            self.waiter_info,
+            self.ticket,
+            self.limit,
+            self.runs,
+            self.run_expiry,
+        ]
 
     @functools.cached_property
     def encoded(self) -> list[bytes]:
@@ -118,8 +144,18 @@ class SemaphoreKeys:
         return wake_address(self.base, listener_id)
 
 
-_KEY_NAMES = ("holders", "holder_info", "queue", "present", "deadlines", "waiter_info", "ticket", "limit", "runs",
-              "run_expiry")
+_KEY_NAMES = (
+    "holders",
+    "holder_info",
+    "queue",
+    "present",
+    "deadlines",
+    "waiter_info",
+    "ticket",
+    "limit",
+    "runs",
+    "run_expiry",
+)
 
 
 @dataclass(frozen=True)
@@ -237,7 +273,8 @@ class Scripts:
     ) -> AcquireReply:
         encoded = token.encode()
         args: list[Any] = [
-            encoded, encoded if waiter is token else waiter.encode(),
+            encoded,
+            encoded if waiter is token else waiter.encode(),
             _settings(default_limit, lease_ms, patience_ms, enqueue, fresh, label),
         ]
         # trailing arguments that are empty are not sent (the script reads them as ""): the
@@ -271,7 +308,8 @@ class Scripts:
     ) -> HandOffReply:
         if run:
             reply = self._scripts["release"](
-                keys=keys.encoded, args=[token, _number(default_limit), run, _number(remember_ms)])
+                keys=keys.encoded, args=[token, _number(default_limit), run, _number(remember_ms)]
+            )
         else:
             reply = self._scripts["release"](keys=keys.line_keys, args=[token, _number(default_limit)])
         return _hand_off_reply(reply)
@@ -348,9 +386,18 @@ class Scripts:
         fresh: bool = False,
     ) -> ManyReply:
         mode = (b"2" if fresh else b"1") if enqueue else b"0"
-        args: list[Any] = [token, waiter, _number(lease_ms), _number(patience_ms), mode, label,
-                           b"" if ticket is None else _number(int(ticket)), wake, _number(len(keys)),
-                           *(_number(limit) for limit in default_limits)]
+        args: list[Any] = [
+            token,
+            waiter,
+            _number(lease_ms),
+            _number(patience_ms),
+            mode,
+            label,
+            b"" if ticket is None else _number(int(ticket)),
+            wake,
+            _number(len(keys)),
+            *(_number(limit) for limit in default_limits),
+        ]
         if run:
             args += [run, _number(remember_ms)]
         reply = self._scripts["acquire_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args)
@@ -360,8 +407,9 @@ class Scripts:
             return ManyReply(TOO_HEAVY, 0, 0, int(reply[2]), int(reply[1]), None)
         outcome, position, free, limit, index, ticket_text = reply
         text = _text(ticket_text)
-        return ManyReply(int(outcome), int(position), int(free), int(limit), int(index),
-                         int(float(text)) if text else None)
+        return ManyReply(
+            int(outcome), int(position), int(free), int(limit), int(index), int(float(text)) if text else None
+        )
 
     def release_many(
         self, keys: list[SemaphoreKeys], *, token: str, default_limits: list[int], run: str = "", remember_ms: int = 0
@@ -372,7 +420,12 @@ class Scripts:
         return bool(self._scripts["release_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args))
 
     def renew_many(
-        self, keys: list[SemaphoreKeys], *, lease_ms: int, default_limits: list[int], reclaim: bool,
+        self,
+        keys: list[SemaphoreKeys],
+        *,
+        lease_ms: int,
+        default_limits: list[int],
+        reclaim: bool,
         holders: list[tuple[str, str]],
     ) -> list[int]:
         args: list[Any] = [lease_ms, int(reclaim), len(keys), *default_limits]
@@ -381,7 +434,12 @@ class Scripts:
         return [int(code) for code in self._scripts["renew_many"](keys=_many_keys(keys), args=args)]
 
     def leave_many(
-        self, keys: list[SemaphoreKeys], *, waiter: str, default_limits: list[int], away_ms: int | None = None,
+        self,
+        keys: list[SemaphoreKeys],
+        *,
+        waiter: str,
+        default_limits: list[int],
+        away_ms: int | None = None,
         wake: str = "",
     ) -> bool:
         args: list[Any] = [waiter, _number(len(keys)), *(_number(limit) for limit in default_limits)]
@@ -396,8 +454,16 @@ class Scripts:
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
 
-    def park(self, keys: list[bytes], *, record: str, look_in_ms: int, copy: bytes, only_if_absent: bool = False,
-             line: str = "") -> bool:
+    def park(
+        self,
+        keys: list[bytes],
+        *,
+        record: str,
+        look_in_ms: int,
+        copy: bytes,
+        only_if_absent: bool = False,
+        line: str = "",
+    ) -> bool:
         """Keep (or, with an empty ``copy``, forget) a parked task's record; ``keys`` are
         ``_parking.parked_keys``. With ``only_if_absent``, a record that exists is left as it is
         (and False returned). ``line``: the member naming the waiter's line for the ticks."""

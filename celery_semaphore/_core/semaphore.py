@@ -87,8 +87,12 @@ def tell_unheard(semaphore: Any, waiters: tuple[str, ...]) -> None:
     try:
         handler(semaphore, waiters)
     except Exception as error:
-        logger.warning("could not wake the waiters of %r that did not hear their turn (their offer lapses "
-                       "after its claim window): %s", getattr(semaphore, "name", semaphore), error)
+        logger.warning(
+            "could not wake the waiters of %r that did not hear their turn (their offer lapses "
+            "after its claim window): %s",
+            getattr(semaphore, "name", semaphore),
+            error,
+        )
 
 
 class FairSemaphore:
@@ -118,9 +122,7 @@ class FairSemaphore:
         hash_tag: str | None = None,
     ) -> None:
         if not isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
-            raise ConfigurationError(
-                "client", client, "expected a redis.Redis or redis.cluster.RedisCluster client"
-            )
+            raise ConfigurationError("client", client, "expected a redis.Redis or redis.cluster.RedisCluster client")
         self.client = client
         self.name = check_semaphore_name("name", name)
         self.limit = check_limit("limit", limit)
@@ -168,7 +170,12 @@ class FairSemaphore:
         return wait_or_give_up(self, ask, timeout=timeout, started=started).lease
 
     def try_acquire(
-        self, *, waiter: str | None = None, token: str | None = None, enqueue: bool = True, label: str | None = None,
+        self,
+        *,
+        waiter: str | None = None,
+        token: str | None = None,
+        enqueue: bool = True,
+        label: str | None = None,
     ) -> Attempt:
         """One try, one round trip: Granted with a Lease, or Waiting with the place in line.
 
@@ -217,8 +224,18 @@ class FairSemaphore:
         if ask.run:
             remember = ask.remember
             remember_ms = to_ms(self.patience + self.lease if remember is None else check_seconds("remember", remember))
-        return self._attempt(ask.token, ask.waiter, patience_ms, ask.enqueue, ask.fresh, ask.label, ask.ticket,
-                             ask.wake, ask.run or "", remember_ms)
+        return self._attempt(
+            ask.token,
+            ask.waiter,
+            patience_ms,
+            ask.enqueue,
+            ask.fresh,
+            ask.label,
+            ask.ticket,
+            ask.wake,
+            ask.run or "",
+            remember_ms,
+        )
 
     def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
         """Try, and while refused sleep until told a slot is offered, then claim it; until
@@ -231,8 +248,17 @@ class FairSemaphore:
         return wait_for_turn(self, wake_ups, replace(ask, wake=address), timeout=timeout, pause=pause)
 
     def _attempt(
-        self, token: str, waiter: str, patience_ms: int, enqueue: bool, fresh: bool, label: str | None,
-        ticket: int | None, wake: str, run: str, remember_ms: int,
+        self,
+        token: str,
+        waiter: str,
+        patience_ms: int,
+        enqueue: bool,
+        fresh: bool,
+        label: str | None,
+        ticket: int | None,
+        wake: str,
+        run: str,
+        remember_ms: int,
     ) -> Attempt:
         """A try with its arguments checked (or made here, as ``acquire`` makes them): the one
         round trip, and what its reply means."""
@@ -282,9 +308,7 @@ class FairSemaphore:
         wakeups.on_wake)."""
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
-            reply = self._scripts.leave(
-                self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit, wake=wake
-            )
+            reply = self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit, wake=wake)
         tell_unheard(self, reply.unheard)
         return reply.done
 
@@ -312,8 +336,11 @@ class FairSemaphore:
         with RedisErrors(self.name, "release"):
             tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
-        return sum(self._release(token, None, 0) for token in tokens
-                   if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix):])))
+        return sum(
+            self._release(token, None, 0)
+            for token in tokens
+            if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix) :]))
+        )
 
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         """Renew several (token, label) holders in one round trip; one RENEW_* code each.
@@ -399,7 +426,6 @@ class FairSemaphore:
         notice at their next keep-alive ask (``patience / 3``) and come back by their ticket."""
         with RedisErrors(self.name, "reset"):
             self._scripts.reset(self.keys)
-
 
 
 def _text(value: Any) -> str:

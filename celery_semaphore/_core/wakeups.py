@@ -154,7 +154,11 @@ class WakeHandle:
     ``event``. Close when done: the channel is unsubscribed once nobody has used it for a while."""
 
     def __init__(
-        self, wake_ups: WakeUps, channel: str, waiter: str, callback: Callable[[], None] | None = None,
+        self,
+        wake_ups: WakeUps,
+        channel: str,
+        waiter: str,
+        callback: Callable[[], None] | None = None,
     ) -> None:
         self.wake_ups = wake_ups
         self.channel = channel
@@ -364,8 +368,7 @@ class WakeUps:
         their names; None, and the thread is forgotten, when nothing is left to listen for."""
         now = time.monotonic()
         drop = [
-            name for name, entry in self._channels.items()
-            if entry.users == 0 and now - entry.idle_since >= idle_for
+            name for name, entry in self._channels.items() if entry.users == 0 and now - entry.idle_since >= idle_for
         ]
         for name in drop:
             del self._channels[name]
@@ -448,7 +451,8 @@ class WakeUps:
         another master): everyone (of that channel) asks again."""
         with self._lock:
             handles = [
-                handle for handle in self._signals.values()
+                handle
+                for handle in self._signals.values()
                 if handle.poll_on_reconnect and (channel is None or handle.channel == channel)
             ]
         for handle in handles:

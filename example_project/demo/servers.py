@@ -432,9 +432,7 @@ class _Site:
 
     def page_html(self, index: int) -> str:
         links = [
-            (f"/page/{child}", f"page {child}")
-            for child in (2 * index + 1, 2 * index + 2)
-            if child < self.spec.pages
+            (f"/page/{child}", f"page {child}") for child in (2 * index + 1, 2 * index + 2) if child < self.spec.pages
         ]
         if index != 0:
             # Re-visiting links make the crawler's dedup do real work.

@@ -128,8 +128,13 @@ def sleepy(self: Any, seconds: float, key: str = "proj.sleepy") -> str:
 
 
 @app.task(
-    base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=1,
-    bind=True, name="proj.no_retries", max_retries=0,
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=1,
+    bind=True,
+    name="proj.no_retries",
+    max_retries=0,
 )
 def no_retries(self: Any, seconds: float) -> dict[str, Any]:
     """Waits by countdown re-sends only; reports what waiting did to its request."""
@@ -137,14 +142,28 @@ def no_retries(self: Any, seconds: float) -> dict[str, Any]:
     return {"retries": self.request.retries, "waits": getattr(self.request, "semaphore_waits", None)}
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_wait=2, semaphore_inline_wait=0,
-          semaphore_countdown=1, name="proj.impatient")
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_max_wait=2,
+    semaphore_inline_wait=0,
+    semaphore_countdown=1,
+    name="proj.impatient",
+)
 def impatient() -> str:
     return "ran"
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_wait=2.5, semaphore_inline_wait=0,
-          semaphore_countdown=1, name="proj.waits_then_retries", bind=True, max_retries=1)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_max_wait=2.5,
+    semaphore_inline_wait=0,
+    semaphore_countdown=1,
+    name="proj.waits_then_retries",
+    bind=True,
+    max_retries=1,
+)
 def waits_then_retries(self: Any, seconds: float) -> dict[str, Any]:
     """Waits for its slot, runs, then retries itself once after a delay: the retry's wait must
     start afresh, not count the first wait, the run and the retry delay against the max wait."""
@@ -176,16 +195,28 @@ def hard_limited(self: Any) -> str:
     return "not reached"
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=5,
-          name="proj.handoff", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    name="proj.handoff",
+    bind=True,
+)
 def handoff(self: Any, seconds: float, key: str = "proj.handoff") -> str:
     """Waits outside the worker (countdown 5 s): a release must bring it back long before that."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=1,
-          name="proj.handoff_twin", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=1,
+    name="proj.handoff_twin",
+    bind=True,
+)
 def handoff_twin(self: Any, seconds: float, key: str = "proj.handoff_twin") -> str:
     """Its backstop copy (1 s) arrives while its woken copy still runs."""
     _held(key, seconds, self.request.id)
@@ -200,8 +231,16 @@ def _record_handoff_twin_retry(request: Any = None, **_: Any) -> None:
         probe("proj.handoff_twin").client.rpush("probe:proj.handoff_twin:retries", str(request.id))
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=4, semaphore_lease=2,
-          name="proj.handoff_faults", bind=True, acks_late=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=4,
+    semaphore_lease=2,
+    name="proj.handoff_faults",
+    bind=True,
+    acks_late=True,
+)
 def handoff_faults(self: Any, seconds: float, key: str = "proj.handoff_faults") -> str:
     """For the fault tests: waits outside the worker, short lease, acks late."""
     _held(key, seconds, self.request.id)
@@ -210,8 +249,16 @@ def handoff_faults(self: Any, seconds: float, key: str = "proj.handoff_faults") 
 
 # --- several keys and weights (issue 10) ---------------------------------------------------
 
-@limit_concurrency(3, key=["crawl:{host}", "crawl-all"], app=app, bind=True, name="proj.crawl_multi",
-                   semaphore_inline_wait=0, semaphore_countdown=5)
+
+@limit_concurrency(
+    3,
+    key=["crawl:{host}", "crawl-all"],
+    app=app,
+    bind=True,
+    name="proj.crawl_multi",
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+)
 def crawl_multi(self: Any, host: str, seconds: float) -> str:
     """At most 2 per host ("crawl:*" in semaphore_limits) and 3 in all (its own limit); it waits
     outside the worker (countdown 5 s), so hand-off must bring it back."""
@@ -240,8 +287,17 @@ def _gpus(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(kwargs["gpus"] if "gpus" in kwargs else args[0])
 
 
-@limit_concurrency(4, key="gpu", app=app, bind=True, name="proj.gpu", semaphore_weight=_gpus,
-                   semaphore_inline_wait=0, semaphore_countdown=5, acks_late=True)
+@limit_concurrency(
+    4,
+    key="gpu",
+    app=app,
+    bind=True,
+    name="proj.gpu",
+    semaphore_weight=_gpus,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    acks_late=True,
+)
 def gpu(self: Any, gpus: int, seconds: float, key: str = "gpu") -> str:
     """Takes ``gpus`` of 4 GPUs; records each GPU it takes in the probe of ``key``."""
     p = probe(key)
@@ -256,8 +312,14 @@ def gpu(self: Any, gpus: int, seconds: float, key: str = "gpu") -> str:
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=(1, 30),
-          name="proj.parked_backlog", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=(1, 30),
+    name="proj.parked_backlog",
+    bind=True,
+)
 def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") -> str:
     """Waits outside the worker with countdowns from 1 to 30 s: a backlog of these must not
     bounce (refused, re-sent, refused again) while the line is long."""
@@ -267,8 +329,18 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
 
 # --- the chaos run (tests/test_chaos.py) ---------------------------------------------------
 
-@app.task(base=SemaphoreTask, semaphore_limit=3, semaphore_inline_wait=0, semaphore_countdown=(1, 3),
-          semaphore_lease=2, name="proj.chaos", bind=True, acks_late=True, reject_on_worker_lost=True)
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=3,
+    semaphore_inline_wait=0,
+    semaphore_countdown=(1, 3),
+    semaphore_lease=2,
+    name="proj.chaos",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
 def chaos(self: Any, seconds: float, key: str = "chaos") -> str:
     """Every wait is a re-sent message (no in-process wait), a killed holder's slot comes back
     within 2 s, and a child killed mid-body has its message redelivered. Records its process id
@@ -286,8 +358,17 @@ def _held_by_process(key: str, seconds: float, task_id: str) -> None:
     client.rpush(f"probe:{key}:ends", f"{task_id} {os.getpid()} {time.time()}")
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=20,
-          semaphore_lease=30, name="proj.requeued", bind=True, acks_late=True, reject_on_worker_lost=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=20,
+    semaphore_lease=30,
+    name="proj.requeued",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
 def requeued(self: Any, seconds: float, key: str = "requeued") -> str:
     """Its message is requeued when its process is killed mid-run; its slot's lease (30 s) and
     its backstop (20 s) are far off, so only the worker giving the slot back brings it back soon."""
@@ -305,14 +386,22 @@ def _record_chaos_delivery(task_id: str | None = None, task: Any = None, **_: An
 
 # --- exactly once, whatever happens to the workers (issue 16) ------------------------------
 
+
 def _first_run_of(key: str, task_id: str) -> bool:
     """Whether this is the first body run of ``task_id`` under the probe ``key`` (counted in Redis,
     so across processes and workers)."""
     return int(probe(key).client.hincrby(f"probe:{key}:runs", task_id, 1)) == 1
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
-          name="proj.reject_once", bind=True, acks_late=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    name="proj.reject_once",
+    bind=True,
+    acks_late=True,
+)
 def reject_once(self: Any, seconds: float, key: str = "reject_once") -> str:
     """Rejects its message with requeue on its first run (a body that cannot work now and hands
     the message back to the broker); the requeued delivery must run and complete."""
@@ -322,8 +411,16 @@ def reject_once(self: Any, seconds: float, key: str = "reject_once") -> str:
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
-          semaphore_lease=15, name="proj.long_acks_late", bind=True, acks_late=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    semaphore_lease=15,
+    name="proj.long_acks_late",
+    bind=True,
+    acks_late=True,
+)
 def long_acks_late(self: Any, seconds: float, key: str = "long_acks_late") -> str:
     """acks_late, a 15 s lease: the first run takes ``seconds`` (its worker is killed meanwhile),
     a later one a moment."""
@@ -332,24 +429,44 @@ def long_acks_late(self: Any, seconds: float, key: str = "long_acks_late") -> st
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=4,
-          name="proj.at_most_once", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=4,
+    name="proj.at_most_once",
+    bind=True,
+)
 def at_most_once(self: Any, seconds: float, key: str = "at_most_once") -> str:
     """No acks_late: Celery delivers it at most once; its waits are re-sent (4 s backstop)."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
-          name="proj.recycled", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    name="proj.recycled",
+    bind=True,
+)
 def recycled(self: Any, seconds: float, key: str = "recycled") -> str:
     """Waits outside the worker with a 30 s backstop: only hand-off brings it back in time."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
-          semaphore_lease=3, name="proj.short_lease", bind=True, acks_late=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    semaphore_lease=3,
+    name="proj.short_lease",
+    bind=True,
+    acks_late=True,
+)
 def short_lease(self: Any, seconds: float, key: str = "short_lease") -> str:
     """A 3 s lease and a 30 s backstop: a slot whose holder's worker died comes back with the
     lease, and must reach a parked waiter then, not at its backstop."""
@@ -357,14 +474,21 @@ def short_lease(self: Any, seconds: float, key: str = "short_lease") -> str:
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=2, semaphore_inline_wait=0, semaphore_countdown=30,
-          name="proj.two_slots", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=2,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    name="proj.two_slots",
+    bind=True,
+)
 def two_slots(self: Any, seconds: float, key: str = "two_slots") -> str:
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 
 
 # --- the full chaos run (tests/test_chaos.py, issue 16) -------------------------------------
+
 
 def rejects_first_attempt(task_id: str) -> bool:
     """Whether ``proj.chaos_full`` rejects the first attempt of ``task_id`` (about 1 in 20): a hash
@@ -374,8 +498,16 @@ def rejects_first_attempt(task_id: str) -> bool:
     return zlib.crc32(task_id.encode()) % 20 == 0
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=3, semaphore_inline_wait=0, semaphore_countdown=(1, 3),
-          name="proj.chaos_full", bind=True, acks_late=True, reject_on_worker_lost=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=3,
+    semaphore_inline_wait=0,
+    semaphore_countdown=(1, 3),
+    name="proj.chaos_full",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
 def chaos_full(self: Any, seconds: float, key: str = "chaos_full") -> str:
     """proj.chaos with the default 60 s lease (a whole worker's death strands its slots for up to
     a minute), a result backend (a copy whose run record the semaphore's Redis lost finds the
@@ -446,8 +578,15 @@ def rolling(self: Any, seconds: float, key: str = "rolling") -> str:
     return str(self.request.id)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=(1, 2),
-          name="proj.dies_at_first_refusal", bind=True, acks_late=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=(1, 2),
+    name="proj.dies_at_first_refusal",
+    bind=True,
+    acks_late=True,
+)
 def dies_at_first_refusal(self: Any, key: str = "dies_at_first_refusal") -> str:
     """acks_late, a 2 s backstop: its first refusal kills its whole worker (below) after the
     copy of its wait was sent and before its message was acked."""
@@ -465,14 +604,22 @@ def _kill_the_worker_at_a_first_refusal(request: Any = None, **_: Any) -> None:
 
     if getattr(request, "task", None) != "proj.dies_at_first_refusal":
         return
-    if int(probe("dies_at_first_refusal").client.hincrby("probe:dies_at_first_refusal:refusals", str(request.id),
-                                                         1)) == 1:
+    if (
+        int(probe("dies_at_first_refusal").client.hincrby("probe:dies_at_first_refusal:refusals", str(request.id), 1))
+        == 1
+    ):
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=0, semaphore_countdown=30,
-          name="proj.retries_elsewhere", bind=True)
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    name="proj.retries_elsewhere",
+    bind=True,
+)
 def retries_elsewhere(self: Any, queue: str, key: str) -> str:
     """Its first run records "<task id> <pid> <queue it came from>", holds the slot 0.5 s (so
     that a caller can queue up behind it) and retries itself into ``queue``; the retry records
