@@ -30,21 +30,8 @@ from collections.abc import Callable
 import redis
 
 from celery_semaphore import FairSemaphore, MultiSemaphore
+from tests.commandstats import command_calls, scripted
 from tests.redis_server import RedisServer
-
-_NOT_SCRIPTED = {
-    "evalsha",
-    "eval",
-    "info",
-    "config",
-    "config|resetstat",
-    "script",
-    "script|load",
-    "ping",
-    "hello",
-    "client",
-    "publish",
-}
 
 
 def cases(client: redis.Redis) -> dict[str, Callable[[], None]]:
@@ -69,8 +56,7 @@ def scripted_calls(client: redis.Redis, cycle: Callable[[], None]) -> int:
     cycle()
     client.config_resetstat()
     cycle()
-    stats = client.info("commandstats")
-    return sum(int(stat["calls"]) for name, stat in stats.items() if name.removeprefix("cmdstat_") not in _NOT_SCRIPTED)
+    return scripted(command_calls(client))
 
 
 def server_us(client: redis.Redis, cycle: Callable[[], None], cycles: int = 2000) -> float:

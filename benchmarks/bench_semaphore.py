@@ -53,6 +53,7 @@ import redis
 from celery_semaphore import FairSemaphore
 from celery_semaphore._core.attempts import Granted, new_token
 from celery_semaphore.errors import SemaphoreUnavailable
+from tests.commandstats import command_calls, scripted
 from tests.redis_server import RedisServer
 
 # Long enough that no lease is renewed (lease / 3) nor expires within one measurement.
@@ -533,26 +534,9 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
 
 # -- hand-off scenarios (issue 8): blocked callers, release cost, a crowd on one key ------------------
 
-_NOT_SCRIPTED = {
-    "evalsha",
-    "eval",
-    "info",
-    "config|resetstat",
-    "config",
-    "script|load",
-    "script",
-    "ping",
-    "hello",
-    "client",
-    "publish",
-    "subscribe",
-    "unsubscribe",
-    "zscan",
-}
-
-
-def _command_calls(admin: redis.Redis) -> dict[str, int]:
-    return {name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in admin.info("commandstats").items()}
+# besides tests.commandstats.NOT_SCRIPTED: the blocked callers' own subscriptions and the
+# release-by-prefix scan are not the release's work
+_ALSO_NOT_SCRIPTED = ("subscribe", "unsubscribe", "zscan")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -605,7 +589,7 @@ def handoff_latency(server: RedisServer, waiters: int, handoffs: int) -> dict[st
             if not granted.acquire(timeout=60):
                 raise RuntimeError("hand-off stalled")
         elapsed = time.perf_counter() - started
-        counts = _command_calls(admin)
+        counts = command_calls(admin)
         counted_until = time.perf_counter()
     stop.set()
     semaphore.set_limit(waiters + 1)
@@ -630,7 +614,7 @@ def handoff_latency(server: RedisServer, waiters: int, handoffs: int) -> dict[st
         "p50_ms": _percentile(latencies, 0.50),
         "p99_ms": _percentile(latencies, 0.99),
         "max_ms": max(latencies, default=math.nan),
-        "redis_calls_per_release": sum(n for k, n in counts.items() if k not in _NOT_SCRIPTED) / releases,
+        "redis_calls_per_release": scripted(counts, _ALSO_NOT_SCRIPTED) / releases,
         "evalsha_per_release": counts.get("evalsha", 0) / releases,
         "publish_per_release": counts.get("publish", 0) / releases,
     }
@@ -662,14 +646,14 @@ def release_cost(server: RedisServer, waiters: int) -> dict[str, Any]:
         while True:  # quiet: every waiter subscribed and made its post-subscription ask
             admin.config_resetstat()
             time.sleep(0.3)
-            if _command_calls(admin).get("evalsha", 0) == 0:
+            if command_calls(admin).get("evalsha", 0) == 0:
                 break
         admin.config_resetstat()
         holder.release()
         while not got:
             time.sleep(0.001)
         time.sleep(0.05)
-        counts = _command_calls(admin)
+        counts = command_calls(admin)
     stop.set()
     semaphore.set_limit(waiters + 1)
     for thread in threads:
@@ -679,7 +663,7 @@ def release_cost(server: RedisServer, waiters: int) -> dict[str, Any]:
     client.close()
     return {
         "waiters": waiters,
-        "redis_calls": sum(n for k, n in counts.items() if k not in _NOT_SCRIPTED),
+        "redis_calls": scripted(counts, _ALSO_NOT_SCRIPTED),
         "evalsha": counts.get("evalsha", 0),
         "publish": counts.get("publish", 0),
     }

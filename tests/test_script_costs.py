@@ -13,6 +13,7 @@ import redis
 from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, Waiting
 from celery_semaphore._core.scripts import SemaphoreKeys
 
+from .commandstats import command_calls, scripted
 from .conftest import FLAVOURS, emptied_server, servers_by_flavour
 from .redis_server import RedisServer
 from .waiting import wait_until
@@ -38,29 +39,6 @@ def redis_server(request: pytest.FixtureRequest, _servers_of_this_module: dict[s
 # release: ZREM, EXISTS, HDEL. Issue 8's budget is 12; the first version made 34.
 CYCLE_CALLS = 11
 
-_NOT_SCRIPTED = {
-    "evalsha",
-    "eval",
-    "info",
-    "config",
-    "config|resetstat",
-    "script",
-    "script|load",
-    "ping",
-    "hello",
-    "client",
-    "publish",
-}
-
-
-def calls(client: redis.Redis) -> dict[str, int]:
-    """Calls per command since the last CONFIG RESETSTAT (commands run by scripts included)."""
-    return {name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in client.info("commandstats").items()}
-
-
-def scripted(counts: dict[str, int]) -> int:
-    return sum(n for name, n in counts.items() if name not in _NOT_SCRIPTED)
-
 
 def evalsha_usec(client: redis.Redis) -> int:
     stats = client.info("commandstats")
@@ -75,7 +53,7 @@ def test_an_uncontended_cycle_makes_eleven_redis_calls(redis_client: redis.Redis
     for _ in range(2):
         redis_client.config_resetstat()
         semaphore.acquire(timeout=0).release()
-        counts = calls(redis_client)
+        counts = command_calls(redis_client)
         assert counts["evalsha"] == 2
         assert scripted(counts) == CYCLE_CALLS, counts
         assert "publish" not in counts
@@ -90,7 +68,7 @@ def test_a_blocking_acquire_uncontended_is_the_same_single_round_trip(redis_clie
     redis_client.config_resetstat()
     connections = redis_client.info("stats")["total_connections_received"]
     semaphore.acquire(timeout=10).release()
-    counts = calls(redis_client)
+    counts = command_calls(redis_client)
     assert counts["evalsha"] == 2
     assert scripted(counts) == CYCLE_CALLS, counts
     assert not {"subscribe", "publish"} & set(counts)
@@ -104,13 +82,13 @@ def test_a_contended_cycle_stays_bounded(redis_client: redis.Redis) -> None:
     holder = semaphore.acquire(timeout=0)
     redis_client.config_resetstat()
     assert isinstance(semaphore.try_acquire(waiter="w"), Waiting)
-    refused = scripted(calls(redis_client))
+    refused = scripted(command_calls(redis_client))
     redis_client.config_resetstat()
     holder.release()
-    release = scripted(calls(redis_client))
+    release = scripted(command_calls(redis_client))
     redis_client.config_resetstat()
     claimed = semaphore.try_acquire(waiter="w")
-    claim = scripted(calls(redis_client))
+    claim = scripted(command_calls(redis_client))
     assert isinstance(claimed, Granted)
     claimed.lease.release()
     assert refused <= 32, refused  # the first refusal also gives four new keys their expiry
@@ -165,7 +143,7 @@ def _quiet(client: redis.Redis, seconds: float) -> bool:
     """No script ran for ``seconds`` (a window of observation, not a hope)."""
     client.config_resetstat()
     time.sleep(seconds)
-    return calls(client).get("evalsha", 0) == 0
+    return command_calls(client).get("evalsha", 0) == 0
 
 
 def _blocked(
@@ -209,7 +187,7 @@ def test_a_release_costs_the_same_whatever_the_number_of_blocked_waiters(
     redis_client.config_resetstat()
     holder.release()
     wait_until(lambda: len(leases) == 1, timeout=10, what="the oldest waiter to claim the slot")
-    counts = calls(redis_client)
+    counts = command_calls(redis_client)
     try:
         assert counts["evalsha"] == 2, counts  # the release, the claim
         assert counts["publish"] == 1, counts
@@ -264,25 +242,25 @@ def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: 
             scripts.park(keys, record=record(i), look_in_ms=60_000, copy=b"c", line=line)
         redis_client.config_resetstat()
         assert scripts.claim_parked(keys, most=100) == []
-        counts = calls(redis_client)
+        counts = command_calls(redis_client)
         assert scripted(counts) == 2, counts
         assert counts["zrangebyscore"] == 1
     redis_client.config_resetstat()
     # due later than every record before it, so the expiries move on (one due within the same
     # millisecond as the last would leave them as they are, at the cost of reading their TTLs)
     scripts.park(keys, record=record("new"), look_in_ms=120_000, copy=b"c", line=line)
-    counts = calls(redis_client)
+    counts = command_calls(redis_client)
     major = int(redis_client.info("server")["redis_version"].split(".")[0])
     assert scripted(counts) <= (10 if major >= 7 else 14), counts
     assert {"zadd", "hset", "time"} <= set(counts)
     assert scripts.lines_to_tick(keys, round_ms=1000, most=100) == [line]
     redis_client.config_resetstat()
     assert scripts.lines_to_tick(keys, round_ms=1000, most=100) == []  # this round is taken
-    assert scripted(calls(redis_client)) == 2
+    assert scripted(command_calls(redis_client)) == 2
     idle = parked_keys("cost-idle")
     redis_client.config_resetstat()
     assert scripts.lines_to_tick(idle, round_ms=1000, most=100) == []
-    assert scripted(calls(redis_client)) == 1
+    assert scripted(command_calls(redis_client)) == 1
     assert redis_client.keys("cost-idle*") == []
 
 
@@ -305,24 +283,6 @@ def test_acquire_and_release_are_one_round_trip_each(redis_client: redis.Redis) 
     assert "cmdstat_eval" not in after_release
 
 
-def _scripted_calls(client: redis.Redis) -> int:
-    skip = {
-        "evalsha",
-        "eval",
-        "info",
-        "config",
-        "config|resetstat",
-        "script",
-        "script|load",
-        "ping",
-        "hello",
-        "client",
-        "publish",
-    }
-    stats = client.info("commandstats")
-    return sum(int(stat["calls"]) for name, stat in stats.items() if name.removeprefix("cmdstat_") not in skip)
-
-
 def test_an_uncontended_multi_cycle_costs_per_semaphore_what_one_key_costs(redis_client: redis.Redis) -> None:
     """acquire(timeout=0) + release over n semaphores (any weight) makes 10 n + 1 Redis calls: 11
     for one, like FairSemaphore's cycle; 21 for two (no purge and no line touched on the fast path)."""
@@ -332,4 +292,4 @@ def test_an_uncontended_multi_cycle_costs_per_semaphore_what_one_key_costs(redis
         multi.acquire(timeout=0).release()  # loads the scripts
         redis_client.config_resetstat()
         multi.acquire(timeout=0).release()
-        assert _scripted_calls(redis_client) == expected, (len(semaphores), weight)
+        assert scripted(command_calls(redis_client)) == expected, (len(semaphores), weight)

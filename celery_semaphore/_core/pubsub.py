@@ -34,6 +34,8 @@ from typing import Any
 import redis
 import redis.cluster
 
+from .storage import as_text
+
 logger = logging.getLogger("celery_semaphore")
 
 # The first Redis with sharded pub/sub (SSUBSCRIBE, SPUBLISH).
@@ -105,10 +107,10 @@ def _server_version(node_client: Any) -> str:
     docs/deploying.md allow, where INFO is not; it changes nothing on the connection)."""
     reply = node_client.execute_command("HELLO")
     if isinstance(reply, dict):
-        fields = {_text(key): value for key, value in reply.items()}
+        fields = {as_text(key): value for key, value in reply.items()}
     else:
-        fields = {_text(key): value for key, value in zip(reply[::2], reply[1::2], strict=False)}
-    return _text(fields["version"])
+        fields = {as_text(key): value for key, value in zip(reply[::2], reply[1::2], strict=False)}
+    return as_text(fields["version"])
 
 
 class ShardedSubscription:
@@ -269,7 +271,7 @@ class ShardedSubscription:
         if message.get("type") != "sunsubscribe":
             self._ready.append(message)
             return
-        channel = _text(message.get("channel"))
+        channel = as_text(message.get("channel"))
         leaving = self._leaving.get(name, set())
         if channel in leaving:
             leaving.discard(channel)  # one we asked for
@@ -315,7 +317,3 @@ def _close_pubsub(pubsub: Any, callback: Callable[[Any], None]) -> None:
         pubsub.close()
     except Exception:  # closing a broken connection may fail too; it is gone either way
         pass
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

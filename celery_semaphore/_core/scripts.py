@@ -25,7 +25,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .storage import CLAIMED, GRANTED, INFO_SEPARATOR, RAN, TOO_HEAVY, parked_waiter_entry, wake_address
+from .storage import CLAIMED, GRANTED, INFO_SEPARATOR, RAN, TOO_HEAVY, as_text, parked_waiter_entry, wake_address
 
 _NAMES = (
     "acquire",
@@ -291,7 +291,7 @@ class Scripts:
         if len(reply) == 2:  # RUNNING, with the lease left of the copy that runs
             return AcquireReply(int(reply[0]), 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
         outcome, position, free, limit, hold_ms, ticket_text, turn = reply[:7]
-        text = _text(ticket_text)
+        text = as_text(ticket_text)
         return AcquireReply(
             outcome=int(outcome),
             position=int(position),
@@ -300,7 +300,7 @@ class Scripts:
             hold_ms=int(hold_ms),
             ticket=int(float(text)) if text else None,
             turn=int(turn),
-            unheard=tuple(_text(waiter) for waiter in reply[7:]),
+            unheard=tuple(as_text(waiter) for waiter in reply[7:]),
         )
 
     def release(
@@ -334,10 +334,10 @@ class Scripts:
         )
         listed_holders = []
         for i in range(0, len(holders), 3):
-            granted, _, label = _text(holders[i + 2]).partition(INFO_SEPARATOR)
+            granted, _, label = as_text(holders[i + 2]).partition(INFO_SEPARATOR)
             listed_holders.append(
                 ListedHolder(
-                    token=_text(holders[i]),
+                    token=as_text(holders[i]),
                     deadline_ms=int(float(holders[i + 1])),
                     granted_ms=int(granted) if granted else None,
                     label=label,
@@ -345,10 +345,10 @@ class Scripts:
             )
         listed_waiters = []
         for i in range(0, len(waiters), 5):
-            first = _text(waiters[i + 3])
+            first = as_text(waiters[i + 3])
             listed_waiters.append(
                 ListedWaiter(
-                    waiter=_text(waiters[i]),
+                    waiter=as_text(waiters[i]),
                     ticket=int(float(waiters[i + 1])),
                     must_ask_by_ms=int(float(waiters[i + 2])),
                     first_ask_ms=int(first) if first else None,
@@ -406,7 +406,7 @@ class Scripts:
         if int(reply[0]) == TOO_HEAVY:
             return ManyReply(TOO_HEAVY, 0, 0, int(reply[2]), int(reply[1]), None)
         outcome, position, free, limit, index, ticket_text = reply
-        text = _text(ticket_text)
+        text = as_text(ticket_text)
         return ManyReply(
             int(outcome), int(position), int(free), int(limit), int(index), int(float(text)) if text else None
         )
@@ -473,17 +473,17 @@ class Scripts:
     def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
         """The parked-task records now due, (record, copy) each, taken by this caller alone."""
         reply = self._scripts["claim_parked"](keys=keys[:3], args=[most])
-        return [(_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
+        return [(as_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
 
     def claim_parked_waiter(self, keys: list[bytes], *, deadlines_key: str, waiter: str) -> tuple[str, bytes] | None:
         """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
         this caller alone; None when it has none (or another caller took it)."""
         reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter)])
-        return (_text(reply[0]), bytes(reply[1])) if reply else None
+        return (as_text(reply[0]), bytes(reply[1])) if reply else None
 
     def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:
         """The lines with parked waiters to tick this round, or [] when another process has it."""
-        return [_text(line) for line in self._scripts["lines_to_tick"](keys=keys[3:5], args=[round_ms, most])]
+        return [as_text(line) for line in self._scripts["lines_to_tick"](keys=keys[3:5], args=[round_ms, most])]
 
     def remember_wait(self, keys: SemaphoreKeys, *, first_delivery: str, wait_id: str, remember_ms: int) -> None:
         """Note the wait a first delivery began (lua/remember_wait.lua)."""
@@ -491,7 +491,7 @@ class Scripts:
 
     def tick(self, keys: SemaphoreKeys, *, default_limit: int) -> tuple[str, ...]:
         """Purge a line one step and hand freed slots on; the waiters offered one unheard."""
-        return tuple(_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[default_limit]))
+        return tuple(as_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[default_limit]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -518,7 +518,7 @@ def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[by
 
 def _hand_off_reply(reply: Any) -> HandOffReply:
     if isinstance(reply, list):
-        return HandOffReply(bool(int(reply[0])), tuple(_text(waiter) for waiter in reply[1:]))
+        return HandOffReply(bool(int(reply[0])), tuple(as_text(waiter) for waiter in reply[1:]))
     return HandOffReply(bool(int(reply)))
 
 
@@ -534,10 +534,6 @@ def _number(value: int) -> bytes:
     """An int argument as redis-py would send it, made once per distinct value (limits and
     lease lengths repeat on every call)."""
     return b"%d" % value
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def preload(client: Any) -> None:

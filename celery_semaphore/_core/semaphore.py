@@ -46,6 +46,7 @@ from .storage import (
     RENEW_LOST,
     RUNNING,
     WAIT,
+    as_text,
     is_extra_slot,
     is_offer,
     slot_members,
@@ -334,7 +335,7 @@ class FairSemaphore:
         that rare path only."""
         pattern = token_prefix_pattern(prefix)
         with RedisErrors(self.name, "release"):
-            tokens = [_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
+            tokens = [as_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
         return sum(
             self._release(token, None, 0)
@@ -426,7 +427,3 @@ class FairSemaphore:
         notice at their next keep-alive ask (``patience / 3``) and come back by their ticket."""
         with RedisErrors(self.name, "reset"):
             self._scripts.reset(self.keys)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # What acquire and acquire_many answer.
 WAIT = 0  # refused: the try stands in line (or, one-shot, took nothing)
@@ -153,3 +153,9 @@ def parked_line(base: str, limit: int) -> str:
 def read_parked_line(text: str) -> tuple[str, int]:
     base, limit = json.loads(text)
     return base, int(limit)
+
+
+def as_text(value: Any) -> str:
+    """A member, field or reply element as Redis returned it (bytes, or str on a client that
+    decodes responses), as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

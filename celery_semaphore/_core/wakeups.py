@@ -65,8 +65,8 @@ from typing import Any
 import redis
 import redis.cluster
 
-from .pubsub import ShardedSubscription, Subscription, _text, uses_sharded_pubsub
-from .storage import CLUSTER_MARK, SHARDED_MARK
+from .pubsub import ShardedSubscription, Subscription, uses_sharded_pubsub
+from .storage import CLUSTER_MARK, SHARDED_MARK, as_text
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -396,8 +396,8 @@ class WakeUps:
         return True
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        channel = _text(message.get("channel"))
-        kind = _text(message.get("type"))
+        channel = as_text(message.get("channel"))
+        kind = as_text(message.get("type"))
         if kind in ("subscribe", "ssubscribe"):
             if channel == self.control:
                 self._listening.set()
@@ -422,7 +422,7 @@ class WakeUps:
             return
         if kind not in ("message", "smessage") or channel == self.control:
             return
-        key = (channel, _text(message.get("data")))
+        key = (channel, as_text(message.get("data")))
         with self._lock:
             handle = self._signals.get(key)
             if handle is None:
