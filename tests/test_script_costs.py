@@ -35,9 +35,12 @@ def redis_server(request: pytest.FixtureRequest, _servers_of_this_module: dict[s
 
 
 # Redis calls of one uncontended acquire + release, made inside the two scripts (EVALSHA itself
-# not counted). Acquire: TIME, GET limit, ZCARD holders, ZCARD present, ZADD, HSET, 2 x PEXPIRE;
-# release: ZREM, EXISTS, HDEL. Issue 8's budget is 12; the first version made 34.
+# not counted). Acquire: TIME, MGET limit and gate, ZCARD holders, ZCARD present, ZADD, HSET,
+# 2 x PEXPIRE; release: ZREM, EXISTS, HDEL. Issue 8's budget is 12; the first version made 34.
 CYCLE_CALLS = 11
+# With a rate, the acquire also reads the start leaving the window (LINDEX) and notes its own
+# (LPUSH, PEXPIRE; an LTRIM once per rate-count starts). Issue 19's budget is 14.
+RATED_CYCLE_CALLS = 14
 
 
 def evalsha_usec(client: redis.Redis) -> int:
@@ -58,6 +61,38 @@ def test_an_uncontended_cycle_makes_eleven_redis_calls(redis_client: redis.Redis
         assert scripted(counts) == CYCLE_CALLS, counts
         assert "publish" not in counts
         assert counts["pexpire"] == 2
+
+
+def test_an_uncontended_cycle_with_a_rate_makes_at_most_fourteen_calls(redis_client: redis.Redis) -> None:
+    """With a rate, the cycle adds the window's check and the start's note: 14 calls, an LTRIM
+    once per rate-count starts on top (counted here over 2 x 40 cycles, at most 1 per 20)."""
+    semaphore = FairSemaphore(redis_client, "cost-rated", 3, rate="20/s")
+    semaphore.acquire(timeout=0).release()
+    redis_client.config_resetstat()
+    semaphore.acquire(timeout=0).release()
+    counts = command_calls(redis_client)
+    assert counts["evalsha"] == 2
+    assert scripted(counts) == RATED_CYCLE_CALLS, counts
+    assert counts["lindex"] == 1 and counts["lpush"] == 1
+    trimmed = 0
+    for _ in range(2):
+        redis_client.delete(semaphore.keys.starts)  # a fresh window: nothing waits for it
+        redis_client.config_resetstat()
+        for _ in range(20):
+            semaphore.acquire(timeout=0).release()
+        counts = command_calls(redis_client)
+        trimmed += counts.get("ltrim", 0)
+        assert scripted(counts) - counts.get("ltrim", 0) == 20 * RATED_CYCLE_CALLS, counts
+    assert trimmed <= 2
+
+
+def test_a_pause_set_and_cleared_leaves_the_uncontended_cycle_as_it_was(redis_client: redis.Redis) -> None:
+    semaphore = FairSemaphore(redis_client, "cost-paused", 3)
+    semaphore.pause(5)
+    semaphore.resume()
+    redis_client.config_resetstat()
+    semaphore.acquire(timeout=0).release()
+    assert scripted(command_calls(redis_client)) == CYCLE_CALLS
 
 
 def test_a_blocking_acquire_uncontended_is_the_same_single_round_trip(redis_client: redis.Redis) -> None:
@@ -213,7 +248,7 @@ def test_the_uncontended_paths_return_before_the_rest_of_the_helpers_are_made() 
         defined = re.findall(r"^local function (\w+)", source, flags=re.MULTILINE)
         assert len(defined) == len(set(defined)), (name, defined)
         assert source.count(REST_OF_LIB) == 1, name
-    for name, fast_return in (("acquire", "return granted(GRANTED)"), ("release", "return 1")):
+    for name, fast_return in (("acquire", "return granted(GRANTED, r)"), ("release", "return 1")):
         source = script_source(name)
         assert source.index(fast_return) < source.index(REST_OF_LIB) < source.index("local function hand_off")
 

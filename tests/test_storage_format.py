@@ -262,9 +262,12 @@ def test_a_parked_record_round_trip_and_its_waiter_entry() -> None:
 
 
 def test_a_parked_line_round_trip() -> None:
-    line = storage.parked_line("semaphore:{x}", 3)
+    # a bare limit is stored as the number it always was: one member for workers of either version
+    line = storage.parked_line("semaphore:{x}", b"3")
     assert json.loads(line) == ["semaphore:{x}", 3]
-    assert storage.read_parked_line(line) == ("semaphore:{x}", 3)
+    assert storage.read_parked_line(line) == ("semaphore:{x}", b"3")
+    gated = storage.parked_line("semaphore:{x}", b"3/30/60000/0")
+    assert storage.read_parked_line(gated) == ("semaphore:{x}", b"3/30/60000/0")
 
 
 @pytest.mark.parametrize("special", ["*", "?", "[", "]", "\\"])

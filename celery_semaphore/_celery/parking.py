@@ -82,10 +82,10 @@ def _prefix_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
 
 
 def _line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
-    """The member naming a parked waiter's line for the ticks: its keys and its default limit (a
-    MultiSemaphore parks on its first semaphore)."""
+    """The member naming a parked waiter's line for the ticks: its keys and the rules given in
+    code (a MultiSemaphore parks on its first semaphore)."""
     first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
-    return parked_line(first.keys.base, first.limit)
+    return parked_line(first.keys.base, first.rules.arg)
 
 
 def serialized(wake_copy: Any) -> bytes | None:
@@ -318,9 +318,9 @@ class Parking:
                 continue
             for line in lines:
                 try:
-                    base, limit = read_parked_line(line)
+                    base, rules = read_parked_line(line)
                     keys = SemaphoreKeys.of_base(base)
-                    unheard = scripts.tick(keys, default_limit=limit)
+                    unheard = scripts.tick(keys, rules=rules)
                 except Exception as error:
                     logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
                     continue

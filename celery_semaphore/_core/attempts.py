@@ -84,6 +84,9 @@ class Waiting:
     hold_time: float | None = None  # recent average seconds a holder kept its slot, if known
     ticket: int | None = None  # the place-keeping ticket; None for a try that did not queue
     turn: int | None = None  # 0-based place among present waiters (slots go by this)
+    # a start a rate, a spacing or a pause reserved for it: seconds until it may claim it (and
+    # nobody else can have that start meanwhile); None when it waits for a release to offer one
+    retry_after: float | None = None
 
     @property
     def granted(self) -> bool:

@@ -40,6 +40,7 @@ from . import renewer
 from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
 from .lease import Lease
 from .redis_errors import RedisErrors
+from .rules import Rules
 from .scripts import SemaphoreKeys, scripts_for
 from .semaphore import FairSemaphore
 from .storage import (
@@ -121,6 +122,11 @@ class MultiSemaphore:
         return [semaphore.limit for semaphore in self.semaphores]
 
     @property
+    def rules(self) -> list[Rules]:
+        """Each semaphore's limit, rate and spacing given in code (runtime overrides win)."""
+        return [semaphore.rules for semaphore in self.semaphores]
+
+    @property
     def limit(self) -> int:
         """The smallest limit given in code (for messages)."""
         return min(self.limits)
@@ -134,6 +140,12 @@ class MultiSemaphore:
                     "weight",
                     weight,
                     f"above the limit {semaphore.limit} of {semaphore.name!r}: such an acquire would wait forever",
+                )
+            if semaphore.rate is not None and weight > semaphore.rate.count:
+                raise ConfigurationError(
+                    "weight",
+                    weight,
+                    f"above the rate {semaphore.rate} of {semaphore.name!r}: such an acquire would wait forever",
                 )
         return weight
 
@@ -216,7 +228,7 @@ class MultiSemaphore:
                 self.all_keys,
                 token=token,
                 waiter=waiter,
-                default_limits=self.limits,
+                rules=self.rules,
                 lease_ms=self._lease_ms,
                 patience_ms=patience_ms,
                 enqueue=ask.enqueue,
@@ -232,7 +244,14 @@ class MultiSemaphore:
             renewer.track(lease)
             return Granted(lease)
         if reply.outcome == WAIT:
-            return Waiting(reply.position, max(0, reply.free), reply.limit, ticket=reply.ticket, turn=reply.position)
+            return Waiting(
+                reply.position,
+                max(0, reply.free),
+                reply.limit,
+                ticket=reply.ticket,
+                turn=reply.position,
+                retry_after=reply.retry_ms / 1000 if reply.retry_ms > 0 else None,
+            )
         if reply.outcome in (RUNNING, RAN):
             return Duplicate(running=reply.outcome == RUNNING)
         if reply.outcome == TOO_HEAVY:
@@ -240,7 +259,8 @@ class MultiSemaphore:
             raise ConfigurationError(
                 "weight",
                 self.weight,
-                f"above the limit {reply.limit} in force for {semaphore.name!r}: such an acquire would wait forever",
+                f"above the limit (or the rate's count) {reply.limit} in force for {semaphore.name!r}: such an "
+                "acquire would wait forever",
             )
         raise SemaphoreError(f"acquire_many on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
 
@@ -257,15 +277,13 @@ class MultiSemaphore:
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
-            return self._scripts.leave_many(
-                self.all_keys, waiter=waiter, default_limits=self.limits, away_ms=away_ms, wake=wake
-            )
+            return self._scripts.leave_many(self.all_keys, waiter=waiter, rules=self.rules, away_ms=away_ms, wake=wake)
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """Give back every slot of a grant, and mark its run, if any, finished."""
         with RedisErrors(self.name, "release"):
             return self._scripts.release_many(
-                self.all_keys, token=token, default_limits=self.limits, run=run or "", remember_ms=remember_ms
+                self.all_keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms
             )
 
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
@@ -277,7 +295,7 @@ class MultiSemaphore:
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):
             return self._scripts.renew_many(
-                self.all_keys, lease_ms=self._lease_ms, default_limits=self.limits, reclaim=reclaim, holders=holders
+                self.all_keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
 
 

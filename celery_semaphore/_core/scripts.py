@@ -25,7 +25,28 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .storage import CLAIMED, GRANTED, INFO_SEPARATOR, RAN, TOO_HEAVY, as_text, parked_waiter_entry, wake_address
+from .replies import (
+    BARE_REPLIES,
+    AcquireReply,
+    GateReply,
+    GateState,
+    HandOffReply,
+    ListedHolder,
+    ListedWaiter,
+    ManyReply,
+    StatusReply,
+)
+from .rules import Rules
+from .storage import (
+    CLAIMED,
+    GRANTED,
+    INFO_SEPARATOR,
+    RUNNING,
+    TOO_HEAVY,
+    as_text,
+    parked_waiter_entry,
+    wake_address,
+)
 
 _NAMES = (
     "acquire",
@@ -45,6 +66,7 @@ _NAMES = (
     "tick",
     "lines_to_tick",
     "remember_wait",
+    "set_gate",
 )
 
 
@@ -81,6 +103,8 @@ class SemaphoreKeys:
     waiter_info: str
     ticket: str
     limit: str
+    starts: str
+    gate: str
     runs: str
     run_expiry: str
     base: str  # "{prefix}:{<name>}", the common start of every key and channel (not a key)
@@ -98,6 +122,8 @@ class SemaphoreKeys:
             waiter_info=f"{base}:waiter_info",
             ticket=f"{base}:ticket",
             limit=f"{base}:limit",
+            starts=f"{base}:starts",
+            gate=f"{base}:gate",
             runs=f"{base}:runs",
             run_expiry=f"{base}:run_expiry",
             base=base,
@@ -114,6 +140,8 @@ class SemaphoreKeys:
             self.waiter_info,
             self.ticket,
             self.limit,
+            self.starts,
+            self.gate,
             self.runs,
             self.run_expiry,
         ]
@@ -126,9 +154,9 @@ class SemaphoreKeys:
 
     @functools.cached_property
     def line_keys(self) -> list[bytes]:
-        """KEYS[1..8], for the scripts (and acquires without a run id) that never touch the run
+        """KEYS[1..10], for the scripts (and acquires without a run id) that never touch the run
         records: every key a script touches is declared, and no more is sent than that."""
-        return self.encoded[:8]
+        return self.encoded[:10]
 
     @classmethod
     def of_base(cls, base: str) -> SemaphoreKeys:
@@ -153,74 +181,11 @@ _KEY_NAMES = (
     "waiter_info",
     "ticket",
     "limit",
+    "starts",
+    "gate",
     "runs",
     "run_expiry",
 )
-
-
-@dataclass(frozen=True)
-class AcquireReply:
-    outcome: int  # GRANTED, CLAIMED, WAIT, RUNNING or RAN
-    position: int
-    free: int
-    limit: int
-    hold_ms: int  # -1: unknown
-    ticket: int | None
-    turn: int
-    unheard: tuple[str, ...] = ()  # WAIT: waiters offered a slot whose wake-up nobody heard
-    twin_lease_ms: int = 0  # RUNNING: how long the lease of the copy that runs lasts (unless renewed)
-
-
-@dataclass(frozen=True)
-class HandOffReply:
-    """The reply of a script that may hand a slot on: its own answer, and the waiters offered a
-    slot whose wake-up nobody heard (lua/_lib.lua, notify)."""
-
-    done: bool
-    unheard: tuple[str, ...] = ()
-
-
-# A grant or a finished run is answered with its bare code; its other fields mean nothing then.
-_BARE_REPLIES = {code: AcquireReply(code, 0, 0, 0, -1, None, 0) for code in (GRANTED, CLAIMED, RAN)}
-
-
-@dataclass(frozen=True)
-class ManyReply:
-    outcome: int  # GRANTED, WAIT or TOO_HEAVY
-    position: int  # the most waiters ahead of it in any line
-    free: int  # the fewest free slots of any semaphore
-    limit: int  # the limit of the semaphore named by ``index``
-    index: int  # WAIT: the first semaphore holding the try back; TOO_HEAVY: the one too small
-    ticket: int | None
-
-
-@dataclass(frozen=True)
-class ListedHolder:
-    token: str
-    deadline_ms: int
-    granted_ms: int | None
-    label: str
-
-
-@dataclass(frozen=True)
-class ListedWaiter:
-    waiter: str
-    ticket: int
-    must_ask_by_ms: int
-    first_ask_ms: int | None
-    state: int  # AWAY, PRESENT or OFFERED
-
-
-@dataclass(frozen=True)
-class StatusReply:
-    now_ms: int
-    override: int | None
-    override_ttl_ms: int  # -1 kept until cleared, -2 no override
-    holder_count: int
-    offered_count: int
-    waiter_count: int
-    holders: list[ListedHolder]
-    waiters: list[ListedWaiter]
 
 
 class _Script:
@@ -260,7 +225,7 @@ class Scripts:
         *,
         token: str,
         waiter: str,
-        default_limit: int,
+        rules: Rules,
         lease_ms: int,
         patience_ms: int,
         enqueue: bool,
@@ -275,7 +240,7 @@ class Scripts:
         args: list[Any] = [
             encoded,
             encoded if waiter is token else waiter.encode(),
-            _settings(default_limit, lease_ms, patience_ms, enqueue, fresh, label),
+            _settings(rules.arg, lease_ms, patience_ms, enqueue, fresh, label),
         ]
         # trailing arguments that are empty are not sent (the script reads them as ""): the
         # uncontended acquire of a blocked caller or a one-shot try sends three
@@ -287,10 +252,13 @@ class Scripts:
             args.append(_number(int(ticket)))
         reply = self._scripts["acquire"](keys=keys.encoded if run else keys.line_keys, args=args)
         if not isinstance(reply, list):
-            return _BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
-        if len(reply) == 2:  # RUNNING, with the lease left of the copy that runs
-            return AcquireReply(int(reply[0]), 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
-        outcome, position, free, limit, hold_ms, ticket_text, turn = reply[:7]
+            return BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
+        code = int(reply[0])
+        if code == RUNNING:  # with the lease left of the copy that runs
+            return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
+        if code in (GRANTED, CLAIMED):  # a claim that handed the next start to waiters unheard
+            return AcquireReply(code, 0, 0, 0, -1, None, 0, unheard=tuple(as_text(waiter) for waiter in reply[1:]))
+        outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms = reply[:8]
         text = as_text(ticket_text)
         return AcquireReply(
             outcome=int(outcome),
@@ -300,37 +268,36 @@ class Scripts:
             hold_ms=int(hold_ms),
             ticket=int(float(text)) if text else None,
             turn=int(turn),
-            unheard=tuple(as_text(waiter) for waiter in reply[7:]),
+            unheard=tuple(as_text(waiter) for waiter in reply[8:]),
+            retry_ms=int(retry_ms),
         )
 
     def release(
-        self, keys: SemaphoreKeys, *, token: str, default_limit: int, run: str = "", remember_ms: int = 0
+        self, keys: SemaphoreKeys, *, token: str, rules: Rules, run: str = "", remember_ms: int = 0
     ) -> HandOffReply:
         if run:
-            reply = self._scripts["release"](
-                keys=keys.encoded, args=[token, _number(default_limit), run, _number(remember_ms)]
-            )
+            reply = self._scripts["release"](keys=keys.encoded, args=[token, rules.arg, run, _number(remember_ms)])
         else:
-            reply = self._scripts["release"](keys=keys.line_keys, args=[token, _number(default_limit)])
+            reply = self._scripts["release"](keys=keys.line_keys, args=[token, rules.arg])
         return _hand_off_reply(reply)
 
     def renew(
-        self, keys: SemaphoreKeys, *, lease_ms: int, default_limit: int, reclaim: bool, holders: list[tuple[str, str]]
+        self, keys: SemaphoreKeys, *, lease_ms: int, rules: Rules, reclaim: bool, holders: list[tuple[str, str]]
     ) -> list[int]:
-        args: list[Any] = [lease_ms, default_limit, int(reclaim)]
+        args: list[Any] = [lease_ms, rules.arg, int(reclaim)]
         for token, label in holders:
             args += [token, label]
         return [int(code) for code in self._scripts["renew"](keys=keys.line_keys, args=args)]
 
     def leave(
-        self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, default_limit: int, wake: str = ""
+        self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, rules: Rules, wake: str = ""
     ) -> HandOffReply:
-        args = [waiter, "" if away_ms is None else away_ms, default_limit, wake]
+        args = [waiter, "" if away_ms is None else away_ms, rules.arg, wake]
         return _hand_off_reply(self._scripts["leave"](keys=keys.line_keys, args=args))
 
-    def status(self, keys: SemaphoreKeys, *, listed: int) -> StatusReply:
-        now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters = self._scripts["status"](
-            keys=keys.line_keys, args=[listed]
+    def status(self, keys: SemaphoreKeys, *, listed: int, rules: Rules) -> StatusReply:
+        now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters, gate = self._scripts["status"](
+            keys=keys.line_keys, args=[listed, rules.arg]
         )
         listed_holders = []
         for i in range(0, len(holders), 3):
@@ -364,9 +331,18 @@ class Scripts:
             waiter_count=int(waiter_count),
             holders=listed_holders,
             waiters=listed_waiters,
+            gate=GateState(
+                rate_count=int(gate[0]),
+                rate_ms=int(gate[1]),
+                spacing_ms=int(gate[2]),
+                paused_ms=int(gate[3]),
+                next_start_ms=int(gate[4]),
+                starts_in_window=int(gate[5]),
+                override=as_text(gate[6]) if gate[6] else None,
+            ),
         )
 
-    # -- several semaphores in one script (8 keys each; one hash slot on a cluster) ----------
+    # -- several semaphores in one script (10 keys each; one hash slot on a cluster) ----------
 
     def acquire_many(
         self,
@@ -374,7 +350,7 @@ class Scripts:
         *,
         token: str,
         waiter: str,
-        default_limits: list[int],
+        rules: list[Rules],
         lease_ms: int,
         patience_ms: int,
         enqueue: bool,
@@ -396,7 +372,7 @@ class Scripts:
             b"" if ticket is None else _number(int(ticket)),
             wake,
             _number(len(keys)),
-            *(_number(limit) for limit in default_limits),
+            *(each.arg for each in rules),
         ]
         if run:
             args += [run, _number(remember_ms)]
@@ -405,16 +381,22 @@ class Scripts:
             return ManyReply(int(reply), 0, 0, 0, 0, None)
         if int(reply[0]) == TOO_HEAVY:
             return ManyReply(TOO_HEAVY, 0, 0, int(reply[2]), int(reply[1]), None)
-        outcome, position, free, limit, index, ticket_text = reply
+        outcome, position, free, limit, index, ticket_text, retry_ms = reply
         text = as_text(ticket_text)
         return ManyReply(
-            int(outcome), int(position), int(free), int(limit), int(index), int(float(text)) if text else None
+            int(outcome),
+            int(position),
+            int(free),
+            int(limit),
+            int(index),
+            int(float(text)) if text else None,
+            retry_ms=int(retry_ms),
         )
 
     def release_many(
-        self, keys: list[SemaphoreKeys], *, token: str, default_limits: list[int], run: str = "", remember_ms: int = 0
+        self, keys: list[SemaphoreKeys], *, token: str, rules: list[Rules], run: str = "", remember_ms: int = 0
     ) -> bool:
-        args: list[Any] = [token, _number(len(keys)), *(_number(limit) for limit in default_limits)]
+        args: list[Any] = [token, _number(len(keys)), *(each.arg for each in rules)]
         if run:
             args += [run, _number(remember_ms)]
         return bool(self._scripts["release_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args))
@@ -424,11 +406,11 @@ class Scripts:
         keys: list[SemaphoreKeys],
         *,
         lease_ms: int,
-        default_limits: list[int],
+        rules: list[Rules],
         reclaim: bool,
         holders: list[tuple[str, str]],
     ) -> list[int]:
-        args: list[Any] = [lease_ms, int(reclaim), len(keys), *default_limits]
+        args: list[Any] = [lease_ms, int(reclaim), len(keys), *(each.arg for each in rules)]
         for token, label in holders:
             args += [token, label]
         return [int(code) for code in self._scripts["renew_many"](keys=_many_keys(keys), args=args)]
@@ -438,18 +420,25 @@ class Scripts:
         keys: list[SemaphoreKeys],
         *,
         waiter: str,
-        default_limits: list[int],
+        rules: list[Rules],
         away_ms: int | None = None,
         wake: str = "",
     ) -> bool:
-        args: list[Any] = [waiter, _number(len(keys)), *(_number(limit) for limit in default_limits)]
+        args: list[Any] = [waiter, _number(len(keys)), *(each.arg for each in rules)]
         if away_ms is not None:
             args += [_number(away_ms), wake]
         return bool(self._scripts["leave_many"](keys=_many_keys(keys), args=args))
 
-    def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, default_limit: int) -> int:
-        args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, default_limit]
+    def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, rules: Rules) -> int:
+        args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, rules.arg]
         return int(self._scripts["set_limit"](keys=keys.line_keys, args=args))
+
+    def set_gate(self, keys: SemaphoreKeys, *, kind: str, value: str, ttl_ms: int | None, rules: Rules) -> GateReply:
+        """Store (``value``) or clear (``""``) one runtime rule: ``kind`` "r" a rate ``<count>/<ms>``,
+        "s" a spacing ``<ms>``, "p" a pause ``<ms>`` from now ("0": until resumed)."""
+        args = [kind, value, "" if ttl_ms is None else ttl_ms, rules.arg]
+        reply = self._scripts["set_gate"](keys=keys.line_keys, args=args)
+        return GateReply(*(int(value) for value in reply))
 
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
@@ -489,9 +478,10 @@ class Scripts:
         """Note the wait a first delivery began (lua/remember_wait.lua)."""
         self._scripts["remember_wait"](keys=keys.encoded, args=[first_delivery, wait_id, _number(remember_ms)])
 
-    def tick(self, keys: SemaphoreKeys, *, default_limit: int) -> tuple[str, ...]:
-        """Purge a line one step and hand freed slots on; the waiters offered one unheard."""
-        return tuple(as_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[default_limit]))
+    def tick(self, keys: SemaphoreKeys, *, rules: bytes) -> tuple[str, ...]:
+        """Purge a line one step and hand freed slots on; the waiters offered one unheard.
+        ``rules``: as ``Rules.arg`` (a parked line's record carries them as text)."""
+        return tuple(as_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[rules]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -511,9 +501,9 @@ def scripts_for(client: Any) -> Scripts:
 
 
 def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[bytes]:
-    """8 keys per semaphore; with a run id, then the first semaphore's run records."""
+    """10 keys per semaphore; with a run id, then the first semaphore's run records."""
     flat = [key for semaphore in keys for key in semaphore.line_keys]
-    return flat + keys[0].encoded[8:10] if with_runs else flat
+    return flat + keys[0].encoded[10:12] if with_runs else flat
 
 
 def _hand_off_reply(reply: Any) -> HandOffReply:
@@ -523,10 +513,10 @@ def _hand_off_reply(reply: Any) -> HandOffReply:
 
 
 @functools.lru_cache(maxsize=1024)
-def _settings(limit: int, lease_ms: int, patience_ms: int, enqueue: bool, fresh: bool, label: str) -> bytes:
+def _settings(rules: bytes, lease_ms: int, patience_ms: int, enqueue: bool, fresh: bool, label: str) -> bytes:
     """acquire's ARGV[3]: the arguments that rarely change between calls, packed once (see
     lua/acquire.lua): every argument sent costs the client a trip through redis-py's encoder."""
-    return f"{limit}|{lease_ms}|{patience_ms}|{int(enqueue)}{int(fresh)}|{label}".encode()
+    return b"%s|%d|%d|%d%d|%s" % (rules, lease_ms, patience_ms, enqueue, fresh, label.encode())
 
 
 @functools.lru_cache(maxsize=4096)

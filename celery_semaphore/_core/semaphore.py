@@ -35,8 +35,9 @@ from . import renewer
 from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
+from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
 from .scripts import Scripts, SemaphoreKeys, scripts_for
-from .status import STATUS_LISTING_LIMIT, HolderInfo, SemaphoreStatus, WaiterInfo
+from .status import STATUS_LISTING_LIMIT, HolderInfo, SemaphoreStatus, WaiterInfo, gate_status
 from .storage import (
     CLAIMED,
     GRANTED,
@@ -115,8 +116,10 @@ class FairSemaphore:
         self,
         client: redis.Redis | redis.cluster.RedisCluster,
         name: str,
-        limit: int,
+        limit: int | None,
         *,
+        rate: Rate | str | tuple[int, float] | None = None,
+        spacing: float | None = None,
         lease: float = 60.0,
         prefix: str = "semaphore",
         patience: float = 5.0,
@@ -126,7 +129,12 @@ class FairSemaphore:
             raise ConfigurationError("client", client, "expected a redis.Redis or redis.cluster.RedisCluster client")
         self.client = client
         self.name = check_semaphore_name("name", name)
-        self.limit = check_limit("limit", limit)
+        self.rate = check_rate("rate", rate)
+        self.spacing = check_spacing("spacing", spacing)
+        if limit is None and self.rate is None and self.spacing is None:
+            raise ConfigurationError("limit", limit, "a semaphore needs a limit, a rate or a spacing")
+        self.limit = UNLIMITED if limit is None else check_limit("limit", limit)
+        self.rules = Rules(self.limit, self.rate, self.spacing)
         self.lease = check_seconds("lease", lease)
         self.prefix = check_prefix("prefix", prefix)
         self.patience = check_seconds("patience", patience)
@@ -138,7 +146,11 @@ class FairSemaphore:
         self._wake_address = WakeAddress(client, self.keys.wake_address)
 
     def __repr__(self) -> str:
-        return f"<FairSemaphore {self.name!r} limit={self.limit} lease={self.lease}>"
+        rules = "".join(
+            f" {name}={value}" for name, value in (("rate", self.rate), ("spacing", self.spacing)) if value is not None
+        )
+        limit = "none" if self.limit == UNLIMITED else self.limit
+        return f"<FairSemaphore {self.name!r} limit={limit}{rules} lease={self.lease}>"
 
     @property
     def renewal_key(self) -> str:
@@ -269,7 +281,7 @@ class FairSemaphore:
                 self.keys,
                 token=token,
                 waiter=waiter,
-                default_limit=self.limit,
+                rules=self.rules,
                 lease_ms=self._lease_ms,
                 patience_ms=patience_ms,
                 enqueue=enqueue,
@@ -285,6 +297,8 @@ class FairSemaphore:
         if reply.outcome in (GRANTED, CLAIMED):
             lease = Lease(self, token, label=label, run=run or None, remember_ms=remember_ms)
             renewer.track(lease)
+            if reply.unheard:
+                tell_unheard(self, reply.unheard)
             return Granted(lease)
         if reply.outcome == WAIT:
             if reply.unheard:
@@ -296,6 +310,7 @@ class FairSemaphore:
                 hold_time=reply.hold_ms / 1000 if reply.hold_ms >= 0 else None,
                 ticket=reply.ticket,
                 turn=reply.turn,
+                retry_after=reply.retry_ms / 1000 if reply.retry_ms > 0 else None,
             )
         if reply.outcome == RUNNING:
             return Duplicate(running=True, twin_lease=reply.twin_lease_ms / 1000)
@@ -309,7 +324,7 @@ class FairSemaphore:
         wakeups.on_wake)."""
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
-            reply = self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, default_limit=self.limit, wake=wake)
+            reply = self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, rules=self.rules, wake=wake)
         tell_unheard(self, reply.unheard)
         return reply.done
 
@@ -317,7 +332,7 @@ class FairSemaphore:
         """``release``, marking the run ``run`` (if any) finished for ``remember_ms``."""
         try:
             reply = self._scripts.release(
-                self.keys, token=token, default_limit=self.limit, run=run or "", remember_ms=remember_ms
+                self.keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "release") from error
@@ -352,7 +367,7 @@ class FairSemaphore:
         """
         with RedisErrors(self.name, "renew"):
             return self._scripts.renew(
-                self.keys, lease_ms=self._lease_ms, default_limit=self.limit, reclaim=reclaim, holders=holders
+                self.keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
 
     # -- inspecting and steering -----------------------------------------------------------
@@ -363,7 +378,7 @@ class FairSemaphore:
         Counts are exact and cost O(log n) whatever the length of the line; at most ``listed``
         holders and waiters are listed (0: counts only, for a metrics scrape)."""
         with RedisErrors(self.name, "status"):
-            reply = self._scripts.status(self.keys, listed=max(0, int(listed)))
+            reply = self._scripts.status(self.keys, listed=max(0, int(listed)), rules=self.rules)
         now = reply.now_ms
         # a weighted holder's extra slots ("<token>#2".."<token>#w") show as its weight
         weights = {holder.token: len(slot_members(holder.token)) for holder in reply.holders}
@@ -400,6 +415,7 @@ class FairSemaphore:
             waiters=waiters,
             override_expires_in=reply.override_ttl_ms / 1000 if reply.override_ttl_ms >= 0 else None,
             offered_count=reply.offered_count,
+            **gate_status(reply.gate),
         )
 
     def set_limit(self, limit: int, *, ttl: float | None = None) -> None:
@@ -411,13 +427,42 @@ class FairSemaphore:
         check_limit("limit", limit)
         ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
         with RedisErrors(self.name, "set_limit"):
-            self._scripts.set_limit(self.keys, override=limit, ttl_ms=ttl_ms, default_limit=self.limit)
+            self._scripts.set_limit(self.keys, override=limit, ttl_ms=ttl_ms, rules=self.rules)
 
     def clear_limit(self) -> None:
         """Drop the runtime override; the limit given in code applies again (and if that is
         higher, the slots it frees are offered at once)."""
         with RedisErrors(self.name, "clear_limit"):
-            self._scripts.set_limit(self.keys, override=None, ttl_ms=None, default_limit=self.limit)
+            self._scripts.set_limit(self.keys, override=None, ttl_ms=None, rules=self.rules)
+
+    def set_rate(self, rate: Rate | str | tuple[int, float] | None, *, ttl: float | None = None) -> None:
+        """Store a runtime rate (``"500/m"``) that wins over the one given in code, for every
+        process; None clears it (the rate given in code applies again). A quota cut for the rest
+        of the day, say, with ``ttl`` in seconds."""
+        checked = check_rate("rate", rate)
+        self._set_gate("r", "" if checked is None else checked.arg, ttl)
+
+    def set_spacing(self, spacing: float | None, *, ttl: float | None = None) -> None:
+        """Store a runtime spacing (seconds between two starts); None clears it."""
+        checked = check_spacing("spacing", spacing)
+        self._set_gate("s", "" if checked is None else str(to_ms(checked)), ttl)
+
+    def pause(self, seconds: float | None = None) -> None:
+        """Let nobody start, anywhere, for ``seconds`` (None: until ``resume``): an API that
+        answered 429 with ``Retry-After``. Holders keep running; waiters keep their places, and
+        the head of the line is offered the moment the pause ends (it starts then, not at its
+        next guess). Pausing again replaces the pause."""
+        value = "0" if seconds is None else str(to_ms(check_seconds("seconds", seconds)))
+        self._set_gate("p", value, None)
+
+    def resume(self) -> None:
+        """End a pause now: the head of the line may start at once."""
+        self._set_gate("p", "", None)
+
+    def _set_gate(self, kind: str, value: str, ttl: float | None) -> None:
+        ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
+        with RedisErrors(self.name, "set_gate"):
+            self._scripts.set_gate(self.keys, kind=kind, value=value, ttl_ms=ttl_ms, rules=self.rules)
 
     def reset(self) -> None:
         """Forget every holder and waiter (the limit override stays). For operators recovering

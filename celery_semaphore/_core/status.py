@@ -3,7 +3,18 @@ seconds and places rather than the scores and members they are stored as."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .rules import Rate
+
+if TYPE_CHECKING:
+    from .replies import GateState
+
+# a pause "until resumed" is stored as ending in the far future (lua/set_gate.lua); anything
+# left above a year reads as that
+LONG_PAUSE_MS = 365 * 86400 * 1000
 
 # At most this many holders and waiters are listed by status(); the counts stay exact.
 STATUS_LISTING_LIMIT = 1000
@@ -40,3 +51,29 @@ class SemaphoreStatus:
     waiters: list[WaiterInfo]  # at most `listed` entries, in line order
     override_expires_in: float | None = None  # seconds a ttl'd override has left; None: no ttl
     offered_count: int = 0  # slots offered to waiters, not claimed yet; they count as taken (exact)
+    rate: Rate | None = None  # in force: at most rate.count starts in any rate.period seconds
+    spacing: float | None = None  # in force: at least this many seconds between two starts
+    paused_for: float | None = None  # seconds the pause has left; inf: until resumed; None: not paused
+    next_start_in: float = 0.0  # seconds until the rules allow the next start (0: now, if a slot is free)
+    starts_in_window: int = 0  # starts in the rate's window that ends now
+    rules_source: str = "default"  # "override" when a runtime rate, spacing or pause is stored
+
+
+def gate_status(gate: GateState) -> dict[str, Any]:
+    """The fields of SemaphoreStatus that the rate, spacing and pause in force fill in."""
+    return {
+        "rate": Rate(gate.rate_count, gate.rate_ms / 1000) if gate.rate_count else None,
+        "spacing": gate.spacing_ms / 1000 if gate.spacing_ms else None,
+        "paused_for": (math.inf if gate.paused_ms >= LONG_PAUSE_MS else gate.paused_ms / 1000)
+        if gate.paused_ms
+        else None,
+        "next_start_in": gate.next_start_ms / 1000,
+        "starts_in_window": gate.starts_in_window,
+        "rules_source": "override" if gate.override else "default",
+    }
+
+
+def _paused_for(paused_ms: int) -> float | None:
+    if not paused_ms:
+        return None
+    return math.inf if paused_ms >= LONG_PAUSE_MS else paused_ms / 1000

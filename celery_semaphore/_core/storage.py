@@ -144,15 +144,17 @@ def parked_waiter_entry(deadlines_key: str, waiter: str) -> str:
     return f"{deadlines_key}{RECORD_SEPARATOR}{waiter}"
 
 
-def parked_line(base: str, limit: int) -> str:
+def parked_line(base: str, rules: bytes) -> str:
     """The member of the parked tasks' lines set that names a line for the ticks: its keys' base
-    and the limit given in code."""
-    return json.dumps([base, limit])
+    and the rules given in code (``Rules.arg``; a bare limit is written as the number it always
+    was, so a line is one member to workers of either version)."""
+    text = rules.decode()
+    return json.dumps([base, int(text) if text.isdigit() else text])
 
 
-def read_parked_line(text: str) -> tuple[str, int]:
-    base, limit = json.loads(text)
-    return base, int(limit)
+def read_parked_line(text: str) -> tuple[str, bytes]:
+    base, rules = json.loads(text)
+    return base, str(rules).encode()
 
 
 def as_text(value: Any) -> str:

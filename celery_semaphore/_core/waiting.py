@@ -78,6 +78,9 @@ def wait_for_turn(semaphore: Asker, wake_ups: WakeUps, ask: Ask, *, timeout: flo
             if timeout is not None and waited >= timeout:
                 return attempt
             wait = pause if timeout is None else min(pause, timeout - waited)
+            if isinstance(attempt, Waiting) and attempt.retry_after is not None:
+                # a start a rate, a spacing or a pause reserved for this waiter: claim it then
+                wait = min(wait, attempt.retry_after)
             if subscribed:
                 signal.event.wait(wait)  # takes the flag down: a wake-up from here on is kept
             else:

@@ -5,7 +5,7 @@
 -- uncontended acquire or release does not pay for making a dozen closures it never calls
 -- (measured: about 1 us of Redis time per script run).
 --
--- Key schema (the same KEYS positions in every script; KEYS[9] and KEYS[10] are passed only to
+-- Key schema (the same KEYS positions in every script; KEYS[11] and KEYS[12] are passed only to
 -- the scripts that touch them: acquire with a run id, and reset. All keys of one semaphore share
 -- one Redis Cluster hash tag, "{prefix}:{<key>}:..."):
 --   KEYS[1] holders      ZSET   holder token -> lease deadline (server ms), and offers:
@@ -26,14 +26,20 @@
 --                               "hold" -> moving average of hold times (ms)
 --   KEYS[7] ticket       STRING counter for tickets taken in the same millisecond (INCR)
 --   KEYS[8] limit        STRING runtime limit override, if any (no expiry unless set with one)
---   KEYS[9] runs         HASH   run id -> the token it was granted under, or "" once a holder
+--   KEYS[9] starts       LIST   when the latest starts were granted (server ms), newest first,
+--                               one entry per slot: what a rate or a spacing is checked against
+--                               (kept only while one is in force; at most 2 x the rate's count)
+--   KEYS[10] gate        STRING runtime rate, spacing and pause: "r=<n>/<ms>", "s=<ms>" and
+--                               "p=<until ms>" joined by ";", the first two each with an optional
+--                               "@<until ms>" (see rules_in_force)
+--   KEYS[11] runs        HASH   run id -> the token it was granted under, or "" once a holder
 --                               of it released normally (the run finished): a waiter that may
 --                               exist in several copies (a Celery wait re-sent twice) names its
 --                               run, and a copy asking after another copy got the slot is told
 --                               so (running, or done) instead of taking a second slot; a copy
 --                               whose twin's lease is gone without that release (its process was
 --                               killed) takes the run over
---   KEYS[10] run_expiry  ZSET   run id -> when its record is forgotten (server ms), counted from
+--   KEYS[12] run_expiry  ZSET   run id -> when its record is forgotten (server ms), counted from
 --                               its grant and again from its release
 -- No ARGV is shared: each script documents its own.
 --
@@ -44,7 +50,9 @@
 local K_HOLDERS, K_HOLDER_INFO, K_QUEUE, K_PRESENT, K_DEADLINES, K_WAITER_INFO, K_TICKET, K_LIMIT =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 
-local K_RUNS, K_RUN_EXPIRY = KEYS[9], KEYS[10]
+local K_STARTS, K_GATE = KEYS[9], KEYS[10]
+
+local K_RUNS, K_RUN_EXPIRY = KEYS[11], KEYS[12]
 
 -- @storage-format: the codes the scripts answer with and the marks inside what they store.
 -- _core/storage.py holds the same values under the same names for Python, and
@@ -104,12 +112,90 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function current_limit(default)
-  local override = redis.call('GET', K_LIMIT)
-  if override then
-    return tonumber(override)
+-- The rules in force on this semaphore, from "spec" (what the caller's code declares:
+-- "<limit>", or "<limit>/<rate count>/<rate ms>/<spacing ms>" with 0 for none) and the runtime
+-- overrides stored in K_LIMIT and K_GATE (one MGET: the same one call that reading the limit
+-- alone cost). Returns a table: limit; rate_n starts at most in any rate_ms (0: no rate);
+-- spacing_ms at least between two starts (0: none); paused_until (server ms, 0: not paused);
+-- gated: whether any of the last three holds starts back, which only then costs calls.
+local function rules_in_force(spec, now)
+  local limit, rate_n, rate_ms, spacing_ms = string.match(spec, '^(%d+)/(%d+)/(%d+)/(%d+)$')
+  local r
+  if limit then
+    r = {limit = tonumber(limit), rate_n = tonumber(rate_n), rate_ms = tonumber(rate_ms),
+         spacing_ms = tonumber(spacing_ms), paused_until = 0}
+  else
+    r = {limit = tonumber(spec), rate_n = 0, rate_ms = 0, spacing_ms = 0, paused_until = 0}
   end
-  return default
+  local stored = redis.call('MGET', K_LIMIT, K_GATE)
+  if stored[1] then
+    r.limit = tonumber(stored[1])
+  end
+  if stored[2] then
+    for kind, value, until_ms in string.gmatch(stored[2], '(%a)=([%d/]+)@?(%d*)') do
+      if until_ms == '' or tonumber(until_ms) > now then
+        if kind == 'r' then
+          local n, ms = string.match(value, '^(%d+)/(%d+)$')
+          r.rate_n, r.rate_ms = tonumber(n), tonumber(ms)
+        elseif kind == 's' then
+          r.spacing_ms = tonumber(value)
+        elseif kind == 'p' and tonumber(value) > now then
+          r.paused_until = tonumber(value)
+        end
+      end
+    end
+  end
+  r.gated = r.rate_n > 0 or r.spacing_ms > 0 or r.paused_until > 0
+  return r
+end
+
+-- How many ms until "weight" more starts may be granted under the rules r (0: now), from the
+-- pause, the latest start (spacing) and the start that must have left the rate's window. A
+-- window of rate_ms holds at most rate_n starts: with the starts newest first, the one at index
+-- rate_n - weight must lie rate_ms or more in the past. A weight above rate_n never fits.
+-- A pause until resumed (or any wait over a day) reads as a day: a delayed offer for then is
+-- made again then, if the pause still holds.
+local LONGEST_WAIT_MS = 86400000
+local function gate_wait(r, now, weight)
+  local wait = 0
+  if r.paused_until > now then
+    wait = r.paused_until - now
+  end
+  if r.spacing_ms > 0 then
+    local last = tonumber(redis.call('LINDEX', K_STARTS, 0))
+    if last and last + r.spacing_ms - now > wait then
+      wait = last + r.spacing_ms - now
+    end
+  end
+  if r.rate_n > 0 then
+    if weight > r.rate_n then
+      return math.max(wait, r.rate_ms)
+    end
+    local oldest = tonumber(redis.call('LINDEX', K_STARTS, r.rate_n - weight))
+    if oldest and oldest + r.rate_ms - now > wait then
+      wait = oldest + r.rate_ms - now
+    end
+  end
+  return math.min(wait, LONGEST_WAIT_MS)
+end
+
+-- Note a grant of "weight" slots now, for the rate and the spacing (nothing without either).
+-- The list is trimmed back to the rate's count once it holds twice that: one LTRIM per rate_n
+-- starts instead of one per start. It lives as long as the longer of the two windows.
+local function record_start(r, now, weight)
+  if r.rate_n == 0 and r.spacing_ms == 0 then
+    return
+  end
+  local stamps = {}
+  for k = 1, weight do
+    stamps[k] = now
+  end
+  local length = redis.call('LPUSH', K_STARTS, unpack(stamps))
+  local keep = math.max(r.rate_n, 1)
+  if length > 2 * keep then
+    redis.call('LTRIM', K_STARTS, 0, keep - 1)
+  end
+  redis.call('PEXPIRE', K_STARTS, math.max(r.rate_ms, r.spacing_ms) + GRACE_MS)
 end
 
 -- Make sure "key" lives at least ttl_ms more, never shortening a longer expiry (holders with
@@ -130,7 +216,8 @@ local function extend(key, ttl_ms, is_new)
   end
 end
 
--- Put a holder in: the one way a slot is taken (grant, claim, reclaim).
+-- Put a holder in: the one way a slot is taken (grant, claim, reclaim). A grant or a claim is a
+-- start (record_start), a reclaim is not: its holder has been running all along.
 local function hold(token, now, lease_ms, label, holders_were_empty)
   redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
   redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. label)
@@ -194,13 +281,15 @@ local function new_ticket(now)
 end
 
 -- The scripts over several semaphores (acquire_many, release_many, renew_many, leave_many) pass
--- 8 keys per semaphore, in the order above, semaphore after semaphore. use_semaphore(i) points
+-- 10 keys per semaphore, in the order above, semaphore after semaphore. use_semaphore(i) points
 -- every helper at the i-th of them (1-based): the helpers read these locals, so one
 -- script reuses them for each semaphore in turn. The single-semaphore scripts never call it.
+local KEYS_PER_SEMAPHORE = 10
 local function use_semaphore(i)
-  local b = (i - 1) * 8
+  local b = (i - 1) * KEYS_PER_SEMAPHORE
   K_HOLDERS, K_HOLDER_INFO, K_QUEUE, K_PRESENT, K_DEADLINES, K_WAITER_INFO, K_TICKET, K_LIMIT =
     KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5], KEYS[b + 6], KEYS[b + 7], KEYS[b + 8]
+  K_STARTS, K_GATE = KEYS[b + 9], KEYS[b + 10]
 end
 
 -- A waiter of acquire_many (several semaphores, or a weight) has an id "*<weight>*<rest>". It is
@@ -316,30 +405,79 @@ end
 
 -- Offer a free slot to one present waiter: it leaves the present set (it is not offered twice)
 -- but keeps its place in the queue, so that if it claims too late it still comes back first.
--- Returns the claim deadline.
-local function offer(waiter, now)
-  local claim_by = now + CLAIM_MS
+-- "opens_at": the moment its start is allowed (a rate, a spacing or a pause holds it until then;
+-- now otherwise): the offer reserves the slot and that moment for it, and it may claim from then
+-- on, for CLAIM_MS. Its place is kept at least as long. "tell": publish the offer (not when the
+-- waiter is the one asking). Returns the claim deadline.
+local function offer(waiter, now, opens_at, tell)
+  local claim_by = opens_at + CLAIM_MS
   local must_ask_by = tonumber(redis.call('ZSCORE', K_DEADLINES, waiter))
-  if must_ask_by and must_ask_by < claim_by then
+  if opens_at > now then
+    redis.call('ZADD', K_DEADLINES, 'GT', claim_by, waiter)
+  elseif must_ask_by and must_ask_by < claim_by then
     claim_by = must_ask_by
   end
   redis.call('ZREM', K_PRESENT, waiter)
   redis.call('ZADD', K_HOLDERS, -claim_by, OFFER_MARK .. waiter)
-  notify(wake_address(waiter), waiter)
+  if tell then
+    notify(wake_address(waiter), waiter)
+  end
   return claim_by
+end
+
+-- Offers made and not claimed yet: each will be a start, so a rate or a spacing counts them.
+local function live_offers(now)
+  return redis.call('ZCOUNT', K_HOLDERS, '-inf', string.format('(%.0f', -now))
+end
+
+-- How many of "free" slots may go to waiters now under a rate, a spacing or a pause (the
+-- rules r are gated); and when none may, how many ms until one may. Offers out count as starts
+-- already made; a spacing allows one start (or offer) at a time.
+local function startable(r, now, free)
+  local offers = live_offers(now)
+  local most = free
+  if r.spacing_ms > 0 then
+    most = offers == 0 and math.min(free, 1) or 0
+  end
+  local count = 0
+  while count < most and gate_wait(r, now, offers + count + 1) == 0 do
+    count = count + 1
+  end
+  if count > 0 or offers > 0 then
+    return count, 0
+  end
+  return 0, gate_wait(r, now, 1)
 end
 
 -- Hand free slots to the oldest present waiters, one offer each, each told alone. "except" (a
 -- waiter asking in this very script) is not offered: the caller grants it directly. Returns
--- (slots still free, whether "except" was among the first in line for them, offers made).
-local function hand_off(now, limit, except)
+-- (slots still free, whether "except" was among the first in line for them, offers made, and
+-- the ms until "except" may claim the slot a rate, a spacing or a pause reserved it (0: none)).
+-- Under such rules, while no start is allowed now and no offer is out, the head of the line is
+-- offered the next allowed moment at once (a delayed offer): nobody behind it can take that
+-- moment, and it is told now, so it can be back by then.
+local function hand_off(now, r, except)
   local size = redis.call('ZCARD', K_HOLDERS)
-  local free = limit - size
+  local free = r.limit - size
   if free <= 0 then
-    return free, false, 0
+    return free, false, 0, 0
+  end
+  local opens_at = now
+  if r.gated then
+    -- one more than those present: a one-shot try asking in this script may take one
+    local present = redis.call('ZCARD', K_PRESENT)
+    local allowed, wait = startable(r, now, math.min(free, present + 1))
+    if allowed == 0 then
+      if wait == 0 then
+        return 0, false, 0, 0  -- an offer out is the next start: the rest wait behind it
+      end
+      free, opens_at = 1, now + wait
+    else
+      free = allowed
+    end
   end
   local first = redis.call('ZRANGE', K_PRESENT, 0, free - 1)
-  local latest, chosen, offered = 0, false, 0
+  local latest, chosen, offered, delayed = 0, false, 0, 0
   for i = 1, #first do
     local weight = multi_weight(first[i])
     if weight then
@@ -351,26 +489,32 @@ local function hand_off(now, limit, except)
       free = 0
       break
     end
-    if first[i] == except then
+    if first[i] == except and opens_at == now then
       chosen = true
     else
-      latest = math.max(latest, offer(first[i], now))
+      latest = math.max(latest, offer(first[i], now, opens_at, first[i] ~= except))
       offered = offered + 1
+      if first[i] == except then
+        delayed = opens_at - now
+      end
     end
     free = free - 1
   end
   if offered > 0 then
     extend(K_HOLDERS, latest - now + GRACE_MS, size == 0)
   end
-  return free, chosen, offered
+  if opens_at > now then
+    free = 0  -- the one start to come is reserved: nobody else may take a slot now
+  end
+  return free, chosen, offered, delayed
 end
 
 -- Purge one step, then hand freed slots on. The common ending of every script that may have
 -- freed a slot.
-local function settle(now, limit)
+local function settle(now, r)
   purge(now)
   if redis.call('ZCARD', K_PRESENT) > 0 then
-    hand_off(now, limit, nil)
+    hand_off(now, r, nil)
   end
 end
 

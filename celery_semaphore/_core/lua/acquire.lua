@@ -2,10 +2,12 @@
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] token        the holder token this try would hold the slot under
 --   ARGV[2] waiter       the waiter id that keeps its place in line across tries (a task id)
---   ARGV[3] settings     "<limit>|<lease_ms>|<patience_ms>|<enqueue><fresh>|<label>", packed in one
+--   ARGV[3] settings     "<rules>|<lease_ms>|<patience_ms>|<enqueue><fresh>|<label>", packed in one
 --                        argument because a client pays for every argument it sends (redis-py
 --                        encodes each one in Python), and these rarely change between calls:
---     limit        the limit to apply when no runtime override is stored
+--     rules        the limit (and rate and spacing) to apply where no runtime override is
+--                  stored: "<limit>" or "<limit>/<rate count>/<rate ms>/<spacing ms>" (see
+--                  rules_in_force in _lib.lua)
 --     lease_ms     lease length for a granted slot
 --     patience_ms  how long a refused waiter keeps its place without asking again
 --     enqueue      "1": a new waiter takes a ticket; "0": a one-shot try that never queues and
@@ -23,13 +25,15 @@
 --                        granted within the last ARGV[7] ms and still holds its slot, or
 --                        released it normally, this try is answered RUNNING or RAN
 --   ARGV[7] remember_ms  how long a granted run is remembered (counted from its grant)
---   ARGV[4..7] may be left out when empty (read as ""); KEYS[9..10] are passed only with a run
+--   ARGV[4..7] may be left out when empty (read as ""); KEYS[11..12] are passed only with a run
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns (the codes are named in _lib.lua), when granted, the bare integer outcome (GRANTED or
--- CLAIMED: the common answer stays short to parse); for a duplicate run, {RUNNING, lease_ms} (its
--- other copy holds the slot now, its lease lasting lease_ms more unless renewed) or RAN (the run
--- finished); when refused, {WAIT, position, free, limit, hold, ticket, turn, unheard...}:
+-- CLAIMED: the common answer stays short to parse), or {CLAIMED, unheard...} when the claim
+-- handed the next start on to a waiter nobody heard; for a duplicate run, {RUNNING, lease_ms}
+-- (its other copy holds the slot now, its lease lasting lease_ms more unless renewed) or RAN
+-- (the run finished); when refused, {WAIT, position, free, limit, hold, ticket, turn, retry_ms,
+-- unheard...}:
 --   outcome  GRANTED: the slot is held under token (also when token already held it, so a
 --            resend by redis-py after a connection error is harmless); CLAIMED: granted by
 --            claiming the offer a release made to this waiter; WAIT: refused
@@ -39,12 +43,15 @@
 --   hold     moving average of recent hold times in ms, or -1 while none is known (or granted)
 --   ticket   the waiter's ticket as a decimal string ("" when granted or not queued)
 --   turn     the waiter's 0-based place among present waiters: slots are offered by this
+--   retry_ms 0; or, for a waiter holding a slot that a rate, a spacing or a pause reserved for
+--            it (a delayed offer, see hand_off), the ms until it may claim it: it asks again
+--            then, and nobody else can take that start meanwhile
 --   unheard  the waiters this try offered a slot to whose wake-up nobody heard (see notify)
 
 local token, waiter = ARGV[1], ARGV[2]
-local default_limit, lease_ms, patience_ms, enqueue, fresh, label =
-  string.match(ARGV[3], '^(%d+)|(%d+)|(%d+)|([01])([01])|(.*)$')
-default_limit, lease_ms, patience_ms = tonumber(default_limit), tonumber(lease_ms), tonumber(patience_ms)
+local spec, lease_ms, patience_ms, enqueue, fresh, label =
+  string.match(ARGV[3], '^([%d/]+)|(%d+)|(%d+)|([01])([01])|(.*)$')
+lease_ms, patience_ms = tonumber(lease_ms), tonumber(patience_ms)
 enqueue, fresh = enqueue == '1', fresh == '1'
 local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 
@@ -59,53 +66,92 @@ if run ~= '' then
   end
 end
 
--- Every grant goes through here: a run remembers the token it got the slot under.
-local function granted(code)
+-- Every grant goes through here: a start is noted for a rate or a spacing, and a run remembers
+-- the token it got the slot under.
+local function granted(code, r)
+  record_start(r, now, 1)
   if run ~= '' then
     record_run(run, token, now, remember_ms)
   end
   return code
 end
 
-local limit
+-- a grant that is no new start (a repeat of one): nothing to note for a rate or a spacing
+local NO_RULES = {rate_n = 0, spacing_ms = 0}
+
+local r
 if fresh then
-  -- the fast path: a newcomer, nobody present to pass, a slot free
-  limit = current_limit(default_limit)
+  -- the fast path: a newcomer, nobody present to pass, a slot free, no rate, spacing or pause
+  -- holding it back
+  r = rules_in_force(spec, now)
   local size = redis.call('ZCARD', K_HOLDERS)
-  if size < limit and redis.call('ZCARD', K_PRESENT) == 0 then
+  if size < r.limit and redis.call('ZCARD', K_PRESENT) == 0 and (not r.gated or gate_wait(r, now, 1) == 0) then
     hold(token, now, lease_ms, label, size == 0)
-    return granted(GRANTED)
+    return granted(GRANTED, r)
   end
 end
 
 -- @rest-of-lib
 
+local average
+
+-- A refusal: the place in line, what is free, and when to ask again if a slot waits for it.
+local function refused(left, ticket, retry_ms)
+  return {WAIT, redis.call('ZRANK', K_QUEUE, waiter) or redis.call('ZCARD', K_QUEUE), left, r.limit,
+          average or tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1,
+          ticket and string.format('%.0f', ticket) or '', redis.call('ZRANK', K_PRESENT, waiter) or 0,
+          retry_ms, unpack(unheard)}
+end
+
 if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
-  -- a release offered this waiter a slot: take it (the entry counted already, so nothing
-  -- else needs looking at: the woken waiter's one round trip stays short)
+  -- a release offered this waiter a slot: take it, unless its start is not allowed yet (a
+  -- delayed offer, or a pause set since): then the offer is kept for it until that moment
+  r = rules_in_force(spec, now)
+  local wait = r.gated and gate_wait(r, now, 1) or 0
+  if wait > 0 then
+    local claim_by = now + wait + CLAIM_MS
+    redis.call('ZADD', K_HOLDERS, -claim_by, OFFER_MARK .. waiter)
+    redis.call('ZADD', K_DEADLINES, 'GT', claim_by, waiter)
+    extend(K_HOLDERS, wait + CLAIM_MS + GRACE_MS, false)
+    extend_line(wait + CLAIM_MS + GRACE_MS)
+    return refused(0, redis.call('ZSCORE', K_QUEUE, waiter), wait)
+  end
   hold(token, now, lease_ms, label, false)
   drop_waiter(waiter)
-  return granted(CLAIMED)
+  if not r.gated then
+    return granted(CLAIMED, r)
+  end
+  -- under a rate or a spacing no other waiter was offered this start: the next start goes to
+  -- the next in line now, as a delayed offer for the moment it is allowed
+  granted(CLAIMED, r)
+  if redis.call('ZCARD', K_PRESENT) > 0 then
+    hand_off(now, r, nil)
+  end
+  if #unheard > 0 then
+    return {CLAIMED, unpack(unheard)}
+  end
+  return CLAIMED
 end
-limit = limit or current_limit(default_limit)
+r = r or rules_in_force(spec, now)
 purge(now)
 if redis.call('ZSCORE', K_HOLDERS, token) then
   -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
+  -- (nor a second start)
   redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
   extend(K_HOLDERS, lease_ms + GRACE_MS, false)
-  return granted(GRANTED)
+  return granted(GRANTED, NO_RULES)
 end
 
 local size = redis.call('ZCARD', K_HOLDERS)
-local average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1
+average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1
 
 if not enqueue then
-  local left, _, offered = hand_off(now, limit, nil)
+  local left, _, offered = hand_off(now, r, nil)
   if left > 0 then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
-    return granted(GRANTED)
+    return granted(GRANTED, r)
   end
-  return {WAIT, redis.call('ZCARD', K_QUEUE), left, limit, average, '', redis.call('ZCARD', K_PRESENT),
+  return {WAIT, redis.call('ZCARD', K_QUEUE), left, r.limit, average, '', redis.call('ZCARD', K_PRESENT), 0,
           unpack(unheard)}
 end
 
@@ -130,12 +176,11 @@ end
 redis.call('ZADD', K_PRESENT, ticket, waiter)
 redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
 
-local left, chosen, offered = hand_off(now, limit, waiter)
+local left, chosen, offered, delayed = hand_off(now, r, waiter)
 if chosen then
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)
-  return granted(GRANTED)
+  return granted(GRANTED, r)
 end
-extend_line(patience_ms + GRACE_MS)
-return {WAIT, redis.call('ZRANK', K_QUEUE, waiter), left, limit, average, string.format('%.0f', ticket),
-        redis.call('ZRANK', K_PRESENT, waiter), unpack(unheard)}
+extend_line(math.max(patience_ms, delayed + CLAIM_MS) + GRACE_MS)
+return refused(left, ticket, delayed)

@@ -1,5 +1,5 @@
 -- acquire_many: one all-or-nothing try for w slots of each of several semaphores.
---   KEYS    8 per semaphore, semaphore after semaphore (see _lib.lua, use_semaphore); all in
+--   KEYS    10 per semaphore, semaphore after semaphore (see _lib.lua, use_semaphore); all in
 --           one hash slot on a cluster
 --   ARGV[1] token        the holder token; a weight w > 1 is written in it ("<random>*<w>"), and
 --                        the slots are held as w entries (see slot_members)
@@ -15,9 +15,10 @@
 --   ARGV[7] ticket       "" for a new waiter, or the ticket it had before (to come back to it)
 --   ARGV[8] wake         the waiter's wake address (a channel), or ""
 --   ARGV[9] n            the number of semaphores
---   ARGV[10..9+n]        each semaphore's limit when no runtime override is stored
+--   ARGV[10..9+n]        each semaphore's rules where no runtime override is stored (see
+--                        rules_in_force in _lib.lua): a weight w takes w starts of a rate
 --   ARGV[10+n] run       "" or the run id of this copy of a wait (see acquire.lua): then
---                        KEYS[8n+1] and KEYS[8n+2] are the run records (runs, run_expiry) of
+--                        KEYS[10n+1] and KEYS[10n+2] are the run records (runs, run_expiry) of
 --                        the first semaphore, and a copy of a run granted or finished within
 --                        ARGV[11+n] ms is answered RUNNING or RAN
 --   ARGV[11+n] remember_ms
@@ -28,11 +29,15 @@
 -- (nobody present ahead of it) with w slots free in each. Until then the lines it heads wait
 -- for it: strict first-ask order per semaphore, so a heavy waiter is never starved by light ones.
 -- Returns (the codes are named in _lib.lua) the bare integer GRANTED when granted (also for a
--- repeat of a granted token); when refused {WAIT, position, free, limit, blocking, ticket}: the most waiters ahead of it in any line, the
--- fewest free slots of any semaphore, that semaphore's limit, the 0-based index of the first
--- semaphore that holds it back, and the ticket as a decimal string ("" if not queued);
--- {TOO_HEAVY, index, limit} when w is above the limit in force of semaphore <index> (0-based): such a
--- try would wait forever, so it is refused and the waiter leaves every line.
+-- repeat of a granted token); when refused {WAIT, position, free, limit, blocking, ticket,
+-- retry_ms}: the most waiters ahead of it in any line, the fewest free slots of any semaphore,
+-- that semaphore's limit, the 0-based index of the first semaphore that holds it back, the
+-- ticket as a decimal string ("" if not queued), and 0 or, when it heads every line with room
+-- and only a rate, a spacing or a pause holds it back, the ms until they allow its start (it
+-- asks again then; the lines it heads wait for it meanwhile);
+-- {TOO_HEAVY, index, limit} when w is above the limit (or the rate's count) in force of
+-- semaphore <index> (0-based): such a try would wait forever, so it is refused and the waiter
+-- leaves every line.
 
 local token, waiter = ARGV[1], ARGV[2]
 local lease_ms, patience_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -44,7 +49,7 @@ local weight = #members
 local now = now_ms()
 
 if run ~= '' then
-  K_RUNS, K_RUN_EXPIRY = KEYS[8 * n + 1], KEYS[8 * n + 2]
+  K_RUNS, K_RUN_EXPIRY = KEYS[10 * n + 1], KEYS[10 * n + 2]
   use_semaphore(1)  -- a run's token holds a slot of every semaphore: the first one tells
   local taken = run_taken(run, token, now)
   if taken == 'running' then
@@ -72,10 +77,11 @@ local function hold_all(i, deadline, was_empty)
   extend(K_HOLDERS, lease_ms + GRACE_MS, was_empty)
 end
 
-local function hold_everywhere(sizes)
+local function hold_everywhere(sizes, rules)
   for i = 1, n do
     use_semaphore(i)
     hold_all(i, now + lease_ms, sizes[i] == 0)
+    record_start(rules[i], now, weight)
     redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. label)
     extend(K_HOLDER_INFO, lease_ms + GRACE_MS, sizes[i] == 0)
   end
@@ -83,17 +89,19 @@ end
 
 if fresh then
   -- the fast path (a resend of it is harmless: the entries are set again, not added twice)
-  local sizes, room = {}, true
+  local sizes, rules, room = {}, {}, true
   for i = 1, n do
     use_semaphore(i)
     sizes[i] = redis.call('ZCARD', K_HOLDERS)
-    if sizes[i] + weight > current_limit(tonumber(ARGV[9 + i])) or redis.call('ZCARD', K_PRESENT) > 0 then
+    rules[i] = rules_in_force(ARGV[9 + i], now)
+    if sizes[i] + weight > rules[i].limit or redis.call('ZCARD', K_PRESENT) > 0
+        or (rules[i].gated and gate_wait(rules[i], now, weight) > 0) then
       room = false
       break
     end
   end
   if room then
-    hold_everywhere(sizes)
+    hold_everywhere(sizes, rules)
     return granted()
   end
 end
@@ -109,23 +117,35 @@ if redis.call('ZSCORE', K_HOLDERS, token) then
   return granted()
 end
 
-local limits, sizes = {}, {}
-local fits, short, short_free = true, nil, nil
+local limits, rules, sizes = {}, {}, {}
+local fits, short, short_free, retry_ms = true, nil, nil, 0
 for i = 1, n do
   use_semaphore(i)
   purge(now)
-  limits[i] = current_limit(tonumber(ARGV[9 + i]))
-  if weight > limits[i] then
+  rules[i] = rules_in_force(ARGV[9 + i], now)
+  limits[i] = rules[i].limit
+  local heaviest = rules[i].rate_n > 0 and math.min(limits[i], rules[i].rate_n) or limits[i]
+  if weight > heaviest then
     for j = 1, n do
       use_semaphore(j)
       drop_waiter(waiter)
     end
-    return {TOO_HEAVY, i - 1, limits[i]}
+    return {TOO_HEAVY, i - 1, heaviest}
   end
   sizes[i] = redis.call('ZCARD', K_HOLDERS)
   local free = limits[i] - sizes[i]
   if free < weight and fits then
     fits, short = false, i
+  end
+  if rules[i].gated then
+    -- offers out to waiters of one slot count as starts made (see startable)
+    local wait = gate_wait(rules[i], now, weight + live_offers(now))
+    if wait > 0 then
+      retry_ms = math.max(retry_ms, wait)
+      if fits then
+        fits, short = false, i
+      end
+    end
   end
   if short_free == nil or free < short_free then
     short_free = free
@@ -186,11 +206,12 @@ if fits and position == 0 then
       drop_waiter(waiter)
     end
     hold_all(i, now + lease_ms, sizes[i] == 0)
+    record_start(rules[i], now, weight)
     redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. label)
     extend(K_HOLDER_INFO, lease_ms + GRACE_MS, sizes[i] == 0)
     -- this waiter headed the line: slots it left free go on to those behind it
     if enqueue and redis.call('ZCARD', K_PRESENT) > 0 then
-      hand_off(now, limits[i], nil)
+      hand_off(now, rules[i], nil)
     end
   end
   return granted()
@@ -202,5 +223,7 @@ if enqueue then
     extend_line(patience_ms + GRACE_MS)
   end
 end
+-- a retry moment means something only to the head of every line: the others are told when
+-- their weight fits (hand_off)
 return {WAIT, position, short_free, limits[blocking or 1], (blocking or 1) - 1,
-        ticket and string.format('%.0f', ticket) or ''}
+        ticket and string.format('%.0f', ticket) or '', position == 0 and retry_ms or 0}

@@ -4,7 +4,7 @@
 --   ARGV[2] away_ms  "" to give up the place (timeout, max wait, revoke); or how long the
 --                    waiter will be away (a Celery countdown): it keeps its place and shows in
 --                    status, but slots pass it by until it asks again, within away_ms
---   ARGV[3] limit    the limit to apply when no runtime override is stored (for the hand-off)
+--   ARGV[3] rules    the rules to apply where no runtime override is stored (for the hand-off)
 --   ARGV[4] wake     with away_ms: "" to be passed by while away; or a wake address, to stay
 --                    *parked*: offered its turn like a present waiter, the offer told on that
 --                    address (a Celery worker that sends the task back at once)
@@ -31,7 +31,7 @@ if away_ms and in_line and wake ~= '' then
     unheard[#unheard + 1] = waiter
   else
     redis.call('ZADD', K_PRESENT, in_line, waiter)
-    hand_off(now, current_limit(tonumber(ARGV[3])), nil)
+    hand_off(now, rules_in_force(ARGV[3], now), nil)
   end
   extend_line(away_ms + GRACE_MS)
   return {1, unpack(unheard)}
@@ -46,6 +46,7 @@ else
   drop_waiter(waiter)
 end
 if had_offer == 1 then
-  settle(now or now_ms(), current_limit(tonumber(ARGV[3])))
+  now = now or now_ms()
+  settle(now, rules_in_force(ARGV[3], now))
 end
 return {(in_line or had_offer == 1) and 1 or 0, unpack(unheard)}

@@ -1,8 +1,8 @@
 -- leave_many: an acquire_many waiter steps out of every line it stands in, or steps away.
---   KEYS    8 per semaphore (see acquire_many)
+--   KEYS    10 per semaphore (see acquire_many)
 --   ARGV[1] waiter id
 --   ARGV[2] n       the number of semaphores
---   ARGV[3..2+n]    each semaphore's limit when no runtime override is stored (for the hand-off)
+--   ARGV[3..2+n]    each semaphore's rules where no runtime override is stored (for the hand-off)
 --   ARGV[3+n] away_ms  "" (or left out) to give up its places; or how long it will be away (a
 --                   Celery countdown): it keeps its places, and must ask again within away_ms
 --   ARGV[4+n] wake  with away_ms: "" to be passed by while away; or a wake address, to stay
@@ -38,7 +38,7 @@ for i = 1, n do
   -- its weight fits now (a release between its refusal and this park told an address nobody
   -- listened on yet, and nothing else would tell it again before its backstop)
   if redis.call('ZCARD', K_PRESENT) > 0 then
-    hand_off(now, current_limit(tonumber(ARGV[2 + i])), nil)
+    hand_off(now, rules_in_force(ARGV[2 + i], now), nil)
   end
 end
 return was_in_line

@@ -1,11 +1,12 @@
 -- release: give a slot back, and hand it to the oldest present waiter if there is one.
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] token
---   ARGV[2] limit  the limit to apply when no runtime override is stored (for the hand-off)
+--   ARGV[2] rules  the rules to apply where no runtime override is stored (for the hand-off;
+--                  see rules_in_force in _lib.lua)
 --   ARGV[3] run          "" or the run id the slot was granted to (see acquire): a release
 --                        marks it finished, so that a later copy of it is dropped
 --   ARGV[4] remember_ms  with a run: how long the finished run is remembered
---   ARGV[3..4] may be left out when empty; KEYS[9..10] are passed only with a run
+--   ARGV[3..4] may be left out when empty; KEYS[11..12] are passed only with a run
 -- Returns 1 if token held a slot and now does not; 0 if its lease was already gone (expired,
 -- released before, or never granted); {1, unheard...} when the hand-off offered the slot to a
 -- waiter whose wake-up nobody heard (see notify in _lib.lua). Safe to repeat.
@@ -47,7 +48,7 @@ if redis.call('ZCARD', K_QUEUE) == 0 then
   forget_line_if_empty()
   return 1
 end
-settle(now, current_limit(tonumber(ARGV[2])))
+settle(now, rules_in_force(ARGV[2], now))
 if #unheard > 0 then
   return {1, unpack(unheard)}
 end

@@ -3,7 +3,7 @@
 -- delivers the message again: a first delivery with no wait headers, which would begin a second
 -- wait (a second run) of the same task. Flagged redelivered by the broker, it looks this note
 -- up (HGET of ARGV[1]) and continues the first wait instead (see task.py).
---   KEYS    the semaphore keys (see _lib.lua), KEYS[9] and KEYS[10] included
+--   KEYS    the semaphore keys (see _lib.lua), KEYS[11] and KEYS[12] included
 --   ARGV[1] "<task id>#<retries>#": never a run id (a run id's last part is never empty)
 --   ARGV[2] the wait id
 --   ARGV[3] remember_ms

@@ -1,7 +1,7 @@
 -- renew: extend the leases of several holders of one semaphore in one round trip.
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] lease_ms  new lease length, counted from now
---   ARGV[2] limit     the limit to apply when no runtime override is stored
+--   ARGV[2] rules     the rules to apply where no runtime override is stored (see rules_in_force)
 --   ARGV[3] reclaim   "1": a token found missing (Redis restarted empty, or the lease ran out
 --                     during a stall while the holder kept running) is registered again if a
 --                     slot is free; "0": never
@@ -15,7 +15,8 @@ local lease_ms = tonumber(ARGV[1])
 local reclaim = ARGV[3] == '1'
 local now = now_ms()
 purge(now)
-local limit = current_limit(tonumber(ARGV[2]))
+local r = rules_in_force(ARGV[2], now)
+local limit = r.limit
 local was_empty = redis.call('ZCARD', K_HOLDERS) == 0
 local codes = {}
 local changed = false
@@ -40,6 +41,6 @@ if changed then
 end
 -- the purge above may have freed slots (a crashed holder's lease ran out): hand them on
 if redis.call('ZCARD', K_PRESENT) > 0 then
-  hand_off(now, limit, nil)
+  hand_off(now, r, nil)
 end
 return codes

@@ -1,11 +1,11 @@
 -- renew_many: extend the leases of acquire_many grants on every one of their semaphores.
---   KEYS    8 per semaphore (see acquire_many)
+--   KEYS    10 per semaphore (see acquire_many)
 --   ARGV[1] lease_ms  new lease length, counted from now
 --   ARGV[2] reclaim   "1": a grant found missing on some semaphore (Redis restarted empty, or
 --                     the lease ran out in a stall) is registered again if every semaphore has
 --                     room for its weight; "0": never
 --   ARGV[3] n         the number of semaphores
---   ARGV[4..3+n]      each semaphore's limit when no runtime override is stored
+--   ARGV[4..3+n]      each semaphore's rules where no runtime override is stored
 --   then pairs of (token, label)
 -- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN or RENEW_LOST.
 
@@ -17,7 +17,7 @@ local limits = {}
 for i = 1, n do
   use_semaphore(i)
   purge(now)
-  limits[i] = current_limit(tonumber(ARGV[3 + i]))
+  limits[i] = rules_in_force(ARGV[3 + i], now)
 end
 local codes = {}
 for p = 4 + n, #ARGV, 2 do
@@ -28,7 +28,7 @@ for p = 4 + n, #ARGV, 2 do
     use_semaphore(i)
     if not redis.call('ZSCORE', K_HOLDERS, token) then
       held = false
-      if redis.call('ZCARD', K_HOLDERS) + #members > limits[i] then
+      if redis.call('ZCARD', K_HOLDERS) + #members > limits[i].limit then
         room = false
       end
     end

@@ -3,7 +3,7 @@
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] override  the new limit, or "" to clear the override
 --   ARGV[2] ttl_ms    "" to keep the override until cleared; or its lifetime in ms
---   ARGV[3] limit     the limit given in code, which applies when no override is stored
+--   ARGV[3] rules     the rules given in code, which apply where no override is stored
 -- Returns the limit in force afterwards.
 
 if ARGV[1] == '' then
@@ -13,6 +13,7 @@ elseif ARGV[2] == '' then
 else
   redis.call('SET', K_LIMIT, ARGV[1], 'PX', ARGV[2])
 end
-local limit = current_limit(tonumber(ARGV[3]))
-settle(now_ms(), limit)
-return limit
+local now = now_ms()
+local r = rules_in_force(ARGV[3], now)
+settle(now, r)
+return r.limit

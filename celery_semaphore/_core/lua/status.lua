@@ -3,8 +3,9 @@
 -- by deadline); listings stop at ARGV[1] entries.
 --   KEYS    the semaphore keys (see _lib.lua)
 --   ARGV[1] at most this many holders and waiters are listed (0: counts only)
+--   ARGV[2] rules  the rules given in code (see rules_in_force in _lib.lua)
 -- Returns {now_ms, override or false, override_ttl_ms, holder_count, offered_count,
---          waiter_count, holders, waiters}:
+--          waiter_count, holders, waiters, gate}:
 --   override_ttl_ms  ms the override has left; -1 kept until cleared; -2 no override
 --   holder_count     live leases (offers not included)
 --   offered_count    slots offered to waiters and not claimed yet (they count as taken)
@@ -12,6 +13,9 @@
 --   holders  flat list: token, lease deadline ms, "<granted ms>|<label>" (or "")
 --   waiters  flat list: waiter id, ticket, must-ask-by ms, first-ask ms (or ""),
 --            state (PRESENT, AWAY, or OFFERED a slot); in line order
+--   gate     {rate count, rate ms, spacing ms, paused ms left (0: not paused), ms until the
+--            next start is allowed (0: now), starts in the rate's current window, the gate
+--            override as stored or false}
 
 local most = tonumber(ARGV[1])
 local now = now_ms()
@@ -53,6 +57,18 @@ if most > 0 then
   end
 end
 
+local r = rules_in_force(ARGV[2] or '1', now)
+local in_window = 0
+if r.rate_n > 0 then
+  for _, started in ipairs(redis.call('LRANGE', K_STARTS, 0, r.rate_n - 1)) do
+    if tonumber(started) > now - r.rate_ms then
+      in_window = in_window + 1
+    end
+  end
+end
+local gate = {r.rate_n, r.rate_ms, r.spacing_ms, r.paused_until > now and r.paused_until - now or 0,
+              r.gated and gate_wait(r, now, 1) or 0, in_window, redis.call('GET', K_GATE) or false}
+
 return {now, redis.call('GET', K_LIMIT) or false, redis.call('PTTL', K_LIMIT),
         redis.call('ZCOUNT', K_HOLDERS, above, '+inf'), redis.call('ZCOUNT', K_HOLDERS, '-inf', below),
-        redis.call('ZCOUNT', K_DEADLINES, above, '+inf'), holders, waiters}
+        redis.call('ZCOUNT', K_DEADLINES, above, '+inf'), holders, waiters, gate}
