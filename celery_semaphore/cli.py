@@ -5,187 +5,50 @@ the app the usual way (``-A``) and reads the same ``semaphore_*`` settings the w
 
 * ``status [KEY]``: without a key, every semaphore the backend Redis knows of (found by SCAN)
   plus every semaphore task of the app whose key is fixed; with a key, its holders and waiters.
-  The limit is shown with where it comes from, in the order the workers apply them: a runtime
-  override stored in Redis, then ``semaphore_limits``, then the task's own option.
-* ``set-limit KEY N [--ttl SECONDS]`` and ``unset-limit KEY``: the runtime override.
+  The limit, rate and spacing are shown with where they come from, in the order the workers
+  apply them: a runtime override stored in Redis, then ``semaphore_limits``, then the task's own
+  option; and a pause, with when the rules let the next task start.
+* ``set-limit KEY [N] [--rate R] [--spacing S] [--ttl SECONDS]`` and ``unset-limit KEY``: the
+  runtime overrides (``--rate none`` and ``--spacing none`` drop those).
+* ``pause KEY [--for SECONDS]`` and ``resume KEY``: let nobody start, then everybody again.
 * ``reset KEY``: forget every holder and waiter (asks first, unless ``--yes``).
 
-Which task a key belongs to and which limit applies to it is the catalogue's answer
-(``_celery/catalogue.py``), the same one the workers and the metrics collector use.
+What ``status`` reports and how it prints is in ``_cli/reports.py``; which task a key belongs to
+and which rules apply to it is the catalogue's answer (``_celery/catalogue.py``), the same one the
+workers and the metrics collector use.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Final, Literal
 
 import click
 
 from ._celery.catalogue import Catalogue
-from ._core.status import HolderInfo, SemaphoreStatus, WaiterInfo
+from ._cli.reports import (
+    detail_lines,
+    duration,
+    limit_text,
+    next_start_text,
+    rate_text,
+    report,
+    spacing_text,
+    summary_lines,
+)
+from ._core.rules import Rate, check_rate, check_spacing
 from ._core.storage import glob_escape
 from ._core.validation import check_seconds
 from .errors import ConfigurationError, SemaphoreError
 
-NO_LIMIT = "no limit configured"
-OVERRIDE = "runtime override"
+__all__ = ["duration", "semaphore"]
 
+# what --rate and --spacing take to drop a runtime rule (the configured one applies again)
+DROP: Final = "none"
 
-# -- reports --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Report:
-    """What ``status`` says about one semaphore; also its ``--json`` form."""
-
-    key: str
-    task: str | None
-    family: str
-    limit: int | None  # the limit in force; None when nothing sets one
-    source: str  # where it comes from: OVERRIDE, a LimitRule source, or NO_LIMIT
-    configured: dict[str, Any] | None  # {"limit", "source"} from settings or code
-    override: dict[str, Any] | None  # {"limit", "expires_in"} when a runtime override is stored
-    holder_count: int
-    waiter_count: int
-    holders: list[HolderInfo]
-    waiters: list[WaiterInfo]
-
-    def as_json(self, *, details: bool) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        if not details:
-            del data["holders"], data["waiters"]
-        return data
-
-
-def report(catalogue: Catalogue, key: str) -> Report:
-    """Read one semaphore: status() (one round trip) plus where its limit comes from."""
-    task = catalogue.task_for(key)
-    rule = catalogue.configured_limit(key, task)
-    status: SemaphoreStatus = catalogue.semaphore(key, placeholder_limit=True).status()
-    override = None
-    if status.limit_source == "override":
-        override = {"limit": status.limit, "expires_in": status.override_expires_in}
-        limit, source = status.limit, OVERRIDE
-    elif rule is not None:
-        limit, source = rule.limit, rule.source
-    else:
-        limit, source = None, NO_LIMIT
-    return Report(
-        key=key,
-        task=str(task.name) if task is not None else None,
-        family=catalogue.family_for(key),
-        limit=limit,
-        source=source,
-        configured={"limit": rule.limit, "source": rule.source} if rule else None,
-        override=override,
-        holder_count=status.holder_count,
-        waiter_count=status.waiter_count,
-        holders=status.holders,
-        waiters=status.waiters,
-    )
-
-
-# -- formatting -----------------------------------------------------------------------------
-
-
-def duration(seconds: float) -> str:
-    """Seconds as an operator reads them: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
-    if seconds < 1:
-        return f"{max(seconds, 0) * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    whole = int(seconds)
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
-
-
-def table(headers: list[str], rows: list[list[str]], indent: str = "") -> list[str]:
-    """Plain-text columns, each as wide as its widest cell; the last column is not padded."""
-    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
-    lines = []
-    for row in [headers, *rows]:
-        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=False)] + [row[-1]]
-        lines.append(indent + "  ".join(cells).rstrip())
-    return lines
-
-
-def _limit_text(r: Report) -> str:
-    if r.limit is None:
-        return f"- ({NO_LIMIT})"
-    text = f"{r.limit} ({r.source}"
-    if r.override is not None:
-        expires = r.override["expires_in"]
-        text += ", kept until unset" if expires is None else f", expires in {duration(expires)}"
-        configured = r.configured
-        text += f"; configured: {configured['limit']} from {configured['source']}" if configured else f"; {NO_LIMIT}"
-    return text + ")"
-
-
-def detail_lines(r: Report) -> list[str]:
-    """The human form of ``status KEY``."""
-    of_limit = f" of {r.limit}" if r.limit is not None else ""
-    lines = [
-        f"semaphore  {r.key}",
-        f"task       {r.task or '- (no task of this app uses this key)'}",
-        f"family     {r.family}",
-        f"limit      {_limit_text(r)}",
-        f"holders    {r.holder_count}{of_limit}" + (" slots" if any(h.weight > 1 for h in r.holders) else ""),
-        f"waiters    {r.waiter_count}",
-        "",
-    ]
-    if r.holders:
-        # a holder of several slots (a task with a semaphore_weight) shows its weight
-        rows = [[h.label or "-", str(h.weight), duration(h.held_for), duration(h.expires_in)] for h in r.holders]
-        lines += ["holders:", *table(["LABEL", "SLOTS", "AGE", "LEASE LEFT"], rows, indent="  ")]
-        listed = sum(h.weight for h in r.holders)
-        if r.holder_count > listed:
-            lines.append(f"  ... and {r.holder_count - listed} more slots")
-    else:
-        lines.append("holders: none")
-    if r.waiters:
-        # "away": re-sent with a countdown, so it keeps its place but holds up nobody until it asks again
-        rows = [
-            [
-                str(w.position),
-                w.waiter,
-                "asking" if w.present else "away",
-                duration(w.waited),
-                duration(w.must_ask_within),
-            ]
-            for w in r.waiters
-        ]
-        lines += ["waiters:", *table(["POS", "WAITER", "STATE", "WAITED", "MUST ASK WITHIN"], rows, indent="  ")]
-        if r.waiter_count > len(r.waiters):
-            lines.append(f"  ... and {r.waiter_count - len(r.waiters)} more")
-    else:
-        lines.append("waiters: none")
-    return lines
-
-
-def summary_lines(reports: list[Report]) -> list[str]:
-    """The human form of ``status``: one line per semaphore."""
-    rows = [
-        [
-            r.key,
-            str(r.limit) if r.limit is not None else "-",
-            r.source,
-            str(r.holder_count),
-            str(r.waiter_count),
-            r.task or "-",
-        ]
-        for r in reports
-    ]
-    return table(["KEY", "LIMIT", "SOURCE", "HOLDERS", "WAITERS", "TASK"], rows)
-
-
-# -- the commands ---------------------------------------------------------------------------
+# -- checking arguments ---------------------------------------------------------------------
 
 
 @contextmanager
@@ -208,9 +71,11 @@ def _catalogue(ctx: click.Context) -> Catalogue:
     return Catalogue(app)
 
 
-def _check_limit(ctx: click.Context, param: click.Parameter, value: str) -> int:
+def _check_limit(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     """A limit as the semaphore takes it: a whole number of slots, at least 1. Refused with the
     value in the message, as a usage error (exit code 2), before anything touches Redis."""
+    if value is None:
+        return None
     try:
         number = int(value.strip(), 10)
     except ValueError:
@@ -220,19 +85,61 @@ def _check_limit(ctx: click.Context, param: click.Parameter, value: str) -> int:
     return number
 
 
-def _check_ttl(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+def _check_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A duration (--ttl, --for): a finite number of seconds above 0."""
     if value is None:
         return None
     try:
-        return check_seconds("ttl", value)
+        return check_seconds(str(param.name), value)
     except ConfigurationError as error:
         raise click.BadParameter(f"{value!r}: {error.reason}", ctx=ctx, param=param) from error
+
+
+def _check_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> Rate | Literal["none"] | None:
+    """A rate as the settings take it ("30/m", "5/s", "10/30s"), or "none" to drop the runtime
+    rate; refused as a usage error naming the value, before anything touches Redis."""
+    if value is None:
+        return None
+    if value.strip().lower() == DROP:
+        return DROP
+    try:
+        return check_rate("--rate", value)
+    except ConfigurationError as error:
+        raise click.BadParameter(f"{value!r}: {error.reason}", ctx=ctx, param=param) from error
+
+
+def _check_spacing(ctx: click.Context, param: click.Parameter, value: str | None) -> float | Literal["none"] | None:
+    """Seconds between two starts, above 0, or "none" to drop the runtime spacing."""
+    if value is None:
+        return None
+    if value.strip().lower() == DROP:
+        return DROP
+    try:
+        return check_spacing("--spacing", float(value))
+    except ValueError as error:  # a ConfigurationError is a ValueError too
+        reason = error.reason if isinstance(error, ConfigurationError) else "expected a number of seconds"
+        raise click.BadParameter(f"{value!r}: {reason}", ctx=ctx, param=param) from error
+
+
+def _note_unknown_key(ctx: click.Context, catalogue: Catalogue, key: str, what: str) -> None:
+    """An override stored under a mistyped key steers nothing; say so on stderr, and store it
+    anyway: the key may belong to code the CLI cannot see (a FairSemaphore outside Celery)."""
+    task = catalogue.task_for(key)
+    rule = catalogue.configured_limit(key, task)
+    if task is None and rule is None and key not in catalogue.scan(glob_escape(key)):
+        ctx.obj.error(
+            f"note: no task of this app, no semaphore_limits entry and no live semaphore "
+            f"matches {key!r}; storing the {what} anyway (check the key for typos)"
+        )
+
+
+# -- the commands ---------------------------------------------------------------------------
 
 
 @click.group(name="semaphore")
 @click.pass_context
 def semaphore(ctx: click.Context) -> None:
-    """Look at and steer the concurrency semaphores of the app's tasks."""
+    """Look at and steer the semaphores of the app's tasks: limits, rates, spacings, pauses."""
 
 
 @semaphore.command()
@@ -277,33 +184,63 @@ def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None
 
 @semaphore.command(name="set-limit")
 @click.argument("key")
-@click.argument("limit", metavar="N", callback=_check_limit)
+@click.argument("limit", metavar="[N]", required=False, callback=_check_limit)
+@click.option(
+    "--rate",
+    metavar="RATE",
+    callback=_check_rate,
+    help='At most this many starts per period: "30/m", "5/s", "500/h", "10/30s"; "none" drops the runtime rate.',
+)
+@click.option(
+    "--spacing",
+    metavar="SECONDS",
+    callback=_check_spacing,
+    help='At least this many seconds between two starts; "none" drops the runtime spacing.',
+)
 @click.option(
     "--ttl",
     type=float,
     metavar="SECONDS",
-    callback=_check_ttl,
-    help="Drop the override by itself after this many seconds (default: keep it until unset).",
+    callback=_check_seconds,
+    help="Drop what this command sets by itself after this many seconds (default: keep it until unset).",
 )
 @click.pass_context
-def set_limit(ctx: click.Context, key: str, limit: int, ttl: float | None) -> None:
-    """Override the limit of KEY with N, for every worker.
+def set_limit(
+    ctx: click.Context,
+    key: str,
+    limit: int | None,
+    rate: Rate | Literal["none"] | None,
+    spacing: float | Literal["none"] | None,
+    ttl: float | None,
+) -> None:
+    """Override the limit of KEY with N, its rate or its spacing, for every worker.
 
-    The runtime limit wins over semaphore_limits and the task's option until unset-limit (or
-    --ttl) drops it. Blocked waiters are woken at once, so a higher limit admits them now.
+    A runtime rule wins over semaphore_limits and the task's option until unset-limit (the limit),
+    --rate none, --spacing none or --ttl drops it. Blocked waiters are woken at once, so a looser
+    rule admits them now.
     """
+    if limit is None and rate is None and spacing is None:
+        raise click.UsageError("give N, --rate or --spacing: the runtime rule to store", ctx=ctx)
+    if ttl is not None and limit is None and not isinstance(rate, Rate) and not isinstance(spacing, float):
+        raise click.UsageError("--ttl needs a rule to set: 'none' drops a rule at once, for good", ctx=ctx)
     with _as_click_errors():
         catalogue = _catalogue(ctx)
-        task = catalogue.task_for(key)
-        rule = catalogue.configured_limit(key, task)
-        if task is None and rule is None and key not in catalogue.scan(glob_escape(key)):
-            ctx.obj.error(
-                f"note: no task of this app, no semaphore_limits entry and no live semaphore "
-                f"matches {key!r}; storing the override anyway (check the key for typos)"
-            )
-        catalogue.semaphore(key, placeholder_limit=True).set_limit(limit, ttl=ttl)
+        _note_unknown_key(ctx, catalogue, key, "override")
+        sem = catalogue.semaphore(key, placeholder_limit=True)
+        if limit is not None:
+            sem.set_limit(limit, ttl=ttl)
+        if rate is not None:
+            sem.set_rate(rate if isinstance(rate, Rate) else None, ttl=ttl if isinstance(rate, Rate) else None)
+        if spacing is not None:
+            spacing_value = spacing if isinstance(spacing, float) else None
+            sem.set_spacing(spacing_value, ttl=ttl if spacing_value is not None else None)
         r = report(catalogue, key)
-    ctx.obj.echo(f"{key}: limit {_limit_text(r)}")
+    if limit is not None:
+        ctx.obj.echo(f"{key}: limit {limit_text(r)}")
+    if rate is not None:
+        ctx.obj.echo(f"{key}: rate {rate_text(r)}")
+    if spacing is not None:
+        ctx.obj.echo(f"{key}: spacing {spacing_text(r)}")
 
 
 @semaphore.command(name="unset-limit")
@@ -312,7 +249,8 @@ def set_limit(ctx: click.Context, key: str, limit: int, ttl: float | None) -> No
 def unset_limit(ctx: click.Context, key: str) -> None:
     """Drop the runtime limit of KEY.
 
-    The limit from semaphore_limits or the task's option applies again.
+    The limit from semaphore_limits or the task's option applies again. A runtime rate or
+    spacing stays: set-limit KEY --rate none --spacing none drops those.
     """
     with _as_click_errors():
         catalogue = _catalogue(ctx)
@@ -321,9 +259,54 @@ def unset_limit(ctx: click.Context, key: str) -> None:
         sem.clear_limit()
         r = report(catalogue, key)
     if not had_override:
-        ctx.obj.echo(f"{key}: there was no runtime limit; limit {_limit_text(r)}")
+        ctx.obj.echo(f"{key}: there was no runtime limit; limit {limit_text(r)}")
     else:
-        ctx.obj.echo(f"{key}: runtime limit removed; limit {_limit_text(r)}")
+        ctx.obj.echo(f"{key}: runtime limit removed; limit {limit_text(r)}")
+
+
+@semaphore.command()
+@click.argument("key")
+@click.option(
+    "--for",
+    "seconds",
+    type=float,
+    metavar="SECONDS",
+    callback=_check_seconds,
+    help="End the pause by itself after this many seconds (default: until resume).",
+)
+@click.pass_context
+def pause(ctx: click.Context, key: str, seconds: float | None) -> None:
+    """Let no task of KEY start, on any worker, until resume (or for --for SECONDS).
+
+    For an API that answered 429 with Retry-After, or a vendor's incident. Holders keep running
+    and waiters keep their places; the first in line starts the moment the pause ends. Pausing
+    again replaces the pause.
+    """
+    with _as_click_errors():
+        catalogue = _catalogue(ctx)
+        _note_unknown_key(ctx, catalogue, key, "pause")
+        catalogue.semaphore(key, placeholder_limit=True).pause(seconds)
+        r = report(catalogue, key)
+    length = "until resumed" if r.paused_for is None else f"for {duration(r.paused_for)}"
+    ctx.obj.echo(
+        f"{key}: paused {length}; {r.holder_count} holder(s) keep running, {r.waiter_count} waiter(s) keep their places"
+    )
+
+
+@semaphore.command()
+@click.argument("key")
+@click.pass_context
+def resume(ctx: click.Context, key: str) -> None:
+    """End the pause of KEY now: the first in line may start at once, if a slot is free and the
+    rate and spacing allow."""
+    with _as_click_errors():
+        catalogue = _catalogue(ctx)
+        sem = catalogue.semaphore(key, placeholder_limit=True)
+        was_paused = sem.status(listed=0).paused_for is not None
+        sem.resume()
+        r = report(catalogue, key)
+    state = "resumed" if was_paused else "was not paused"
+    ctx.obj.echo(f"{key}: {state}; next start {next_start_text(r)}")
 
 
 @semaphore.command()
@@ -331,12 +314,12 @@ def unset_limit(ctx: click.Context, key: str) -> None:
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 def reset(ctx: click.Context, key: str, yes: bool) -> None:
-    """Forget every holder and waiter of KEY.
+    """Forget every holder and waiter of KEY, and its recent starts.
 
-    The runtime limit stays. For recovering from a mistake, such as slots held by
-    workers that are gone for good. A holder that is still running takes its slot
-    back at its next lease renewal if one is free; if not, the limit can be
-    exceeded until it ends.
+    The runtime limit, rate, spacing and pause stay. For recovering from a mistake, such as
+    slots held by workers that are gone for good. A holder that is still running takes its
+    slot back at its next lease renewal if one is free; if not, the limit can be exceeded
+    until it ends.
     """
     with _as_click_errors():
         catalogue = _catalogue(ctx)

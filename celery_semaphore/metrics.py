@@ -13,7 +13,8 @@ Counters and the wait histogram live in ``prometheus_client``'s default registry
 prefork pool they are counted in the child processes: set ``PROMETHEUS_MULTIPROC_DIR`` and
 ``start_metrics_server`` serves what every process wrote there. Holder and waiter gauges come
 from Redis on each scrape (``register_status_collector``), so they are right whichever process
-serves them, and one exporter is enough for all workers:
+serves them, and one exporter is enough for all workers. So do the gauges of the rules in force
+(rate, spacing, pause, when the next start is allowed, starts in the rate's window):
 
     from celery.signals import worker_init
 
@@ -26,6 +27,7 @@ serves them, and one exporter is enough for all workers:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from ._core.lease import Lease
+    from ._core.rules import Rate
+    from ._core.status import SemaphoreStatus
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -171,66 +175,149 @@ renewer.add_listener(_on_lease_event)
 # -- holder and waiter gauges, read from Redis on each scrape ------------------------------------
 
 
-def family_counts(app: Any) -> dict[str, tuple[int, int]]:
-    """Holders and waiters per family, over every semaphore of ``app``: the fixed-key tasks
-    (present even when idle, so their series exist) and every key SCAN finds in the backend,
-    grouped by the task key template it matches (unmatched keys go to ``(other)``).
+@dataclass
+class FamilyStatus:
+    """What the status gauges say about one family, over every key of it: counts are summed;
+    a rule in force is summarised by its tightest value (a fixed key's family has one key, so
+    its values are that key's)."""
+
+    holders: int = 0
+    waiters: int = 0
+    paused: int = 0  # keys paused now
+    pause_left: float = 0.0  # seconds the longest pause has left; inf: until resumed
+    next_start_in: float = 0.0  # seconds until the rules let every key start again; inf: until resumed
+    starts_in_window: int = 0  # starts in the rate windows ending now (keys with a rate)
+    rate: Rate | None = None  # the rate allowing the fewest starts per second
+    spacing: float | None = None  # the longest spacing
+
+    def add(self, status: SemaphoreStatus) -> None:
+        """Count one key of the family in."""
+        self.holders += status.holder_count
+        self.waiters += status.waiter_count
+        if status.paused_for is not None:
+            self.paused += 1
+            self.pause_left = max(self.pause_left, status.paused_for)
+        # a pause until resumed has no end, whatever the script caps its wait at
+        next_start = math.inf if status.paused_for == math.inf else status.next_start_in
+        self.next_start_in = max(self.next_start_in, next_start)
+        if status.rate is not None:
+            self.starts_in_window += status.starts_in_window
+            if self.rate is None or status.rate.count / status.rate.period < self.rate.count / self.rate.period:
+                self.rate = status.rate
+        if status.spacing is not None:
+            self.spacing = max(self.spacing or 0.0, status.spacing)
+
+
+def family_status(app: Any) -> dict[str, FamilyStatus]:
+    """Holders, waiters and the rules in force per family, over every semaphore of ``app``: the
+    fixed-key tasks (present even when idle, so their series exist) and every key SCAN finds in
+    the backend, grouped by the task key template it matches (unmatched keys go to ``(other)``).
 
     One status() round trip per key: a cost that grows with the number of live keys."""
     catalogue = Catalogue(app)
-    counts: dict[str, list[int]] = {}
+    families: dict[str, FamilyStatus] = {}
     for fixed_key in catalogue.fixed:
-        counts.setdefault(catalogue.family_for(fixed_key), [0, 0])
+        families.setdefault(catalogue.family_for(fixed_key), FamilyStatus())
     for key in catalogue.known_keys():
         status = catalogue.semaphore(key, placeholder_limit=True).status(listed=0)  # counts only
-        entry = counts.setdefault(catalogue.family_for(key), [0, 0])
-        entry[0] += status.holder_count
-        entry[1] += status.waiter_count
-    return {family: (holders, waiters) for family, (holders, waiters) in counts.items()}
+        families.setdefault(catalogue.family_for(key), FamilyStatus()).add(status)
+    return families
+
+
+def family_counts(app: Any) -> dict[str, tuple[int, int]]:
+    """Holders and waiters per family (see ``family_status``)."""
+    return {family: (entry.holders, entry.waiters) for family, entry in family_status(app).items()}
+
+
+# (name, help) of the status gauges, in the order they are exported; all labelled ``family``
+_FAMILY_GAUGES = (
+    ("celery_semaphore_holders", "Slots held now, per semaphore family."),
+    ("celery_semaphore_waiters", "Tasks in line for a slot now, per semaphore family."),
+    ("celery_semaphore_paused", "Keys of the family paused now (0 or 1 for a fixed key)."),
+    (
+        "celery_semaphore_pause_remaining_seconds",
+        "Seconds the family's longest pause has left; +Inf until resumed; 0 when none is paused.",
+    ),
+    (
+        "celery_semaphore_next_start_seconds",
+        "Seconds until the rate, spacing and pause let every key of the family start again (a free slot aside).",
+    ),
+    (
+        "celery_semaphore_rate_starts",
+        "Starts the rate in force allows per period: the family's tightest rate. Absent without a rate.",
+    ),
+    ("celery_semaphore_rate_period_seconds", "The period of that rate, in seconds. Absent without a rate."),
+    (
+        "celery_semaphore_starts_in_window",
+        "Starts in the rate's window that ends now, summed over the family's keys. Absent without a rate.",
+    ),
+    (
+        "celery_semaphore_spacing_seconds",
+        "Seconds between two starts in force: the family's longest spacing. Absent without one.",
+    ),
+)
+
+
+def _family_values(entry: FamilyStatus) -> dict[str, float]:
+    """The gauges of one family by name; a rate's and a spacing's only where one is in force
+    (a rate of 0 would read as "nothing may start")."""
+    values: dict[str, float] = {
+        "celery_semaphore_holders": entry.holders,
+        "celery_semaphore_waiters": entry.waiters,
+        "celery_semaphore_paused": entry.paused,
+        "celery_semaphore_pause_remaining_seconds": entry.pause_left,
+        "celery_semaphore_next_start_seconds": entry.next_start_in,
+    }
+    if entry.rate is not None:
+        values["celery_semaphore_rate_starts"] = entry.rate.count
+        values["celery_semaphore_rate_period_seconds"] = entry.rate.period
+        values["celery_semaphore_starts_in_window"] = entry.starts_in_window
+    if entry.spacing is not None:
+        values["celery_semaphore_spacing_seconds"] = entry.spacing
+    return values
 
 
 class StatusCollector:
     """A Prometheus collector that reads the semaphores of ``app`` from Redis on each scrape.
 
-    Gauges ``celery_semaphore_holders`` and ``celery_semaphore_waiters`` (label ``family``), and
-    ``celery_semaphore_status_up`` (1 if Redis answered, else 0: a scrape never fails because
-    the semaphore backend is down, so the other metrics of the process still arrive).
+    Gauges labelled ``family``: ``celery_semaphore_holders`` and ``celery_semaphore_waiters``,
+    and the rules in force (``_paused``, ``_pause_remaining_seconds``, ``_next_start_seconds``,
+    ``_rate_starts``, ``_rate_period_seconds``, ``_starts_in_window``, ``_spacing_seconds``);
+    and ``celery_semaphore_status_up`` (1 if Redis answered, else 0: a scrape never fails
+    because the semaphore backend is down, so the other metrics of the process still arrive).
     """
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def _families() -> tuple[dict[str, GaugeMetricFamily], GaugeMetricFamily]:
         from prometheus_client.core import GaugeMetricFamily
 
-        return (
-            GaugeMetricFamily("celery_semaphore_holders", "Slots held now, per semaphore family.", labels=["family"]),
-            GaugeMetricFamily(
-                "celery_semaphore_waiters", "Tasks in line for a slot now, per semaphore family.", labels=["family"]
-            ),
-            GaugeMetricFamily(
-                "celery_semaphore_status_up", "1 if the semaphore backend Redis answered this scrape, else 0."
-            ),
+        gauges = {name: GaugeMetricFamily(name, text, labels=["family"]) for name, text in _FAMILY_GAUGES}
+        up = GaugeMetricFamily(
+            "celery_semaphore_status_up", "1 if the semaphore backend Redis answered this scrape, else 0."
         )
+        return gauges, up
 
     def describe(self) -> Iterable[Metric]:
         """The metric names, without reading Redis: registering must not need the backend."""
-        return list(self._families())
+        gauges, up = self._families()
+        return [*gauges.values(), up]
 
     def collect(self) -> Iterable[Metric]:
-        holders, waiters, up = self._families()
+        gauges, up = self._families()
         try:
-            counts = family_counts(self.app)
+            families = family_status(self.app)
         except SemaphoreError as error:  # bad settings or Redis down: say so, do not fail the scrape
             logger.warning("semaphore status for metrics failed: %s", error)
             up.add_metric([], 0)
             return [up]
-        for family, (held, waiting) in sorted(counts.items()):
-            holders.add_metric([family], held)
-            waiters.add_metric([family], waiting)
+        for family, entry in sorted(families.items()):
+            for name, value in _family_values(entry).items():
+                gauges[name].add_metric([family], value)
         up.add_metric([], 1)
-        return [holders, waiters, up]
+        return [*gauges.values(), up]
 
 
 def _require(wanted: str) -> None:

@@ -12,6 +12,7 @@ from celery import Celery
 from celery_semaphore import ConfigurationError, SemaphoreTask, limit_concurrency
 from celery_semaphore._celery.catalogue import semaphore_for_call
 from celery_semaphore._celery.config import config_for, forget_config, parse_config
+from celery_semaphore._core.rules import Rate
 
 from .redis_server import RedisServer
 from .workers import Worker
@@ -65,6 +66,31 @@ def test_django_style_namespaced_settings_work(tmp_path: Path, monkeypatch: pyte
     sys.modules.pop("djsettings_for_test", None)
 
 
+def test_a_key_may_have_a_rate_and_a_spacing_beside_its_limit() -> None:
+    """A mapping entry gives the parts it names; the task's own options fill in the rest."""
+    config = config_for(
+        make_app(semaphore_limits={"api": {"limit": 5, "rate": "500/m"}, "crawl:*": {"spacing": 2}, "solo": 3})
+    )
+    api = config.limit_for("api", "proj.api", _Options(1, spacing=0.5))
+    assert api is not None and (api.limit, api.rate, api.spacing) == (5, Rate(500, 60.0), 0.5)
+    crawl = config.limit_for("crawl:h", "proj.crawl", _Options(2))
+    assert crawl is not None and (crawl.limit, crawl.rate, crawl.spacing) == (2, None, 2.0)
+    rate_only = config.limit_for("x", "proj.x", _Options(rate=(10, 30)))
+    assert rate_only is not None and (rate_only.limit, rate_only.rate) == (None, Rate(10, 30.0))
+    solo = config.limit_for("solo", "proj.solo", None)
+    assert solo is not None and (solo.limit, solo.rate, solo.spacing) == (3, None, None)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"limit": 0}, {"rate": "30/x"}, {"spacing": -1}, {"burst": 3}, {}, {"rate": (0, 60)}],
+)
+def test_a_bad_key_rule_names_the_setting_and_the_part(entry: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        parse_config(make_app(semaphore_limits={"api": entry}))
+    assert caught.value.setting.startswith("semaphore_limits['api']")
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [
@@ -98,14 +124,22 @@ def test_no_backend_url_and_a_non_redis_broker_is_an_error() -> None:
         parse_config(app)
 
 
+class _Options:
+    """A task's own semaphore options, as ``limit_for`` reads them."""
+
+    def __init__(self, limit: int | None = None, rate: Any = None, spacing: Any = None, name: str = "t") -> None:
+        self.semaphore_limit, self.semaphore_rate, self.semaphore_spacing, self.name = limit, rate, spacing, name
+
+
 def test_limit_precedence_exact_key_task_name_globs_then_code() -> None:
     """semaphore_limits: the exact key wins, then the task name, then globs, then the option."""
     config = config_for(make_app(semaphore_limits={"crawl:a": 1, "proj.crawl": 2, "crawl:*": 3, "proj.*": 4}))
-    assert config.limit_for("crawl:a", "proj.crawl", 9).source == "semaphore_limits['crawl:a']"  # type: ignore[union-attr]
-    assert config.limit_for("crawl:b", "proj.crawl", 9).limit == 2  # type: ignore[union-attr]
-    assert config.limit_for("crawl:b", "proj.other", 9).limit == 3  # type: ignore[union-attr]
-    assert config.limit_for("x", "proj.other", 9).limit == 4  # type: ignore[union-attr]
-    assert config.limit_for("x", "other", 9).limit == 9  # type: ignore[union-attr]
+    nine = _Options(9)
+    assert config.limit_for("crawl:a", "proj.crawl", nine).source == "semaphore_limits['crawl:a']"  # type: ignore[union-attr]
+    assert config.limit_for("crawl:b", "proj.crawl", nine).limit == 2  # type: ignore[union-attr]
+    assert config.limit_for("crawl:b", "proj.other", nine).limit == 3  # type: ignore[union-attr]
+    assert config.limit_for("x", "proj.other", nine).limit == 4  # type: ignore[union-attr]
+    assert config.limit_for("x", "other", nine).limit == 9  # type: ignore[union-attr]
     assert config.limit_for("x", "other", None) is None
 
 
@@ -139,6 +173,8 @@ def test_app_task_with_a_bad_template_fails_when_the_task_is_created() -> None:
         ("semaphore_countdown", (0, 1)),
         ("semaphore_max_wait", 0),
         ("semaphore_key", 42),
+        ("semaphore_rate", "30 per minute"),
+        ("semaphore_spacing", 0),
     ],
 )
 def test_bad_task_options_fail_at_declaration(option: str, value: Any) -> None:

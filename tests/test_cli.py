@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 from celery_semaphore import FairSemaphore, Lease
 from celery_semaphore._celery.catalogue import Catalogue
 from celery_semaphore._celery.config import forget_config
-from celery_semaphore._core.attempts import Ask, new_token
+from celery_semaphore._core.attempts import Ask, Granted, new_token
 from celery_semaphore.cli import duration
 
 from .redis_server import RedisServer, free_port
@@ -71,12 +71,29 @@ def test_status_lists_live_semaphores_and_fixed_key_tasks(proj: Proj) -> None:
         result = proj.cli("status")
     assert result.exit_code == 0, result.output
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:]}
-    assert result.stdout.splitlines()[0].split() == ["KEY", "LIMIT", "SOURCE", "HOLDERS", "WAITERS", "TASK"]
-    assert rows["proj.hold"] == ["proj.hold", "3", "proj.hold.semaphore_limit", "1", "0", "proj.hold"]
-    crawl = ["crawl:example.com", "2", "semaphore_limits['crawl:*']", "1", "0", "proj.crawl"]
+    # the app has tasks with a rate or a spacing, so the rule columns are shown
+    header = ["KEY", "LIMIT", "SOURCE", "HOLDERS", "WAITERS", "RATE", "SPACING", "PAUSED", "NEXT", "START"]
+    assert result.stdout.splitlines()[0].split() == [*header, "STARTS", "TASK"]
+    no_rules = ["-", "-", "-", "now", "-"]
+    assert rows["proj.hold"] == ["proj.hold", "3", "proj.hold.semaphore_limit", "1", "0", *no_rules, "proj.hold"]
+    crawl = ["crawl:example.com", "2", "semaphore_limits['crawl:*']", "1", "0", *no_rules, "proj.crawl"]
     assert rows["crawl:example.com"] == crawl
     assert "no limit configured" in " ".join(rows["adhoc"])
     assert rows["proj.sleepy"][3:5] == ["0", "0"]  # idle, but its key is fixed: listed
+    assert rows["proj.rated"][1] == "none"  # a rate and no concurrency limit
+    assert rows["proj.rated"][5:10] == ["5/s", "-", "-", "now", "0/5"]
+    assert rows["proj.spaced"][5:7] == ["-", "300ms"]
+
+
+def test_a_list_without_rates_spacings_or_pauses_keeps_its_columns(proj: Proj) -> None:
+    """The rule columns appear only when a listed key has a rate, a spacing or a pause."""
+    plain = proj.cli("status", "--match", "proj.hold")
+    assert plain.exit_code == 0, plain.output
+    assert plain.stdout.splitlines()[0].split() == ["KEY", "LIMIT", "SOURCE", "HOLDERS", "WAITERS", "TASK"]
+    assert proj.cli("pause", "proj.hold").exit_code == 0
+    paused = proj.cli("status", "--match", "proj.hold").stdout.splitlines()
+    assert "PAUSED" in paused[0].split()
+    assert "until resumed" in paused[1]
 
 
 def test_status_match_narrows_the_list(proj: Proj) -> None:
@@ -136,7 +153,7 @@ def test_set_limit_and_unset_limit_change_the_limit_and_its_source(proj: Proj) -
     data = proj.status_json("proj.hold")
     assert (data["limit"], data["source"]) == (5, "runtime override")
     assert data["override"] == {"limit": 5, "expires_in": None}
-    assert data["configured"] == {"limit": 3, "source": "proj.hold.semaphore_limit"}
+    assert data["configured"] == {"limit": 3, "source": "proj.hold.semaphore_limit", "rate": None, "spacing": None}
     assert FairSemaphore(proj.client, "proj.hold", 3).status().limit == 5
 
     result = proj.cli("unset-limit", "proj.hold")
@@ -171,7 +188,7 @@ def test_a_bad_limit_is_a_usage_error_naming_the_value(proj: Proj, bad: str) -> 
     """set-limit refuses a limit that is not a whole number >= 1, naming it, before touching Redis."""
     result = proj.cli("set-limit", "proj.hold", "--", bad)
     assert result.exit_code == 2, result.output
-    assert "Invalid value for 'N'" in result.stderr
+    assert "Invalid value for '[N]'" in result.stderr
     assert repr(bad) in result.stderr
     assert proj.client.keys("*") == []
 
@@ -184,6 +201,167 @@ def test_a_bad_ttl_is_a_usage_error_naming_the_value(proj: Proj, bad: str) -> No
     assert "Invalid value for '--ttl'" in result.stderr
     assert bad in result.stderr
     assert proj.client.keys("*") == []
+
+
+# -- rates, spacings and pauses -------------------------------------------------------------
+
+
+def granted(semaphore: FairSemaphore) -> Lease | None:
+    """One try without a place in line: the lease if the rules and the limit allow a start now."""
+    attempt = semaphore.try_acquire()
+    return attempt.lease if isinstance(attempt, Granted) else None
+
+
+def test_pause_for_refuses_starts_until_resume(proj: Proj) -> None:
+    """pause --for stops every start (status shows the time left); resume lets the next one in at once."""
+    semaphore = FairSemaphore(proj.client, "proj.hold", 3, lease=30)
+    result = proj.cli("pause", "proj.hold", "--for", "5")
+    assert result.exit_code == 0, result.output
+    assert "proj.hold: paused for 5.0s; 0 holder(s) keep running, 0 waiter(s) keep their places" in result.stdout
+    data = proj.status_json("proj.hold")
+    assert data["paused"] is True
+    assert 4 < data["paused_for"] <= 5
+    assert 4 < data["next_start_in"] <= 5
+    assert granted(semaphore) is None
+    lines = proj.cli("status", "proj.hold").stdout.splitlines()
+    assert any(line.startswith("paused     ") and line.endswith("s left") for line in lines), lines
+    assert "rate       - (none)" in lines
+
+    result = proj.cli("resume", "proj.hold")
+    assert result.exit_code == 0, result.output
+    assert "proj.hold: resumed; next start now" in result.stdout
+    data = proj.status_json("proj.hold")
+    assert (data["paused"], data["paused_for"], data["next_start_in"]) == (False, None, 0)
+    lease = granted(semaphore)
+    assert lease is not None
+    lease.release()
+
+
+def test_pause_without_for_lasts_until_resumed(proj: Proj) -> None:
+    """pause KEY holds until resume: JSON says paused with no time left; resume twice says so."""
+    with proj.hold("crawl:example.com", 2):
+        result = proj.cli("pause", "crawl:example.com")
+    assert result.exit_code == 0, result.output
+    assert "paused until resumed; 1 holder(s) keep running" in result.stdout
+    data = proj.status_json("crawl:example.com")
+    assert (data["paused"], data["paused_for"], data["next_start_in"]) == (True, None, None)
+    lines = proj.cli("status", "crawl:example.com").stdout.splitlines()
+    assert "paused     until resumed" in lines
+    assert "next start once resumed" in lines
+    assert granted(FairSemaphore(proj.client, "crawl:example.com", 2)) is None
+    assert "crawl:example.com: resumed" in proj.cli("resume", "crawl:example.com").stdout
+    assert "crawl:example.com: was not paused" in proj.cli("resume", "crawl:example.com").stdout
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "soon"])
+def test_a_bad_pause_length_is_a_usage_error_naming_the_value(proj: Proj, bad: str) -> None:
+    """pause --for refuses a duration that is not a finite number of seconds above 0."""
+    result = proj.cli("pause", "proj.hold", f"--for={bad}")
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--for'" in result.stderr
+    assert bad in result.stderr
+    assert proj.client.keys("*") == []
+
+
+def test_set_limit_rate_is_shown_and_obeyed_then_dropped_by_none(proj: Proj) -> None:
+    """set-limit KEY --rate stores a runtime rate that status reports and the semaphore obeys;
+    --rate none drops it. The limit is left alone."""
+    result = proj.cli("set-limit", "proj.hold", "--rate", "2/s")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "proj.hold: rate 2/s (runtime override; none configured)\n"
+    semaphore = FairSemaphore(proj.client, "proj.hold", 3, lease=30)
+    leases = [granted(semaphore), granted(semaphore)]
+    try:
+        assert None not in leases
+        assert granted(semaphore) is None  # a free slot, but a third start within the second
+        data = proj.status_json("proj.hold")
+        assert data["rate"] == {"count": 2, "period": 1.0}
+        assert (data["rate_source"], data["starts_in_window"]) == ("runtime override", 2)
+        assert 0 < data["next_start_in"] <= 1
+        assert (data["limit"], data["override"]) == (3, None)
+        assert "starts     2 of 2 in the last 1.0s" in proj.cli("status", "proj.hold").stdout.splitlines()
+    finally:
+        for lease in leases:
+            if lease is not None:
+                lease.release()
+    result = proj.cli("set-limit", "proj.hold", "--rate", "none")
+    assert result.exit_code == 0, result.output
+    assert "proj.hold: rate - (none)" in result.stdout
+    assert proj.status_json("proj.hold")["rate"] is None
+
+
+def test_set_limit_over_a_configured_rate_names_both(proj: Proj) -> None:
+    """A task's own rate shows with its source; a runtime rate says what it replaces, and its
+    --ttl makes it lapse back to the configured one."""
+    data = proj.status_json("proj.rated")
+    assert (data["limit"], data["rate"]) == (None, {"count": 5, "period": 1.0})
+    assert data["rate_source"] == data["configured"]["source"]
+    result = proj.cli("set-limit", "proj.rated", "--rate", "1/m", "--ttl", "0.5")
+    assert result.exit_code == 0, result.output
+    assert f"proj.rated: rate 1/m (runtime override; configured: 5/s from {data['source']})" in result.stdout
+    assert proj.status_json("proj.rated")["rate"] == {"count": 1, "period": 60.0}
+    wait_until(lambda: proj.status_json("proj.rated")["rate"]["count"] == 5, what="the runtime rate to lapse")
+    assert proj.status_json("proj.rated")["rate_source"] == data["source"]
+
+
+def test_set_limit_spacing_and_limit_together_then_unset_limit_keeps_the_spacing(proj: Proj) -> None:
+    """N and --spacing in one command store both; unset-limit drops the limit only, and
+    --spacing none drops the spacing."""
+    result = proj.cli("set-limit", "proj.hold", "5", "--spacing", "0.5")
+    assert result.exit_code == 0, result.output
+    assert "proj.hold: limit 5 (runtime override" in result.stdout
+    assert "proj.hold: spacing 500ms (runtime override; none configured)" in result.stdout
+    semaphore = FairSemaphore(proj.client, "proj.hold", 3, lease=30)
+    lease = granted(semaphore)
+    assert lease is not None
+    try:
+        assert granted(semaphore) is None  # within half a second of the last start
+        data = proj.status_json("proj.hold")
+        assert (data["limit"], data["spacing"], data["spacing_source"]) == (5, 0.5, "runtime override")
+        assert 0 < data["next_start_in"] <= 0.5
+    finally:
+        lease.release()
+    assert proj.cli("unset-limit", "proj.hold").exit_code == 0
+    data = proj.status_json("proj.hold")
+    assert (data["limit"], data["spacing"]) == (3, 0.5)
+    assert proj.cli("set-limit", "proj.hold", "--spacing", "NONE").exit_code == 0
+    assert proj.status_json("proj.hold")["spacing"] is None
+
+
+def test_set_limit_needs_a_rule_to_set(proj: Proj) -> None:
+    """set-limit KEY alone, or --ttl with nothing but drops, is a usage error; nothing is stored."""
+    result = proj.cli("set-limit", "proj.hold")
+    assert result.exit_code == 2, result.output
+    assert "give N, --rate or --spacing" in result.stderr
+    result = proj.cli("set-limit", "proj.hold", "--rate", "none", "--ttl", "5")
+    assert result.exit_code == 2, result.output
+    assert "--ttl" in result.stderr
+    assert proj.client.keys("*") == []
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [
+        *(("--rate", bad) for bad in ("3/x", "0/s", "abc", "5", "2/0s")),
+        *(("--spacing", bad) for bad in ("0", "-1", "nan", "inf", "soon")),
+    ],
+)
+def test_a_bad_rate_or_spacing_is_a_usage_error_naming_the_value(proj: Proj, option: str, bad: str) -> None:
+    """set-limit refuses a --rate that is not a rate, and a --spacing that is not a finite number
+    of seconds above 0, naming the option and the value, before touching Redis."""
+    result = proj.cli("set-limit", "proj.hold", f"{option}={bad}")
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.stderr
+    assert repr(bad) in result.stderr
+    assert proj.client.keys("*") == []
+
+
+def test_pause_on_a_key_nobody_knows_warns(proj: Proj) -> None:
+    """A pause for a key no task, setting or live semaphore knows is stored with a note about typos."""
+    result = proj.cli("pause", "crwal:example.com", "--for", "60")
+    assert result.exit_code == 0, result.output
+    assert "storing the pause anyway (check the key for typos)" in result.stderr
+    assert proj.status_json("crwal:example.com")["paused"] is True
 
 
 def test_reset_asks_first_then_empties_the_semaphore(proj: Proj) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import urllib.request
 import uuid
@@ -11,7 +12,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from celery_semaphore import FairSemaphore, SemaphoreTask, limit_concurrency, metrics
 from celery_semaphore._core import renewer
@@ -174,8 +175,88 @@ def test_registering_the_collector_does_not_touch_redis(collector_app: Any) -> N
     assert [family.name for family in collector.describe()] == [
         "celery_semaphore_holders",
         "celery_semaphore_waiters",
+        "celery_semaphore_paused",
+        "celery_semaphore_pause_remaining_seconds",
+        "celery_semaphore_next_start_seconds",
+        "celery_semaphore_rate_starts",
+        "celery_semaphore_rate_period_seconds",
+        "celery_semaphore_starts_in_window",
+        "celery_semaphore_spacing_seconds",
         "celery_semaphore_status_up",
     ]
+
+
+def test_collector_reports_the_rate_spacing_and_pause_of_a_fixed_key(
+    collector_app: Any, redis_server: RedisServer
+) -> None:
+    """A fixed key's family shows its rate, spacing, starts in the window and the wait they
+    impose; a pause shows as paused with the time it has left. Without a rate or a spacing
+    those series are absent (a rate of 0 would read as "nothing may start")."""
+    client = redis_server.client(db=1)
+    registry = CollectorRegistry()
+    register_status_collector(collector_app, registry)
+
+    def gauge(name: str) -> float | None:
+        return registry.get_sample_value(name, {"family": "m.reports"})
+
+    assert gauge("celery_semaphore_rate_starts") is None
+    assert gauge("celery_semaphore_spacing_seconds") is None
+    assert (gauge("celery_semaphore_paused"), gauge("celery_semaphore_next_start_seconds")) == (0, 0)
+    reports = FairSemaphore(client, "m.reports", 2, lease=30)
+    reports.set_rate("10/m")
+    reports.set_spacing(30)
+    try:
+        with reports.acquire(timeout=5):
+            assert (gauge("celery_semaphore_rate_starts"), gauge("celery_semaphore_rate_period_seconds")) == (10, 60)
+            assert gauge("celery_semaphore_starts_in_window") == 1
+            assert gauge("celery_semaphore_spacing_seconds") == 30
+            assert 29 < (gauge("celery_semaphore_next_start_seconds") or 0) <= 30
+            assert gauge("celery_semaphore_paused") == 0
+            reports.pause(45)
+            assert gauge("celery_semaphore_paused") == 1
+            assert 44 < (gauge("celery_semaphore_pause_remaining_seconds") or 0) <= 45
+            assert 44 < (gauge("celery_semaphore_next_start_seconds") or 0) <= 45  # the pause outlasts the spacing
+            reports.resume()
+            assert (gauge("celery_semaphore_paused"), gauge("celery_semaphore_pause_remaining_seconds")) == (0, 0)
+    finally:
+        client.close()
+
+
+def test_collector_summarises_the_rules_of_a_template_family(collector_app: Any, redis_server: RedisServer) -> None:
+    """Over the keys of one template: paused keys and starts are counted, the tightest rate and the
+    longest pause and wait are shown, all under the template, never the per-host key."""
+    client = redis_server.client(db=1)
+    registry = CollectorRegistry()
+    register_status_collector(collector_app, registry)
+
+    def gauge(name: str, family: str = "crawl:{host}") -> float | None:
+        return registry.get_sample_value(name, {"family": family})
+
+    fast, slow = (FairSemaphore(client, f"crawl:{host}.example", 1, lease=30) for host in ("fast", "slow"))
+    fast.set_rate("5/s")
+    slow.set_rate("100/m")  # fewer starts per second than 5/s: the family's tightest rate
+    leases = [fast.acquire(timeout=5), slow.acquire(timeout=5)]  # holders make the keys live
+    try:
+        assert (gauge("celery_semaphore_rate_starts"), gauge("celery_semaphore_rate_period_seconds")) == (100, 60)
+        assert gauge("celery_semaphore_starts_in_window") == 2
+        fast.pause(20)
+        assert gauge("celery_semaphore_paused") == 1
+        assert 19 < (gauge("celery_semaphore_pause_remaining_seconds") or 0) <= 20
+        slow.pause()  # until resumed
+        assert gauge("celery_semaphore_paused") == 2
+        assert gauge("celery_semaphore_pause_remaining_seconds") == math.inf
+        assert gauge("celery_semaphore_next_start_seconds") == math.inf
+        assert (
+            'celery_semaphore_pause_remaining_seconds{family="crawl:{host}"} +Inf' in generate_latest(registry).decode()
+        )
+        assert gauge("celery_semaphore_paused", "crawl:slow.example") is None
+        slow.resume()
+        fast.resume()
+        assert gauge("celery_semaphore_paused") == 0
+    finally:
+        for lease in leases:
+            lease.release()
+        client.close()
 
 
 def test_metrics_server_serves_the_gauges(collector_app: Any, redis_server: RedisServer) -> None:

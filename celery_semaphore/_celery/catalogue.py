@@ -27,8 +27,9 @@ from .config import LimitRule, SemaphoreConfig, config_for
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
 
 # The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,
-# or an operator stored a limit. (The bookkeeping keys never outlive these.)
-_PRESENCE_PARTS = ("holders", "queue", "limit")
+# or an operator stored a limit, a rate, a spacing or a pause. (The bookkeeping keys never outlive
+# these.)
+_PRESENCE_PARTS = ("holders", "queue", "limit", "gate")
 
 # Family of keys that no task's key (fixed or template) accounts for: FairSemaphore used outside
 # Celery, or tasks whose key is a function. One bucket, so metrics stay bounded.
@@ -42,7 +43,9 @@ def semaphore_tasks(app: Any) -> list[Any]:
 
 def no_limit_error(task_name: str, key: str) -> ConfigurationError:
     return ConfigurationError(
-        f"{task_name}.semaphore_limit", None, f"no limit for semaphore key {key!r} in code or semaphore_limits"
+        f"{task_name}.semaphore_limit",
+        None,
+        f"no limit, rate or spacing for semaphore key {key!r} in code or semaphore_limits",
     )
 
 
@@ -67,18 +70,25 @@ def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         keys = [call_key(key_setting, key_option_value, task.run, args, kwargs)]
     semaphores = []
     for key in keys:
-        rule = config.limit_for(key, str(task.name), task.semaphore_limit)
+        rule = config.limit_for(key, str(task.name), task)
         if rule is None:
             raise no_limit_error(str(task.name), key)
-        semaphores.append(_semaphore(config, key, rule.limit, lease))
+        semaphores.append(_semaphore(config, key, rule, lease))
     if len(semaphores) == 1 and weight_option(type(task)) is None:
         return semaphores[0]
     return MultiSemaphore(semaphores, weight=weight_of_call(task, args, kwargs))
 
 
-def _semaphore(config: SemaphoreConfig, key: str, limit: int, lease: float) -> FairSemaphore:
+def _semaphore(config: SemaphoreConfig, key: str, rule: LimitRule, lease: float) -> FairSemaphore:
     return FairSemaphore(
-        client_for(config.backend), key, limit, lease=lease, prefix=config.prefix, hash_tag=config.hash_tag
+        client_for(config.backend),
+        key,
+        rule.limit,
+        rate=rule.rate,
+        spacing=rule.spacing,
+        lease=lease,
+        prefix=config.prefix,
+        hash_tag=config.hash_tag,
     )
 
 
@@ -154,7 +164,7 @@ class Catalogue:
         task = self.task_for(key) if task is None else task
         if task is None:
             return self.config.limit_for(key, key, None)
-        return self.config.limit_for(key, str(task.name), task.semaphore_limit)
+        return self.config.limit_for(key, str(task.name), task)
 
     def semaphore(self, key: str, *, placeholder_limit: bool = False) -> FairSemaphore:
         """The semaphore of ``key`` as the app's workers use it: its limit and lease.
@@ -167,7 +177,7 @@ class Catalogue:
         if rule is None and not placeholder_limit:
             raise no_limit_error(str(task.name) if task is not None else key, key)
         lease = wait_options(task, self.config).lease if task is not None else self.config.lease
-        return _semaphore(self.config, key, rule.limit if rule else 1, lease)
+        return _semaphore(self.config, key, rule or LimitRule(1, "placeholder"), lease)
 
     def scan(self, match: str | None = None) -> set[str]:
         """Every semaphore key that has holders, waiters or a runtime limit in Redis (keys

@@ -17,6 +17,7 @@ from typing import Any
 from .._core import urls as _urls
 from .._core.broker_urls import backend_from_broker
 from .._core.masking import mask_url
+from .._core.rules import Rate, check_rate, check_spacing
 from .._core.validation import check_limit, check_prefix, check_seconds
 from ..errors import ConfigurationError
 
@@ -28,10 +29,24 @@ DEFAULT_INLINE_WAIT = 2.0
 
 @dataclass(frozen=True)
 class LimitRule:
-    """Where a limit came from, for status output and error messages."""
+    """The rules of one key and where they came from, for status output and error messages:
+    a concurrency limit, a rate and a spacing, any of which may be absent (not all three)."""
 
-    limit: int
+    limit: int | None
     source: str
+    rate: Rate | None = None
+    spacing: float | None = None
+
+
+@dataclass(frozen=True)
+class KeyRules:
+    """One entry of ``semaphore_limits``: an int is a limit; a mapping may name ``limit``,
+    ``rate`` and ``spacing``. What an entry leaves out, the task's own option supplies."""
+
+    limit: int | None = None
+    rate: Rate | None = None
+    spacing: float | None = None
+    names: frozenset[str] = frozenset({"limit"})  # the parts the entry gives
 
 
 @dataclass(frozen=True)
@@ -43,28 +58,38 @@ class SemaphoreConfig:
     max_wait: float | None = None
     fail_open: bool = False
     inline_wait: float = DEFAULT_INLINE_WAIT
-    exact_limits: Mapping[str, int] = field(default_factory=dict)
-    glob_limits: tuple[tuple[str, int], ...] = ()
+    exact_limits: Mapping[str, KeyRules] = field(default_factory=dict)
+    glob_limits: tuple[tuple[str, KeyRules], ...] = ()
     # seconds after which the Redis broker redelivers an unacked message; None for other brokers
     visibility_timeout: float | None = None
     # one Redis Cluster hash tag for every semaphore of the app (tasks with several keys need it
     # on a cluster); None: each semaphore in the slot of its own key
     hash_tag: str | None = None
 
-    def limit_for(self, key: str, task_name: str, task_limit: int | None) -> LimitRule | None:
-        """The configured limit of one semaphore key: an exact key, the task name, a glob over
-        the key, a glob over the task name, then the task's own option. (A runtime override
-        stored in Redis wins over all of these; the acquire script applies it.)"""
+    def limit_for(self, key: str, task_name: str, task: Any | None) -> LimitRule | None:
+        """The configured rules of one semaphore key: an exact key, the task name, a glob over
+        the key, a glob over the task name, then the task's own options (``semaphore_limit``,
+        ``semaphore_rate``, ``semaphore_spacing``) for what the entry leaves out. None when no
+        limit, rate or spacing applies. (Runtime overrides stored in Redis win over all of these;
+        the scripts apply them.)"""
+        entry, source = self._entry_for(key, task_name)
+        own_limit, own_rate, own_spacing = task_rules(task)
+        limit = entry.limit if entry is not None and "limit" in entry.names else own_limit
+        rate = entry.rate if entry is not None and "rate" in entry.names else own_rate
+        spacing = entry.spacing if entry is not None and "spacing" in entry.names else own_spacing
+        if limit is None and rate is None and spacing is None:
+            return None
+        return LimitRule(limit, source or f"{task_name}.semaphore_limit", rate, spacing)
+
+    def _entry_for(self, key: str, task_name: str) -> tuple[KeyRules | None, str | None]:
         for name in (key, task_name):
             if name in self.exact_limits:
-                return LimitRule(self.exact_limits[name], f"semaphore_limits[{name!r}]")
+                return self.exact_limits[name], f"semaphore_limits[{name!r}]"
         for name in (key, task_name):
-            for pattern, limit in self.glob_limits:
+            for pattern, entry in self.glob_limits:
                 if fnmatch.fnmatchcase(name, pattern):
-                    return LimitRule(limit, f"semaphore_limits[{pattern!r}]")
-        if task_limit is not None:
-            return LimitRule(task_limit, f"{task_name}.semaphore_limit")
-        return None
+                    return entry, f"semaphore_limits[{pattern!r}]"
+        return None, None
 
     @property
     def backend_display(self) -> str:
@@ -90,22 +115,60 @@ def parse_max_wait(setting: str, value: Any) -> float | None:
     return None if value is None else check_seconds(setting, value)
 
 
-def parse_limits(value: Any) -> tuple[dict[str, int], tuple[tuple[str, int], ...]]:
+def parse_limits(value: Any) -> tuple[dict[str, KeyRules], tuple[tuple[str, KeyRules], ...]]:
     if value is None:
         return {}, ()
     if not isinstance(value, Mapping):
         raise ConfigurationError("semaphore_limits", value, "expected a mapping of task name or key to limit")
-    exact: dict[str, int] = {}
-    globs: list[tuple[str, int]] = []
-    for name, limit in value.items():
+    exact: dict[str, KeyRules] = {}
+    globs: list[tuple[str, KeyRules]] = []
+    for name, rules in value.items():
         if not isinstance(name, str) or not name:
             raise ConfigurationError("semaphore_limits", name, "keys are task names or semaphore keys")
-        check_limit(f"semaphore_limits[{name!r}]", limit)
+        entry = parse_key_rules(f"semaphore_limits[{name!r}]", rules)
         if any(char in name for char in "*?["):
-            globs.append((name, limit))
+            globs.append((name, entry))
         else:
-            exact[name] = limit
+            exact[name] = entry
     return exact, tuple(globs)
+
+
+_RULE_NAMES = frozenset({"limit", "rate", "spacing"})
+
+
+def parse_key_rules(setting: str, value: Any) -> KeyRules:
+    """An int (the concurrency limit), or a mapping of ``limit``, ``rate``, ``spacing``: each
+    checked here, at start, and named in the error."""
+    if not isinstance(value, Mapping):
+        return KeyRules(limit=check_limit(setting, value))
+    unknown = set(value) - _RULE_NAMES
+    if unknown:
+        raise ConfigurationError(
+            setting, value, f"unknown part {sorted(map(str, unknown))[0]!r}: expected limit, rate and spacing"
+        )
+    if not value:
+        raise ConfigurationError(setting, value, "expected at least one of limit, rate and spacing")
+    limit = value.get("limit")
+    return KeyRules(
+        limit=None if limit is None else check_limit(f"{setting}['limit']", limit),
+        rate=check_rate(f"{setting}['rate']", value.get("rate")),
+        spacing=check_spacing(f"{setting}['spacing']", value.get("spacing")),
+        names=frozenset(value),
+    )
+
+
+def task_rules(task: Any | None) -> tuple[int | None, Rate | None, float | None]:
+    """A task's own ``semaphore_limit``, ``semaphore_rate`` and ``semaphore_spacing`` (checked
+    when its class was declared)."""
+    if task is None:
+        return None, None, None
+    rate = getattr(task, "semaphore_rate", None)
+    spacing = getattr(task, "semaphore_spacing", None)
+    return (
+        getattr(task, "semaphore_limit", None),
+        check_rate(f"{task.name}.semaphore_rate", rate),
+        check_spacing(f"{task.name}.semaphore_spacing", spacing),
+    )
 
 
 def parse_config(app: Any) -> SemaphoreConfig:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from .._core.keys import KeyFunction, check_template
+from .._core.rules import check_rate, check_spacing
 from .._core.validation import check_limit, check_seconds
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
@@ -96,6 +97,8 @@ def check_task_options(cls: type) -> None:
     options = cls.__dict__
     if options.get("semaphore_limit") is not None:
         check_limit(f"{name}.semaphore_limit", options["semaphore_limit"])
+    rate = check_rate(f"{name}.semaphore_rate", options.get("semaphore_rate"))
+    check_spacing(f"{name}.semaphore_spacing", options.get("semaphore_spacing"))
     for option in ("semaphore_lease", "semaphore_inline_wait"):
         if options.get(option) is not None:
             check_seconds(f"{name}.{option}", options[option], allow_zero=option == "semaphore_inline_wait")
@@ -110,6 +113,10 @@ def check_task_options(cls: type) -> None:
         if limit is not None and weight > limit:
             raise ConfigurationError(
                 f"{name}.semaphore_weight", weight, f"above the task's semaphore_limit {limit}: it would wait forever"
+            )
+        if rate is not None and weight > rate.count:
+            raise ConfigurationError(
+                f"{name}.semaphore_weight", weight, f"above the task's semaphore_rate {rate}: it would wait forever"
             )
     # the key may be inherited from a base class: check it against every class that has a run
     key = key_option(cls)

@@ -49,6 +49,13 @@ def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
     what keeps a freed slot from idling is enough waiters present to take it."""
     if inline_wait <= 0:
         return False
+    if waiting.retry_after is not None:
+        # its start is reserved for a known moment (a rate, a spacing or a pause): no guess
+        return waiting.retry_after <= inline_wait
+    if waiting.opens_in is not None and waiting.opens_in > inline_wait:
+        # nobody starts before then: waiting here would only keep a pool process from a task
+        # that can run (a paused task's copy coming back at the end of the pause, say)
+        return False
     expected = expected_wait(waiting, among_present=True)
     if expected is None:
         # nothing observed yet (a burst meets a semaphore with no release behind it): the

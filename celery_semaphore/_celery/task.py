@@ -37,25 +37,25 @@ from .. import metrics
 from .._core.attempts import Ask, Duplicate, Granted, Waiting, default_label
 from .._core.lease import Lease
 from .._core.multi import MultiSemaphore
-from .._core.scripts import scripts_for
 from .._core.semaphore import FairSemaphore
-from .._core.validation import to_ms
+from .._core.validation import check_seconds
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import policy
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
-from .config import SemaphoreConfig, config_for
+from .config import config_for
 from .options import (
     FROM_SETTINGS,
     MARKER,
     KeyOption,
-    WaitOptions,
     WeightFunction,
     check_task_options,
     template_of,
     wait_options,
 )
+from .outages import outages
 from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
+from .pausing import SemaphorePaused, pause_and_stand_first
 from .tokens import process_token, task_key
 from .wait_headers import (
     QUEUE_HEADER,
@@ -64,22 +64,13 @@ from .wait_headers import (
     WaitHistory,
     without_broker_headers,
 )
+from .wait_runs import AWAY_SLACK, continued_wait, remember_for, remember_wait
 from .wake_queues import backstop_queue
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
 AnySemaphore = FairSemaphore | MultiSemaphore
 
 logger = logging.getLogger("celery_semaphore")
-
-# A finished run is remembered this much longer than any copy of it is due to arrive: the
-# backstop's countdown, or a Redis broker's redelivery of a dead worker's unacked copy
-# (visibility_timeout). A copy can still come later (a backlog, an hour without workers): with
-# a result backend such a copy finds the task's SUCCESS there and is dropped all the same.
-REMEMBER_SLACK = 3600.0
-
-# A waiter away on a countdown keeps its place this much longer than the countdown, to cover
-# the broker's delivery and a busy worker's delay in starting it.
-AWAY_SLACK = 15.0
 
 # Releasing when Redis is unreachable: tries in the background, the lease is the backstop.
 RELEASE_TRIES = 5
@@ -90,13 +81,18 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     """A task that runs only while it holds a slot of its semaphore.
 
     Options (class attributes, or ``app.task(base=SemaphoreTask, semaphore_limit=5, ...)``):
-    ``semaphore_limit``, ``semaphore_key``, ``semaphore_weight``, ``semaphore_lease``,
+    ``semaphore_limit``, ``semaphore_rate``, ``semaphore_spacing``, ``semaphore_key``,
+    ``semaphore_weight``, ``semaphore_lease``,
     ``semaphore_countdown``, ``semaphore_max_wait``, ``semaphore_inline_wait``; each one left
     unset takes the app's ``semaphore_*`` setting. ``semaphore_key`` may be a list of keys: the
     body then runs only while the task holds a slot (``semaphore_weight`` slots) of every one.
     """
 
     semaphore_limit: ClassVar[int | None] = None
+    # at most N starts in any window ("30/m", "5/s", "10/30s" or a (count, seconds) pair)
+    semaphore_rate: ClassVar[str | tuple[int, float] | None] = None
+    # at least this many seconds between two starts (robots.txt Crawl-delay)
+    semaphore_spacing: ClassVar[float | None] = None
     semaphore_key: ClassVar[KeyOption | None] = None
     semaphore_weight: ClassVar[int | WeightFunction | None] = None
     semaphore_lease: ClassVar[float | None] = None
@@ -160,6 +156,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         except Reject as error:
             finished = not error.requeue  # requeued: Celery delivers it again, and that copy must run
             raise
+        except SemaphorePaused:
+            finished = False  # its copy, sent for the end of the pause, runs it
+            raise
         except Exception:
             raise  # a failure, the task's own retry, Ignore: Celery delivers this message no more
         except BaseException:
@@ -172,6 +171,28 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         finally:
             if lease is not None:
                 give_back(lease, finished=finished)
+
+    def semaphore_pause(self, seconds: float) -> NoReturn:
+        """From the body, on "429, Retry-After: <seconds>": pause this task's semaphore for every
+        worker for ``seconds`` and send the task again for the end of the pause, first in line.
+        Raises, like ``self.retry()``; the task's retries are left alone (a wait, not a retry)."""
+        seconds = check_seconds(f"{self.name}.semaphore_pause", seconds)
+        request = self.request
+        lease: Lease | None = getattr(request, "semaphore_lease", None)
+        if lease is None:
+            raise SemaphoreError(f"{self.name}: semaphore_pause is for the body of a task that holds its slot")
+        semaphore: AnySemaphore = lease.semaphore  # type: ignore[assignment]
+        if request.is_eager:  # no message to send: the eager retry waits for its slot, past the pause
+            pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
+            raise self.retry(countdown=seconds)
+        history = WaitHistory.of(request).checked(TicketSigner.of(config_for(self.app)), request)
+        self._note_first_wait(semaphore, history)
+        ticket = pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
+        args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+        again = self._copy_of_wait(history, ticket, seconds, args, kwargs)
+        again.apply_async()
+        logger.info("%s[%s] paused %r for %g s; it goes first after", self.name, request.id, semaphore.name, seconds)
+        raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds, sig=again)
 
     def _acks_late(self) -> bool:
         acks_late = getattr(self.request, "acks_late", None)
@@ -223,7 +244,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request = self.request
         history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
         if not history.waits and (request.delivery_info or {}).get("redelivered"):
-            history = _continued_wait(semaphore, request, history)
+            history = continued_wait(semaphore, request, history)
         token, waiter = f"{task_key(request.id)}:{process_token()}", _waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
@@ -280,6 +301,14 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             if run is not None:  # this wait parked before: no wake-up or sweep may bring it back
                 parking().unpark(semaphore, waiter, run)
             raise SemaphoreUnavailable(semaphore.name, attempt.limit, waited)
+        if attempt.retry_after is not None:
+            # a start reserved for this task at a known moment: come back exactly then
+            due_in = attempt.retry_after
+            if options.max_wait is not None:
+                due_in = min(due_in, max(0.0, options.max_wait - waited) + 0.5)
+            if config.visibility_timeout is not None:
+                due_in = min(due_in, config.visibility_timeout * policy.VISIBILITY_MARGIN)
+            self._wait_for_start(semaphore, attempt, history, args, kwargs, due_in)
         countdown = policy.countdown(
             attempt, options.countdown, waits=history.waits, visibility_timeout=config.visibility_timeout
         )
@@ -331,6 +360,16 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             request, args, kwargs, queue=origin if came_woken else None, countdown=countdown, headers=headers
         )
 
+    def _copy_of_wait(
+        self, history: WaitHistory, ticket: int | None, due_in: float, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A copy of this wait carrying ``ticket``, due in ``due_in`` seconds, bound for the
+        queue the wait came from (a copy that came through the wake queue goes back there)."""
+        origin = history.origin or _queue_of(self.app, self.request)
+        came_woken = origin is not None and _routing_key(self.request) == wake_queue(origin)
+        headers = self._headers_of_copy(history, ticket, origin)
+        return self._copy_due_in(due_in, origin, came_woken, headers, args, kwargs)
+
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began
         (as Celery's own ``worker_deduplicate_successful_tasks`` asks it, but an invocation that
@@ -372,10 +411,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         lease = attempt.twin_lease or semaphore.lease
         longest = policy.backstop(wait_options(self, config).countdown, visibility_timeout=config.visibility_timeout)
         countdown = max(1, round(min(lease + 1.0, longest)))
-        origin = history.origin or _queue_of(self.app, request)
-        came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
-        headers = self._headers_of_copy(history, history.ticket, origin)
-        again = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs)
+        again = self._copy_of_wait(history, history.ticket, countdown, args, kwargs)
         logger.info(
             "%s[%s]: another copy of this wait holds the slot; this copy looks again in %d s",
             self.name,
@@ -391,6 +427,40 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         # Ignore, not Retry: the run this copy waits on owns the task's state. A RETRY stored by
         # this copy could land just after the run's SUCCESS and hide it from ``get()``.
         raise Ignore()
+
+    def _wait_for_start(
+        self,
+        semaphore: AnySemaphore,
+        attempt: Waiting,
+        history: WaitHistory,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        due_in: float,
+    ) -> NoReturn:
+        """A rate, a spacing or a pause holds a start for this task, ``due_in`` seconds from now,
+        and nobody else can take it: the task is sent again for that moment. It is not parked:
+        no release has to tell it anything, and a wake-up now would only find its start not yet
+        allowed. It keeps its place (the script kept it until then), and its ticket travels."""
+        request = self.request
+        self._note_first_wait(semaphore, history)
+        again = self._copy_of_wait(history, attempt.ticket, due_in, args, kwargs)
+        try:
+            again.apply_async()
+        except Exception as error:
+            _leave_quietly(semaphore, _waiter_of(semaphore, request))  # no copy will come
+            raise SemaphoreError(
+                f"could not re-send {self.name}[{request.id}] for its start on {semaphore.name!r}: {error}",
+                key=semaphore.name,
+            ) from error
+        raise Retry(f"its start on {semaphore.name!r} comes in {due_in:.3f} s", when=due_in, sig=again)
+
+    def _note_first_wait(self, semaphore: AnySemaphore, history: WaitHistory) -> None:
+        """Before any copy of a first delivery's wait exists: a redelivery of this message
+        (acks_late, its worker killed before the ack) must continue this wait, not begin a
+        second one."""
+        if not history.waits and history.run_part is not None:
+            config = config_for(self.app)
+            remember_wait(semaphore, self.request, history.run_part, remember_for(wait_options(self, config), config))
 
     def _wait_outside(
         self,
@@ -410,15 +480,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         headers = self._headers_of_copy(history, attempt.ticket, origin)
         address = ""
         run = history.run_id(request)
-        if not history.waits and history.run_part is not None:
-            # before any copy exists: a redelivery of this message (acks_late, its worker killed
-            # before the ack) must continue this wait, not begin a second one
-            _remember_wait(
-                semaphore,
-                request,
-                history.run_part,
-                remember_for(wait_options(self, config_for(self.app)), config_for(self.app)),
-            )
+        self._note_first_wait(semaphore, history)
         if origin is not None and not outages.is_down(semaphore):
             wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
             try:
@@ -457,53 +519,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             when=countdown,
             sig=backstop,
         )
-
-
-def _first_delivery_note(request: Any) -> str:
-    return f"{request.id}#{request.retries or 0}#"
-
-
-def _runs_home(semaphore: AnySemaphore) -> FairSemaphore:
-    """The semaphore whose keys hold the run records (a MultiSemaphore's first)."""
-    return semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
-
-
-def _remember_wait(semaphore: AnySemaphore, request: Any, wait_id: str, remember: float) -> None:
-    home = _runs_home(semaphore)
-    try:
-        scripts_for(home.client).remember_wait(
-            home.keys, first_delivery=_first_delivery_note(request), wait_id=wait_id, remember_ms=to_ms(remember)
-        )
-    except Exception as error:  # Redis down: the copies still run once; a redelivery may wait twice
-        logger.warning(
-            "could not note the wait of %s[%s] (a redelivery of its message would wait anew): %s",
-            getattr(request, "task", "?"),
-            request.id,
-            error,
-        )
-
-
-def _continued_wait(semaphore: AnySemaphore, request: Any, history: WaitHistory) -> WaitHistory:
-    """A redelivered first delivery whose first try began a wait (its worker died before the
-    ack): that wait, so this delivery asks under its run (dropped if it ran, waiting while it
-    runs, running it if nobody did). Otherwise the fresh history."""
-    home = _runs_home(semaphore)
-    try:
-        wait_id = home.client.hget(home.keys.runs, _first_delivery_note(request))
-    except Exception as error:
-        logger.debug(
-            "could not look up the wait of a redelivered %s[%s]: %s", getattr(request, "task", "?"), request.id, error
-        )
-        return history
-    if not wait_id:
-        return history
-    text = wait_id.decode() if isinstance(wait_id, bytes) else str(wait_id)
-    logger.info(
-        "%s[%s]: a redelivery of a message whose wait began already; it continues that wait",
-        getattr(request, "task", "?"),
-        request.id,
-    )
-    return dataclasses.replace(history, waits=1, run_part=text)
 
 
 def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:
@@ -574,44 +589,8 @@ def _epoch_seconds(date_done: Any) -> float | None:
     return float(date_done.timestamp())
 
 
-def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
-    """How long a finished run of a waited task is remembered, to drop its late copies."""
-    return max(options.countdown[1] + AWAY_SLACK, config.visibility_timeout or 0.0) + REMEMBER_SLACK
-
-
 # the marker lets modules that must not import this one recognise a semaphore task
 setattr(SemaphoreTask, MARKER, True)
-
-
-class _Outages:
-    """Says once per outage per process that the semaphore Redis is unreachable, and once when
-    it answers again, instead of a warning on every refused try (hundreds a second)."""
-
-    def __init__(self) -> None:
-        self._down: set[int] = set()  # id() of the clients known to be unreachable
-        self._lock = threading.Lock()
-
-    def down(self, semaphore: AnySemaphore, error: Exception) -> None:
-        with self._lock:
-            first = id(semaphore.client) not in self._down
-            self._down.add(id(semaphore.client))
-        if first:
-            logger.warning("semaphore Redis unavailable: tasks wait (fail closed) until it is back: %s", error)
-
-    def back(self, semaphore: AnySemaphore) -> None:
-        if not self._down:  # the common case costs one truth test
-            return
-        with self._lock:
-            was_down = id(semaphore.client) in self._down
-            self._down.discard(id(semaphore.client))
-        if was_down:
-            logger.warning("semaphore Redis is back: waiting tasks take their slots again")
-
-    def is_down(self, semaphore: AnySemaphore) -> bool:
-        return id(semaphore.client) in self._down
-
-
-outages = _Outages()
 
 
 def _leave_quietly(semaphore: AnySemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:

@@ -243,20 +243,26 @@ def check_limits(task: Any, config: SemaphoreConfig) -> None:
         if callable(item):
             continue
         sample = sample_key(item) if isinstance(item, str) else task.name
-        rule = config.limit_for(sample, task.name, task.semaphore_limit)
+        rule = config.limit_for(sample, task.name, task)
         if rule is None:
             raise ConfigurationError(
                 f"{task.name}.semaphore_limit",
                 None,
-                "the task has no limit"
+                "the task has no limit, rate or spacing"
                 + (f" for its key {item!r}" if isinstance(key, list) else "")
-                + ": set semaphore_limit on it or an entry in semaphore_limits",
+                + ": set semaphore_limit (or semaphore_rate, semaphore_spacing) on it or an entry in semaphore_limits",
             )
-        if isinstance(weight, int) and weight > rule.limit:
+        if isinstance(weight, int) and rule.limit is not None and weight > rule.limit:
             raise ConfigurationError(
                 f"{task.name}.semaphore_weight",
                 weight,
                 f"above the limit {rule.limit} of {sample!r}: the task would wait forever",
+            )
+        if isinstance(weight, int) and rule.rate is not None and weight > rule.rate.count:
+            raise ConfigurationError(
+                f"{task.name}.semaphore_weight",
+                weight,
+                f"above the rate {rule.rate} of {sample!r}: the task would wait forever",
             )
 
 
@@ -289,7 +295,7 @@ def _release_by_task_id(
     the task out of the line, and with ``finished_run`` mark that run finished: Celery will not
     deliver the task again, so no other copy of its wait may run it. Only that process's slot: a
     copy of the same task may hold another, rightly, in another process."""
-    from .task import remember_for  # task.py installs this module's hooks: imported when used
+    from .wait_runs import remember_for
 
     released = 0
     try:

@@ -87,6 +87,9 @@ class Waiting:
     # a start a rate, a spacing or a pause reserved for it: seconds until it may claim it (and
     # nobody else can have that start meanwhile); None when it waits for a release to offer one
     retry_after: float | None = None
+    # seconds until a rate, a spacing or a pause allows the next start of the line (to whoever
+    # heads it then); None when they allow one now, or there are none
+    opens_in: float | None = None
 
     @property
     def granted(self) -> bool:

@@ -20,6 +20,7 @@ class AcquireReply:
     unheard: tuple[str, ...] = ()  # WAIT: waiters offered a slot whose wake-up nobody heard
     twin_lease_ms: int = 0  # RUNNING: how long the lease of the copy that runs lasts (unless renewed)
     retry_ms: int = 0  # WAIT: ms until a slot reserved for it under a rate, spacing or pause may be claimed
+    opens_ms: int = 0  # WAIT: ms until a rate, spacing or pause allows the line's next start
 
 
 @dataclass(frozen=True)

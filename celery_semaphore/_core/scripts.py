@@ -258,7 +258,7 @@ class Scripts:
             return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
         if code in (GRANTED, CLAIMED):  # a claim that handed the next start to waiters unheard
             return AcquireReply(code, 0, 0, 0, -1, None, 0, unheard=tuple(as_text(waiter) for waiter in reply[1:]))
-        outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms = reply[:8]
+        outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms, opens_ms = reply[:9]
         text = as_text(ticket_text)
         return AcquireReply(
             outcome=int(outcome),
@@ -268,8 +268,9 @@ class Scripts:
             hold_ms=int(hold_ms),
             ticket=int(float(text)) if text else None,
             turn=int(turn),
-            unheard=tuple(as_text(waiter) for waiter in reply[8:]),
+            unheard=tuple(as_text(waiter) for waiter in reply[9:]),
             retry_ms=int(retry_ms),
+            opens_ms=int(opens_ms),
         )
 
     def release(

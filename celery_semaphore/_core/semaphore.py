@@ -311,6 +311,7 @@ class FairSemaphore:
                 ticket=reply.ticket,
                 turn=reply.turn,
                 retry_after=reply.retry_ms / 1000 if reply.retry_ms > 0 else None,
+                opens_in=reply.opens_ms / 1000 if reply.opens_ms > 0 else None,
             )
         if reply.outcome == RUNNING:
             return Duplicate(running=True, twin_lease=reply.twin_lease_ms / 1000)

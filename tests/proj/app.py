@@ -632,3 +632,40 @@ def retries_elsewhere(self: Any, queue: str, key: str) -> str:
         time.sleep(0.5)
         raise self.retry(queue=queue, countdown=0)
     return str(self.request.id)
+
+
+def _record_grant(task: Any, key: str) -> None:
+    """Record "<task id> <granted ms>": the server time Redis granted the running task its slot
+    (as the acquire script wrote it), so windows are checked in the server time rules use."""
+    lease = task.request.semaphore_lease
+    info = lease.semaphore.client.hget(lease.semaphore.keys.holder_info, f"h:{lease.token}")
+    probe(key).client.rpush(f"probe:{key}:granted", f"{task.request.id} {info.decode().split('|')[0]}")
+
+
+@app.task(base=SemaphoreTask, semaphore_rate=(5, 1.0), bind=True, name="proj.rated")
+def rated(self: Any, seconds: float, key: str = "rated") -> str:
+    """At most 5 starts in any second, no concurrency limit."""
+    _record_grant(self, key)
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=3, semaphore_spacing=0.3, bind=True, name="proj.spaced")
+def spaced(self: Any, seconds: float, key: str = "spaced") -> str:
+    """A host with a Crawl-delay of 0.3 s, 3 at once."""
+    _record_grant(self, key)
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=2, bind=True, name="proj.throttled_api")
+def throttled_api(self: Any, seconds: float, answer_429_for: float = 0.0, key: str = "throttled_api") -> str:
+    """An API call; a call given ``answer_429_for`` hears "429, Retry-After" on its first run
+    and pauses the key for that long."""
+    _record_grant(self, key)
+    if answer_429_for and probe(key).client.sadd(f"probe:{key}:told", self.request.id):
+        seconds, micros = self.request.semaphore_lease.semaphore.client.time()
+        probe(key).client.rpush(f"probe:{key}:paused", f"{self.request.id} {seconds * 1000 + micros // 1000}")
+        self.semaphore_pause(answer_429_for)
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)

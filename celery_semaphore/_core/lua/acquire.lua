@@ -33,7 +33,7 @@
 -- handed the next start on to a waiter nobody heard; for a duplicate run, {RUNNING, lease_ms}
 -- (its other copy holds the slot now, its lease lasting lease_ms more unless renewed) or RAN
 -- (the run finished); when refused, {WAIT, position, free, limit, hold, ticket, turn, retry_ms,
--- unheard...}:
+-- opens_ms, unheard...}:
 --   outcome  GRANTED: the slot is held under token (also when token already held it, so a
 --            resend by redis-py after a connection error is harmless); CLAIMED: granted by
 --            claiming the offer a release made to this waiter; WAIT: refused
@@ -46,6 +46,9 @@
 --   retry_ms 0; or, for a waiter holding a slot that a rate, a spacing or a pause reserved for
 --            it (a delayed offer, see hand_off), the ms until it may claim it: it asks again
 --            then, and nobody else can take that start meanwhile
+--   opens_ms 0; or, while a rate, a spacing or a pause allows no start, the ms until the next
+--            start is allowed (to whoever heads the line then): a caller far from its turn need
+--            not wait in-process meanwhile
 --   unheard  the waiters this try offered a slot to whose wake-up nobody heard (see notify)
 
 local token, waiter = ARGV[1], ARGV[2]
@@ -100,7 +103,7 @@ local function refused(left, ticket, retry_ms)
   return {WAIT, redis.call('ZRANK', K_QUEUE, waiter) or redis.call('ZCARD', K_QUEUE), left, r.limit,
           average or tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1,
           ticket and string.format('%.0f', ticket) or '', redis.call('ZRANK', K_PRESENT, waiter) or 0,
-          retry_ms, unpack(unheard)}
+          retry_ms, r.gated and gate_wait(r, now, 1) or 0, unpack(unheard)}
 end
 
 if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
@@ -152,7 +155,7 @@ if not enqueue then
     return granted(GRANTED, r)
   end
   return {WAIT, redis.call('ZCARD', K_QUEUE), left, r.limit, average, '', redis.call('ZCARD', K_PRESENT), 0,
-          unpack(unheard)}
+          r.gated and gate_wait(r, now, 1) or 0, unpack(unheard)}
 end
 
 local ticket = redis.call('ZSCORE', K_QUEUE, waiter)

@@ -1,0 +1,82 @@
+"""Where a waited task's runs are noted: which wait a first delivery began (so a redelivery
+of that message continues it instead of beginning a second one), and how long a finished run is
+remembered. Apart from ``task.py`` so that the worker's main process can use them without the
+task hook."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from .._core.multi import MultiSemaphore
+from .._core.scripts import scripts_for
+from .._core.semaphore import FairSemaphore
+from .._core.validation import to_ms
+from .config import SemaphoreConfig
+from .options import WaitOptions
+from .wait_headers import WaitHistory
+
+logger = logging.getLogger("celery_semaphore")
+
+# A finished run is remembered this much longer than any copy of it is due to arrive: the
+# backstop's countdown, or a Redis broker's redelivery of a dead worker's unacked copy
+# (visibility_timeout). A copy can still come later (a backlog, an hour without workers): with
+# a result backend such a copy finds the task's SUCCESS there and is dropped all the same.
+REMEMBER_SLACK = 3600.0
+
+# A waiter away on a countdown keeps its place this much longer than the countdown, to cover
+# the broker's delivery and a busy worker's delay in starting it.
+AWAY_SLACK = 15.0
+
+
+def _first_delivery_note(request: Any) -> str:
+    return f"{request.id}#{request.retries or 0}#"
+
+
+def runs_home(semaphore: FairSemaphore | MultiSemaphore) -> FairSemaphore:
+    """The semaphore whose keys hold the run records (a MultiSemaphore's first)."""
+    return semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
+
+
+def remember_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, wait_id: str, remember: float) -> None:
+    home = runs_home(semaphore)
+    try:
+        scripts_for(home.client).remember_wait(
+            home.keys, first_delivery=_first_delivery_note(request), wait_id=wait_id, remember_ms=to_ms(remember)
+        )
+    except Exception as error:  # Redis down: the copies still run once; a redelivery may wait twice
+        logger.warning(
+            "could not note the wait of %s[%s] (a redelivery of its message would wait anew): %s",
+            getattr(request, "task", "?"),
+            request.id,
+            error,
+        )
+
+
+def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, history: WaitHistory) -> WaitHistory:
+    """A redelivered first delivery whose first try began a wait (its worker died before the
+    ack): that wait, so this delivery asks under its run (dropped if it ran, waiting while it
+    runs, running it if nobody did). Otherwise the fresh history."""
+    home = runs_home(semaphore)
+    try:
+        wait_id = home.client.hget(home.keys.runs, _first_delivery_note(request))
+    except Exception as error:
+        logger.debug(
+            "could not look up the wait of a redelivered %s[%s]: %s", getattr(request, "task", "?"), request.id, error
+        )
+        return history
+    if not wait_id:
+        return history
+    text = wait_id.decode() if isinstance(wait_id, bytes) else str(wait_id)
+    logger.info(
+        "%s[%s]: a redelivery of a message whose wait began already; it continues that wait",
+        getattr(request, "task", "?"),
+        request.id,
+    )
+    return dataclasses.replace(history, waits=1, run_part=text)
+
+
+def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
+    """How long a finished run of a waited task is remembered, to drop its late copies."""
+    return max(options.countdown[1] + AWAY_SLACK, config.visibility_timeout or 0.0) + REMEMBER_SLACK

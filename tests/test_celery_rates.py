@@ -1,0 +1,89 @@
+"""Rates, spacings and pauses with real workers (2 workers x 4, Redis broker): the rules hold
+across workers in server time, starts come at the allowed moments, and a body's 429 pauses the
+key on every worker. Grant moments are the server times Redis wrote when it granted each slot
+(``proj._record_grant``), independent of any worker's clock."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from .celery_stack import CeleryStack
+from .test_rates import most_in_any_window
+from .workers import worker_group
+
+pytestmark = pytest.mark.workers
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def grants(proj: Any, key: str) -> list[tuple[str, int]]:
+    """(task id, granted server ms) of every run, in grant order."""
+    entries = proj.probe(key).client.lrange(f"probe:{key}:granted", 0, -1)
+    return sorted(
+        ((task_id.decode(), int(at)) for task_id, at in (entry.split() for entry in entries)), key=lambda e: e[1]
+    )
+
+
+def run_all(results: list[AsyncResult]) -> None:
+    for result in results:
+        result.get(timeout=120)
+
+
+def test_a_rate_holds_across_workers_and_is_used_in_full(proj: Any, celery_stack: CeleryStack) -> None:
+    """30 tasks at 5 per second over 2 workers x 4: no window of 1 s (server time) holds more
+    than 5 grants, and the backlog is served at the full rate (6 windows, not more)."""
+    with worker_group(celery_stack.env, queue="rated", names=("rated-a", "rated-b"), concurrency=4):
+        run_all([proj.rated.apply_async((0.05,), queue="rated") for _ in range(30)])
+    moments = [at for _, at in grants(proj, "rated")]
+    assert len(moments) == 30
+    assert most_in_any_window(moments, 1000) == 5
+    span = moments[-1] - moments[0]
+    print(f"30 starts at 5/s took {span} ms (ideal >= 5000)")
+    assert span < 5000 + 1500
+
+
+def test_a_spacing_holds_across_workers_and_starts_on_time(proj: Any, celery_stack: CeleryStack) -> None:
+    """12 tasks of a host with a 0.3 s Crawl-delay (3 at once) over 2 workers x 4: two grants
+    are never closer than 0.3 s, and each comes soon after its allowed moment."""
+    with worker_group(celery_stack.env, queue="spaced", names=("spaced-a", "spaced-b"), concurrency=4):
+        run_all([proj.spaced.apply_async((0.05,), queue="spaced") for _ in range(12)])
+    moments = [at for _, at in grants(proj, "spaced")]
+    late = [later - earlier - 300 for earlier, later in itertools.pairwise(moments)]
+    print(f"start after the allowed moment: p50 {statistics.median(late)} ms, max {max(late)} ms")
+    assert min(late) >= 0
+    assert statistics.median(late) < 100
+
+
+def test_a_429_pauses_the_key_on_every_worker_and_the_paused_task_goes_first(
+    proj: Any, celery_stack: CeleryStack
+) -> None:
+    """Limit 2, a backlog of 8; the first task hears "429, Retry-After: 1.5" and pauses the key:
+    no task starts anywhere until the pause ends, then the paused task starts first."""
+    key = "throttled_api"
+    with worker_group(celery_stack.env, queue="throttled", names=("throttled-a", "throttled-b"), concurrency=4):
+        first = proj.throttled_api.apply_async((0.2, 1.5), queue="throttled")
+        rest = [proj.throttled_api.apply_async((0.2,), queue="throttled") for _ in range(7)]
+        run_all([first, *rest])
+    runs = grants(proj, key)
+    told = [entry for entry in runs if entry[0] == first.id]
+    assert len(told) == 2, runs  # the run that heard 429, and the one after the pause
+    resumed_at = told[1][1]
+    # server ms just before the body paused the key
+    paused_at = int(proj.probe(key).client.lrange(f"probe:{key}:paused", 0, -1)[0].split()[1])
+    # nobody started while the pause held
+    assert not [entry for entry in runs if paused_at < entry[1] < paused_at + 1500], (paused_at, runs)
+    assert 1500 <= resumed_at - paused_at < 1500 + 150
+    # the paused task was the first to start after the pause
+    after = [entry for entry in runs if entry[1] >= resumed_at]
+    assert after[0][0] == first.id, runs
+    print(f"paused {resumed_at - paused_at} ms (1500 asked)")
