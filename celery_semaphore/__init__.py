@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ._core.attempts import Granted, Waiting
     from ._core.lease import Lease
     from ._core.multi import MultiSemaphore
+    from ._core.rules import Rate
     from ._core.semaphore import FairSemaphore
     from ._core.status import SemaphoreStatus
     from .errors import ConfigurationError, LeaseLost, RedisUnavailable, SemaphoreError, SemaphoreUnavailable
@@ -34,6 +35,7 @@ _HOMES = {
     "Lease": "._core.lease",
     "LeaseLost": ".errors",
     "MultiSemaphore": "._core.multi",
+    "Rate": "._core.rules",
     "RedisUnavailable": ".errors",
     "SemaphoreError": ".errors",
     "SemaphoreStatus": "._core.status",
@@ -51,6 +53,7 @@ __all__ = [
     "Lease",
     "LeaseLost",
     "MultiSemaphore",
+    "Rate",
     "RedisUnavailable",
     "SemaphoreError",
     "SemaphoreStatus",

@@ -113,3 +113,30 @@ def test_fail_open_runs_an_eager_task_when_redis_is_unreachable() -> None:
         return "ran"
 
     assert work.delay().get(disable_sync_subtasks=False) == "ran"
+
+
+def test_an_eager_body_that_pauses_its_key_runs_again_after_the_pause_not_as_a_retry(
+    redis_server: RedisServer,
+) -> None:
+    """semaphore_pause in eager mode: the call waits out the pause and runs its body again; it is
+    not a retry (max_retries=0 still lets it through), and it leaves no place in line behind."""
+    import time
+
+    from celery_semaphore import SemaphoreTask
+
+    app = eager_app(redis_server)
+    runs: list[float] = []
+
+    @app.task(
+        base=SemaphoreTask, semaphore_limit=2, bind=True, max_retries=0, lazy=False, shared=False, name="eager.api"
+    )
+    def call_api(self: SemaphoreTask) -> int:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            self.semaphore_pause(0.3)  # "429, Retry-After: 0.3"
+        return len(runs)
+
+    assert call_api.delay().get(disable_sync_subtasks=False) == 2
+    assert runs[1] - runs[0] >= 0.25
+    status = semaphore_for(app, "eager.api").status()
+    assert status.waiter_count == 0 and status.holder_count == 0

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import uuid
 from typing import Any
 
 import pytest
+from celery import Celery
 from celery.result import AsyncResult
+from kombu import Connection
 
 from .celery_stack import CeleryStack
 from .test_rates import most_in_any_window
@@ -87,3 +90,33 @@ def test_a_429_pauses_the_key_on_every_worker_and_the_paused_task_goes_first(
     after = [entry for entry in runs if entry[1] >= resumed_at]
     assert after[0][0] == first.id, runs
     print(f"paused {resumed_at - paused_at} ms (1500 asked)")
+
+
+@pytest.mark.rabbitmq
+def test_a_rate_and_a_spacing_hold_on_a_rabbitmq_broker(celery_stack: CeleryStack) -> None:
+    """The same rules over RabbitMQ (2 workers x 4): a reserved start's copy waits in the
+    backstop queue, not as an ETA, and still starts on time."""
+    from .test_rabbitmq import amqp_url_or_skip
+
+    amqp_url = amqp_url_or_skip()
+    import tests.proj.app as proj
+
+    queue = f"celery-semaphore-rates-{uuid.uuid4().hex[:8]}"
+    env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": queue}
+    sender = Celery("sender", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+    try:
+        with worker_group(env, queue=queue, names=("amqp-rates-a", "amqp-rates-b"), concurrency=4):
+            run_all([sender.send_task("proj.rated", (0.05, "amqp-rated"), queue=queue) for _ in range(15)])
+            run_all([sender.send_task("proj.spaced", (0.05, "amqp-spaced"), queue=queue) for _ in range(8)])
+    finally:
+        with Connection(amqp_url) as connection:
+            channel = connection.channel()
+            for name in (queue, f"{queue}.semaphore-wake", f"{queue}.semaphore-backstop"):
+                channel.queue_delete(name)
+    rated = [at for _, at in grants(proj, "amqp-rated")]
+    assert len(rated) == 15 and most_in_any_window(rated, 1000) == 5
+    spaced = [at for _, at in grants(proj, "amqp-spaced")]
+    late = [later - earlier - 300 for earlier, later in itertools.pairwise(spaced)]
+    print(f"RabbitMQ: 15 starts at 5/s took {rated[-1] - rated[0]} ms; spacing late p50 {statistics.median(late)} ms")
+    assert min(late) >= 0
+    assert statistics.median(late) < 100

@@ -55,7 +55,7 @@ from .options import (
 )
 from .outages import outages
 from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
-from .pausing import SemaphorePaused, pause_and_stand_first
+from .pausing import SemaphorePaused, members, pause_and_stand_first
 from .tokens import process_token, task_key
 from .wait_headers import (
     QUEUE_HEADER,
@@ -140,14 +140,17 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         semaphore = semaphore_for_call(self, args, kwargs)
         if request.is_eager:
-            lease: Lease | None = self._acquire_eagerly(semaphore)
-            request.semaphore_lease = lease
-            with _eager_holding(semaphore if lease is not None else None):
-                try:
-                    return super().__call__(*args, **kwargs)
-                finally:
-                    if lease is not None:
-                        give_back(lease)
+            while True:
+                lease: Lease | None = self._acquire_eagerly(semaphore)
+                request.semaphore_lease = lease
+                with _eager_holding(semaphore if lease is not None else None):
+                    try:
+                        return super().__call__(*args, **kwargs)
+                    except SemaphorePaused:
+                        pass  # the body paused its key: run it again once the pause lets it start
+                    finally:
+                        if lease is not None:
+                            give_back(lease)
         lease = self._acquire_in_worker(semaphore, args, kwargs)
         request.semaphore_lease = lease
         finished = True
@@ -182,9 +185,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         if lease is None:
             raise SemaphoreError(f"{self.name}: semaphore_pause is for the body of a task that holds its slot")
         semaphore: AnySemaphore = lease.semaphore  # type: ignore[assignment]
-        if request.is_eager:  # no message to send: the eager retry waits for its slot, past the pause
-            pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
-            raise self.retry(countdown=seconds)
+        if request.is_eager:  # no message to send: the call takes its slot again, past the pause
+            for member in members(semaphore):
+                member.pause(seconds)
+            raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds)
         history = WaitHistory.of(request).checked(TicketSigner.of(config_for(self.app)), request)
         self._note_first_wait(semaphore, history)
         ticket = pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
