@@ -265,3 +265,18 @@ def test_without_rules_nothing_is_kept_for_them(redis_client: redis.Redis) -> No
     semaphore = FairSemaphore(redis_client, "plain", 2, lease=30)
     semaphore.acquire(timeout=0).release()
     assert redis_client.keys("*") == []
+
+
+def test_a_weighted_waiter_held_back_by_a_rate_keeps_its_place_past_its_patience(redis_client: redis.Redis) -> None:
+    """A MultiSemaphore waiter at the head of its line, refused only by the rate, is told when
+    to come back; its place lasts until then even when that is past its patience."""
+    api = FairSemaphore(redis_client, "api", None, rate=(2, 1.0), lease=30, patience=0.3)
+    heavy = MultiSemaphore([api], weight=2)
+    assert isinstance(heavy.try_acquire(), Granted)
+    refused = heavy.try_acquire(waiter="heavy")
+    assert isinstance(refused, Waiting) and refused.retry_after is not None and refused.retry_after > 0.5
+    past_patience = time.monotonic() + 0.5  # past its patience (0.3 s), before its start
+    wait_until(lambda: time.monotonic() >= past_patience, timeout=2)
+    assert api.status().waiter_count == 1
+    assert isinstance(api.try_acquire(waiter="light"), Waiting)  # nobody passes it meanwhile
+    wait_until(lambda: isinstance(heavy.try_acquire(waiter="heavy"), Granted), timeout=3)

@@ -217,13 +217,19 @@ if fits and position == 0 then
   return granted()
 end
 
+-- at the head of every line, held back only by a rate, a spacing or a pause: its place is kept
+-- until it may start (and a claim window after), however short its patience
+local start_wait = position == 0 and retry_ms or 0
 if enqueue then
   for i = 1, n do
     use_semaphore(i)
-    extend_line(patience_ms + GRACE_MS)
+    if start_wait > 0 then
+      redis.call('ZADD', K_DEADLINES, 'GT', now + start_wait + CLAIM_MS, waiter)
+    end
+    extend_line(math.max(patience_ms, start_wait + CLAIM_MS) + GRACE_MS)
   end
 end
 -- a retry moment means something only to the head of every line: the others are told when
 -- their weight fits (hand_off)
 return {WAIT, position, short_free, limits[blocking or 1], (blocking or 1) - 1,
-        ticket and string.format('%.0f', ticket) or '', position == 0 and retry_ms or 0}
+        ticket and string.format('%.0f', ticket) or '', start_wait}
