@@ -213,3 +213,29 @@ def test_worker_eta_task_limit_strands_no_waiter_on_rabbitmq(proj: Any, celery_s
     )
     assert limited <= 1.2 * baseline, log[-4000:]
     assert proj.probe("recycled").client.get("probe:recycled:max") in (None, b"1")
+
+
+def moments(proj: Any, key: str, which: str = "starts") -> list[float]:
+    """When bodies of ``key`` started (or ended), as ``_held`` records them ("<task id> <time>")."""
+    return [float(entry.split()[1]) for entry in proj.probe(key).client.lrange(f"probe:{key}:{which}", 0, -1)]
+
+
+def test_a_worker_keeps_a_pool_process_free_of_waiting_tasks(proj: Any, celery_stack: CeleryStack) -> None:
+    """Concurrency 2, limit 1: one process holds the slot for 2 s; the refused task behind it,
+    whose turn is next, would wait in the other process (semaphore_inline_wait) and leave none
+    for a task that can run now. It parks instead: a plain task sent meanwhile starts at once,
+    and the parked one still starts right after the release."""
+    key = "room"
+    with worker_group(celery_stack.env, queue="room", names=("room",), concurrency=2):
+        holder = proj.sleepy.apply_async((2.0, key), queue="room")
+        wait_until(lambda: len(moments(proj, key)) == 1, timeout=30)
+        waiter = proj.sleepy.apply_async((0.1, key), queue="room")
+        wait_until(lambda: semaphore_for(proj.app, "proj.sleepy").status().waiter_count == 1, timeout=30)
+        sent = time.time()
+        plain = proj.unlimited.apply_async((0.1, "room-plain"), queue="room")
+        plain.get(timeout=30)
+        started_plain = moments(proj, "room-plain")[0]
+        holder.get(timeout=30)
+        waiter.get(timeout=30)
+    assert started_plain - sent < 1.0, f"the plain task started {started_plain - sent:.2f} s after it was sent"
+    assert moments(proj, key)[1] - moments(proj, key, "ends")[0] < 0.5

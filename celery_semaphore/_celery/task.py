@@ -56,6 +56,7 @@ from .options import (
 from .outages import outages
 from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from .pausing import SemaphorePaused, members, pause_and_stand_first
+from .pool_room import pool_room
 from .tokens import process_token, task_key
 from .wait_headers import (
     QUEUE_HEADER,
@@ -151,6 +152,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                     finally:
                         if lease is not None:
                             give_back(lease)
+        with pool_room.busy():  # waiting or holding: this pool process is taken (pool_room.py)
+            return self._call_holding(semaphore, args, kwargs)
+
+    def _call_holding(self, semaphore: AnySemaphore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Take the slot (or leave the worker to wait for it), run the body, give the slot back."""
+        request = self.request
         lease = self._acquire_in_worker(semaphore, args, kwargs)
         request.semaphore_lease = lease
         finished = True
@@ -268,7 +275,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 fresh=history.waits == 0 and history.ticket is None,
             )
             attempt = semaphore._try(ask)
-            if isinstance(attempt, Waiting) and policy.waits_in_process(attempt, options.inline_wait):
+            if (
+                isinstance(attempt, Waiting)
+                and policy.waits_in_process(attempt, options.inline_wait)
+                and pool_room.leaves_one_free()
+            ):
                 attempt = semaphore._wait(
                     dataclasses.replace(ask, ticket=attempt.ticket, fresh=False), options.inline_wait
                 )

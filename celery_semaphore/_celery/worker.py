@@ -41,6 +41,7 @@ from .config import SemaphoreConfig, config_for, forget_config
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from .parking import parking, wake_queue
 from .policy import VISIBILITY_MARGIN
+from .pool_room import pool_room
 from .tokens import task_key, token_rest_of
 from .wait_headers import WaitHistory
 from .wake_queues import declarable, is_derived_queue, wake_aware, wake_queue_for
@@ -58,6 +59,14 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         check_app(worker.app)
+        # before the pool forks: its processes share which of them are busy (pool_room.py)
+        from celery.concurrency.prefork import TaskPool as PreforkPool
+
+        autoscale = getattr(worker, "autoscale", None) or (0, 0)
+        size = max(int(getattr(worker, "concurrency", 0) or 0), int(max(autoscale)))
+        pool_cls = getattr(worker, "pool_cls", None)
+        prefork = isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
+        pool_room.prepare(size, prefork=prefork)
 
 
 class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]
