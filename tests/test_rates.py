@@ -148,6 +148,21 @@ def test_a_refused_head_is_told_when_its_start_comes(redis_client: redis.Redis) 
     assert isinstance(again, Waiting) and again.retry_after is not None and again.retry_after > 0.2
 
 
+def test_a_newcomer_cannot_take_the_start_reserved_for_the_head(redis_client: redis.Redis) -> None:
+    """The head, alone in line, holds a delayed offer for the next allowed start; once that
+    moment has come and before the head claims it, a newcomer's one-shot try (the uncontended
+    fast path) is refused: the start is the head's."""
+    semaphore = FairSemaphore(redis_client, "reserved", 5, spacing=0.2, lease=30)
+    assert isinstance(semaphore.try_acquire(), Granted)
+    head = semaphore.try_acquire(waiter="head")
+    assert isinstance(head, Waiting) and head.retry_after is not None
+    allowed_at = time.monotonic() + head.retry_after
+    wait_until(lambda: time.monotonic() >= allowed_at, timeout=2)
+    assert isinstance(semaphore.try_acquire(), Waiting)
+    assert isinstance(semaphore.try_acquire(waiter="late"), Waiting)
+    assert isinstance(semaphore.try_acquire(waiter="head"), Granted)
+
+
 def test_starts_under_a_rate_follow_the_order_of_first_asks(redis_client: redis.Redis) -> None:
     """Six waiters queued one after another while a rate of 1 per 0.3 s holds them back start in
     the order they first asked."""

@@ -85,10 +85,12 @@ local NO_RULES = {rate_n = 0, spacing_ms = 0}
 local r
 if fresh then
   -- the fast path: a newcomer, nobody present to pass, a slot free, no rate, spacing or pause
-  -- holding it back
+  -- holding it back. Under such rules nobody in line at all: a waiter offered a start for a
+  -- later moment is no longer present, yet that start is its own
   r = rules_in_force(spec, now)
   local size = redis.call('ZCARD', K_HOLDERS)
-  if size < r.limit and redis.call('ZCARD', K_PRESENT) == 0 and (not r.gated or gate_wait(r, now, 1) == 0) then
+  if size < r.limit and redis.call('ZCARD', r.gated and K_QUEUE or K_PRESENT) == 0
+      and (not r.gated or gate_wait(r, now, 1) == 0) then
     hold(token, now, lease_ms, label, size == 0)
     return granted(GRANTED, r)
   end

@@ -94,7 +94,8 @@ if fresh then
     use_semaphore(i)
     sizes[i] = redis.call('ZCARD', K_HOLDERS)
     rules[i] = rules_in_force(ARGV[9 + i], now)
-    if sizes[i] + weight > rules[i].limit or redis.call('ZCARD', K_PRESENT) > 0
+    -- under a rate, a spacing or a pause, nobody in line at all (see acquire's fast path)
+    if sizes[i] + weight > rules[i].limit or redis.call('ZCARD', rules[i].gated and K_QUEUE or K_PRESENT) > 0
         or (rules[i].gated and gate_wait(rules[i], now, weight) > 0) then
       room = false
       break
