@@ -93,6 +93,23 @@ def test_a_semaphore_needs_a_limit_a_rate_or_a_spacing(redis_client: redis.Redis
     assert "rate=3/s" in repr(only_rate)
 
 
+def test_limit_concurrency_takes_a_rate_and_a_spacing(redis_server: RedisServer) -> None:
+    from celery import Celery
+
+    from celery_semaphore import limit_concurrency, semaphore_for
+
+    app = Celery("rated", broker=redis_server.url, set_as_current=False)
+    app.conf.semaphore_backend_url = redis_server.url
+
+    @limit_concurrency(5, rate="500/m", spacing=0.5, app=app, lazy=False, shared=False, name="rated.call")
+    def call() -> None: ...
+
+    semaphore = semaphore_for(app, "rated.call")
+    assert (semaphore.limit, semaphore.rate, semaphore.spacing) == (5, Rate(500, 60.0), 0.5)
+    with pytest.raises(ConfigurationError, match="rate"):
+        limit_concurrency(5, rate="500 a minute")
+
+
 def test_a_weight_above_the_rate_is_refused_at_declaration(redis_client: redis.Redis) -> None:
     api = FairSemaphore(redis_client, "api", 10, rate="3/s")
     with pytest.raises(ConfigurationError, match="rate"):

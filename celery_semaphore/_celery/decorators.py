@@ -9,6 +9,7 @@ from typing import Any
 from celery import shared_task
 
 from .._core.keys import check_template
+from .._core.rules import check_rate, check_spacing
 from .._core.validation import check_limit
 from .options import KeyOption
 from .task import SemaphoreTask
@@ -19,6 +20,8 @@ def limit_concurrency(
     *,
     key: KeyOption | None = None,
     app: Any = None,
+    rate: str | tuple[int, float] | None = None,
+    spacing: float | None = None,
     **task_options: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
     """Declare a Celery task that runs at most ``limit`` at once per semaphore key.
@@ -29,10 +32,17 @@ def limit_concurrency(
     (``key=["crawl:{host}", "crawl-total"]``): the task then holds a slot of every key, each
     with its own limit; ``semaphore_weight=3`` takes three slots of each. The limit and the key
     templates are checked here, at declaration: a template naming an argument the function
-    lacks is an error now, not when the first task runs.
+    lacks is an error now, not when the first task runs. ``rate`` ("500/m") and ``spacing``
+    (seconds between starts) are ``semaphore_rate`` and ``semaphore_spacing``, checked here too.
     """
     if limit is not None:
         check_limit("limit", limit)
+    check_rate("rate", rate)
+    check_spacing("spacing", spacing)
+    if rate is not None:
+        task_options["semaphore_rate"] = rate
+    if spacing is not None:
+        task_options["semaphore_spacing"] = spacing
 
     def decorate(function: Callable[..., Any]) -> Any:
         name = task_options.get("name") or f"{function.__module__}.{function.__qualname__}"
