@@ -1,14 +1,20 @@
 """celery_semaphore in two stories (the semaphore chapter of "Redis in Action", 6.3): copy this.
 
-Story 1, a paid API: ``call_api`` runs at most ``API_LIMIT`` at once across every worker, because
-the API answers 429 (and would bill or ban us) beyond that. ``call_api_unprotected`` is the same
-call without the semaphore, for the contrast.
+Story 1, a paid API: its plan allows ``API_LIMIT`` calls at once and ``API_QUOTA`` calls in any
+window, and answers 429 (and would bill or ban us) beyond either. ``call_api`` keeps to both
+across every worker: the limit and the rate of one semaphore, on one fair line. A 429 can come
+all the same (the API is down for maintenance, or another client of the account spent the
+quota): the task then pauses the key for every worker for as long as ``Retry-After`` says, and
+goes first when the pause ends. ``call_api_unprotected`` is the same call without the semaphore,
+for the contrast.
 
 Story 2, a polite crawler: ``crawl(host, path)`` holds a slot of ``crawl:{host}``, one semaphore
-per host. Each site says in its robots.txt how many concurrent requests it accepts:
-``fetch_robots`` reads that before the first page of a host and stores it as a runtime limit of
+per host. Each site says in its robots.txt how many concurrent requests it accepts
+(``Crawl-concurrency``) and how long to wait between two (``Crawl-delay``): ``fetch_robots``
+reads both before the first page of a host and stores them as the runtime limit and spacing of
 that one key, which every worker obeys from then on. Until then (and for a site that states
-nothing) the glob ``crawl:*`` in ``semaphore_limits`` gives each host the safe default of 1.
+nothing) the glob ``crawl:*`` in ``semaphore_limits`` gives each host the safe default of one
+page at a time, one a second.
 
 Everything here uses the public API only. Not about the semaphore, and so elsewhere: the HTTP
 and HTML plumbing (``web.py``) and the demo that runs these tasks on real workers against local
@@ -30,8 +36,11 @@ from celery_semaphore import SemaphoreTask, limit_concurrency, semaphore_for
 from . import web
 from .demo.records import record_call
 
-API_LIMIT = 4  # the paid API's plan: concurrent calls beyond this are answered 429
-SAFE_CRAWL_LIMIT = 1  # a host whose robots.txt is not read (or states nothing): one page at a time
+API_LIMIT = 4  # the paid API's plan: concurrent calls beyond this are answered 429,
+API_QUOTA = (20, 10.0)  # and so are calls beyond 20 in any 10 s ("1000/m" in real life: scaled down)
+RETRY_AFTER = 5.0  # how long to pause on a 429 whose Retry-After says no number of seconds
+SAFE_CRAWL_LIMIT = 1  # a host whose robots.txt is not read (or states nothing): one page at a time,
+SAFE_CRAWL_DELAY = 1.0  # and one a second
 ROBOTS_TTL = 600.0  # a robots.txt is trusted this long; then crawl:* applies until it is read again
 HTTP_TIMEOUT = 15.0
 
@@ -39,7 +48,7 @@ app = Celery("example_project")
 app.conf.update(
     broker_url="redis://127.0.0.1:6379/0",
     semaphore_backend_url="redis://127.0.0.1:6379/1",
-    semaphore_limits={"crawl:*": SAFE_CRAWL_LIMIT},
+    semaphore_limits={"crawl:*": {"limit": SAFE_CRAWL_LIMIT, "spacing": SAFE_CRAWL_DELAY}},
     # A waiter re-sent with a countdown comes back within 5 s: the calls are short, and a long
     # countdown would only leave a freed slot idle while its next holder sleeps.
     semaphore_countdown=(1, 5),
@@ -56,24 +65,37 @@ app.conf.update(
 # -- story 1: a paid API ----------------------------------------------------------------------
 
 
-@app.task(base=SemaphoreTask, semaphore_limit=API_LIMIT, name="demo.call_api")  # type: ignore[untyped-decorator]
-def call_api(i: int) -> int:
-    """Call the paid API while holding one of its ``API_LIMIT`` slots; returns the HTTP status."""
-    return post_report(i)
+@app.task(  # type: ignore[untyped-decorator]
+    base=SemaphoreTask, bind=True, semaphore_limit=API_LIMIT, semaphore_rate=API_QUOTA, name="demo.call_api"
+)
+def call_api(self: SemaphoreTask, i: int) -> int:
+    """Call the paid API while holding one of its ``API_LIMIT`` slots, started within its
+    ``API_QUOTA``; returns the HTTP status.
+
+    On a 429 all the same, backing off alone would help nobody: the other workers would keep
+    calling and keep hitting the wall. ``semaphore_pause`` holds every start of the key on every
+    worker for as long as the API asks, and sends this task again, first in line (it raises,
+    like ``self.retry()``)."""
+    reply = post_report(i)
+    if reply.status == 429:
+        self.semaphore_pause(reply.retry_after or RETRY_AFTER)
+    return reply.status
 
 
 @app.task(name="demo.call_api_unprotected")  # type: ignore[untyped-decorator]
 def call_api_unprotected(i: int) -> int:
-    """The same call with no semaphore: as many at once as there are pool processes."""
-    return post_report(i)
+    """The same call with no semaphore: as many at once as there are pool processes, and no
+    heed of the quota."""
+    return post_report(i).status
 
 
-def post_report(i: int) -> int:
-    """POST report ``i`` to the paid API; the HTTP status. One body for both tasks, so the
-    semaphore is the only difference between them."""
+def post_report(i: int) -> web.Reply:
+    """POST report ``i`` to the paid API. One body for both tasks, so the semaphore is the only
+    difference between them."""
     with record_call() as call:
-        call.status, _ = web.http_post(app.conf.paid_api_port, f"/v1/reports/{i}", timeout=HTTP_TIMEOUT)
-    return call.status
+        reply = web.http_post(app.conf.paid_api_port, f"/v1/reports/{i}", timeout=HTTP_TIMEOUT)
+        call.status = reply.status
+    return reply
 
 
 # -- story 2: a polite crawler ----------------------------------------------------------------
@@ -99,20 +121,25 @@ def schedule(host: str, path: str) -> bool:
 
 
 @app.task(name="demo.fetch_robots")  # type: ignore[untyped-decorator]
-def fetch_robots(host: str, path: str) -> int | None:
+def fetch_robots(host: str, path: str) -> dict[str, float | None]:
     """Read a host's robots.txt, store its Crawl-concurrency as the limit of ``crawl:{host}``
-    for every worker, then crawl the page that led here. Returns the allowance (None: none).
+    and its Crawl-delay as the spacing, for every worker, then crawl the page that led here.
+    Returns what the site stated (None: nothing, and the safe default stays).
 
-    Not itself limited: fetching robots.txt is how a crawler learns the limit, and sites do not
-    count it against their allowance.
+    Not itself limited: fetching robots.txt is how a crawler learns the rules, and sites do not
+    count it against them.
     """
     status, text = web.http_get(app.conf.sites_port, host, "/robots.txt", timeout=HTTP_TIMEOUT)
     allowance = web.parse_crawl_concurrency(text) if status == 200 else None
+    delay = web.parse_crawl_delay(text) if status == 200 else None
+    # the semaphore the workers use for this key; each override lapses with our trust in it
+    semaphore = semaphore_for(app, f"crawl:{host}")
     if allowance is not None:
-        # the semaphore the workers use for this key; the override lapses with our trust in it
-        semaphore_for(app, f"crawl:{host}").set_limit(allowance, ttl=ROBOTS_TTL)
+        semaphore.set_limit(allowance, ttl=ROBOTS_TTL)
+    if delay is not None:
+        semaphore.set_spacing(delay, ttl=ROBOTS_TTL)
     crawl.delay(host, path)
-    return allowance
+    return {"crawl_concurrency": allowance, "crawl_delay": delay}
 
 
 @limit_concurrency(key="crawl:{host}", app=app, name="demo.crawl")

@@ -9,36 +9,58 @@ fictitious (``alpha.test``...) and served by the demo on one loopback port, told
 from __future__ import annotations
 
 import http.client
+import math
 import re
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 #: The only address the demo's servers bind to and its clients connect to.
 LOOPBACK_HOST = "127.0.0.1"
 
 _CRAWL_CONCURRENCY = re.compile(r"^\s*crawl-concurrency\s*:\s*(\S+)", re.IGNORECASE)
+_CRAWL_DELAY = re.compile(r"^\s*crawl-delay\s*:\s*(\S+)", re.IGNORECASE)
 _HREF = re.compile(r"""<a\s[^>]*?href\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+
+
+class Reply(NamedTuple):
+    """An HTTP answer: the status, the body, and the ``Retry-After`` header in seconds (None
+    when absent or not a number of seconds), which a 429 carries."""
+
+    status: int
+    body: str
+    retry_after: float | None
 
 
 def http_get(port: int, host: str, path: str, timeout: float = 10) -> tuple[int, str]:
     """GET ``path`` from the local server on ``port`` posing as ``host``: (status, body)."""
-    return _request("GET", port, path, {"Host": host}, None, timeout)
+    reply = _request("GET", port, path, {"Host": host}, None, timeout)
+    return reply.status, reply.body
 
 
-def http_post(port: int, path: str, timeout: float = 10) -> tuple[int, str]:
-    """POST an empty JSON object to ``path`` on the local server on ``port``: (status, body)."""
+def http_post(port: int, path: str, timeout: float = 10) -> Reply:
+    """POST an empty JSON object to ``path`` on the local server on ``port``."""
     return _request("POST", port, path, {"Content-Type": "application/json"}, b"{}", timeout)
 
 
-def _request(
-    method: str, port: int, path: str, headers: dict[str, str], body: bytes | None, timeout: float
-) -> tuple[int, str]:
+def _request(method: str, port: int, path: str, headers: dict[str, str], body: bytes | None, timeout: float) -> Reply:
     conn = http.client.HTTPConnection(LOOPBACK_HOST, port, timeout=timeout)
     try:
         conn.request(method, path, body=body, headers=headers)
         response = conn.getresponse()
-        return int(response.status), response.read().decode("utf-8", errors="replace")
+        text = response.read().decode("utf-8", errors="replace")
+        return Reply(int(response.status), text, parse_retry_after(response.getheader("Retry-After")))
     finally:
         conn.close()
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds, above zero; else None, and the caller waits as long as it
+    sees fit. The HTTP-date form is not understood: the demo's API sends seconds."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 def parse_crawl_concurrency(robots_text: str) -> int | None:
@@ -57,6 +79,25 @@ def parse_crawl_concurrency(robots_text: str) -> int | None:
         except ValueError:
             continue
         if value >= 1:
+            return value
+    return None
+
+
+def parse_crawl_delay(robots_text: str) -> float | None:
+    """The first valid ``Crawl-delay`` of a robots.txt: seconds to wait between two requests.
+
+    Fractions are fine (``Crawl-delay: 0.5``, as Bing and Yandex read it). None means "the site
+    states no delay" (or nonsense, zero or less), so the caller keeps its safe default.
+    """
+    for line in robots_text.splitlines():
+        match = _CRAWL_DELAY.match(line.split("#", 1)[0])
+        if match is None:
+            continue
+        try:
+            value = float(match.group(1))
+        except ValueError:
+            continue
+        if math.isfinite(value) and value > 0:
             return value
     return None
 

@@ -177,21 +177,59 @@ def _assert_nothing_left(run: DemoRun) -> None:
     )
 
 
+def _check(pattern: str, output: str) -> re.Match[str]:
+    """The demo's line "check: <pattern> ... ok" (a regex), which must be there."""
+    match = re.search(rf"^check: {pattern} \.\.\. ok$", output, re.M)
+    assert match is not None, f"no check line matching {pattern!r} holds:\n{output}"
+    return match
+
+
 def _assert_checks_hold(output: str) -> None:
-    assert re.search(r"^check: demo\.call_api: 0 answered 429, peak [0-4] of limit 4 \.\.\. ok$", output, re.M), output
+    """Every check the demo prints holds, and says what the servers saw: the API's limit and
+    quota kept, its maintenance 429 the only one, no call during the pause it asked for and the
+    paused call first after it; on every host no violation, each Crawl-delay read from
+    robots.txt and honoured; all work done."""
     contrast = re.search(r"^check: paid-api \(no semaphore\), the contrast: (\d+) answered 429", output, re.M)
     assert contrast is not None, output
     assert int(contrast.group(1)) > 0, output
+    _check(r"demo\.call_api: concurrency never over the limit: peak [0-4] of limit 4, 0 answered 429 for it", output)
+    quota = _check(
+        r"demo\.call_api: API quota never exceeded: max (\d+) calls in any 10 s \(quota 20; a call may come "
+        r"0\.1 s early\), 0 answered 429 except the maintenance window's 1",
+        output,
+    )
+    assert 0 < int(quota.group(1)) <= 20, output
+    pause = _check(
+        r"demo\.call_api: pause: report 0 heard 429, Retry-After 2 s \(maintenance\); no call for (\d+\.\d+) s, "
+        r"then report 0 first(?: \(report \d+ came \d+ ms before it\))?",
+        output,
+    )
+    assert float(pause.group(1)) >= 2.0, output
+    _check(r"demo\.call_api: (\d+)/\1 calls served", output)
+    delays = set()
     for host in HOSTS:
         key = re.escape(f"crawl:{host}")
-        assert re.search(rf"^check: {key}: 0 violations, peak \d+ of limit \d+ \.\.\. ok$", output, re.M), output
-        assert re.search(rf"^check: {key}: (\d+)/\1 pages crawled \.\.\. ok$", output, re.M), output
-    assert re.search(r"^check: task failures: 0 \.\.\. ok$", output, re.M), output
+        read = re.search(rf" {re.escape(host)}: robots\.txt says \d+ at once, Crawl-delay ([\d.]+) s;", output)
+        assert read is not None, output
+        delay = float(read.group(1))
+        delays.add(delay)
+        _check(rf"{key}: 0 violations, peak \d+ of limit \d+", output)
+        gap = _check(
+            rf"{key}: Crawl-delay {read.group(1)} s honoured: min gap (\d+\.\d+) s between (\d+) page requests, "
+            r"0 more than 0\.1 s early",
+            output,
+        )
+        assert float(gap.group(1)) >= delay - 0.1, output
+        _check(rf"{key}: (\d+)/\1 pages crawled", output)
+    assert len(delays) == len(HOSTS), f"every host has its own Crawl-delay: {delays}"
+    _check(r"task failures: 0", output)
 
 
 def test_quick_demo_passes_every_check_and_leaves_nothing_behind(demo: DemoRun) -> None:
-    """The quick demo exits 0, reports 429s only without the semaphore and no robots.txt
-    violation on any host, writes its chart into the cwd, and leaves no process behind."""
+    """The quick demo exits 0: with the semaphore the API's limit and quota hold (its one 429
+    the maintenance window's, which pauses every worker), and every host's Crawl-concurrency
+    and Crawl-delay from robots.txt; it writes its chart into the cwd and leaves no process
+    behind."""
     code = demo.start("--quick", "--no-live").wait(timeout=RUN_TIMEOUT)
     output = demo.output
     assert code == 0, output
@@ -260,6 +298,21 @@ def test_a_signal_stops_the_demo_promptly_and_leaves_nothing_behind(
     assert "interrupted" in demo.output, demo.output
     assert took < 15, f"took {took:.1f} s to stop:\n{demo.output}"
     _assert_nothing_left(demo)
+
+
+def test_the_ideal_makespan_is_the_earliest_start_of_every_call() -> None:
+    """The summary's "ideal": each call as soon as the limit, the rate, the spacing and the pause
+    allow, the call told to pause counting as a start."""
+    from example_project.demo.report import ideal_makespan
+
+    assert ideal_makespan(8, 1.0, 4) == 2.0
+    assert ideal_makespan(3, 0.1, 3, spacing=0.5) == pytest.approx(1.1)
+    # 5 at once, then the window: the 6th starts 10 s after the 1st
+    assert ideal_makespan(6, 0.5, 5, rate=(5, 10.0)) == 10.5
+    # the told call starts at 0 (and counts for the rate), the next call when the 2 s pause ends;
+    # the 5th start comes 10 s after the told one
+    assert ideal_makespan(4, 0.5, 4, rate=(4, 10.0), pause=2.0) == 10.5
+    assert ideal_makespan(3, 0.5, 4, rate=(4, 10.0), pause=2.0) == 2.5
 
 
 # -- the example a user copies ----------------------------------------------------------------

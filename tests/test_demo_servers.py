@@ -17,8 +17,16 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from example_project.demo.servers import LOOPBACK_HOST, CrawlSiteServer, PaidApiServer, SiteSpec
-from example_project.web import extract_links, http_get, parse_crawl_concurrency, resolve_link
+from example_project.demo.servers import ARRIVAL_SLACK, LOOPBACK_HOST, CrawlSiteServer, PaidApiServer, SiteSpec
+from example_project.web import (
+    extract_links,
+    http_get,
+    http_post,
+    parse_crawl_concurrency,
+    parse_crawl_delay,
+    parse_retry_after,
+    resolve_link,
+)
 
 from .waiting import wait_until
 
@@ -216,6 +224,54 @@ def test_paid_api_stats_endpoint_and_reset(
     assert server.stats()["max_observed_concurrency"] == 0
 
 
+def test_paid_api_quota_counts_every_call_in_a_sliding_window() -> None:
+    """A quota of 2 calls per 0.5 s: the third call within the window hears 429 with a
+    Retry-After, counts against the quota all the same, and calls fit again once the window
+    has moved past the calls in it."""
+    server = PaidApiServer(10, 0.0, quota=(2, 0.5))
+    with server:
+        port = server.port
+        assert [http_post(port, f"/v1/reports/{i}").status for i in range(2)] == [200, 200]
+        refused = http_post(port, "/v1/reports/2")
+        assert (refused.status, refused.retry_after) == (429, 1.0)
+        assert json.loads(refused.body)["error"] == "quota exceeded"
+        stats = server.stats()
+        assert (stats["requests"], stats["ok"], stats["rejected"]) == (3, 2, 1)
+        assert stats["rejected_for"] == {"concurrency": 0, "quota": 1, "maintenance": 0}
+        assert stats["quota"] == [2, 0.5]
+        assert stats["max_in_window"] == 3
+        time.sleep(0.5)
+        assert http_post(port, "/v1/reports/3").status == 200
+        server.reset_stats()
+        assert server.stats()["max_in_window"] == 0
+        assert [http_post(port, f"/v1/reports/{i}").status for i in range(2)] == [200, 200]
+
+
+def test_paid_api_maintenance_window(paid_api: Callable[[int, float], PaidApiServer]) -> None:
+    """Armed, a maintenance window starts at the next call: that call and any other before it
+    ends hear 429 with the seconds left; the report says who was told, how many came during
+    it, who came first after it and how long after that the told call came back."""
+    server = paid_api(4, 0.0)
+    server.begin_maintenance(0.4)
+    assert server.stats()["maintenance"] is None
+    told = http_post(server.port, "/v1/reports/0")
+    assert (told.status, told.retry_after) == (429, 1.0)
+    assert json.loads(told.body)["error"] == "down for maintenance"
+    assert http_post(server.port, "/v1/reports/1").status == 429
+    time.sleep(0.4)
+    assert http_post(server.port, "/v1/reports/2").status == 200
+    assert http_post(server.port, "/v1/reports/0").status == 200
+    stats = server.stats()
+    assert stats["rejected_for"] == {"concurrency": 0, "quota": 0, "maintenance": 2}
+    report = stats["maintenance"]
+    assert (report["seconds"], report["told"], report["calls_during"]) == (0.4, "/v1/reports/0", 1)
+    assert report["first_after"] == "/v1/reports/2"
+    assert 0 < report["told_lag"] < DEADLINE
+    assert 0 < report["quiet_for"] < 0.4
+    with pytest.raises(ValueError, match="more than zero"):
+        server.begin_maintenance(0)
+
+
 def test_paid_api_lifecycle() -> None:
     with pytest.raises(ValueError, match="max_concurrent"):
         PaidApiServer(0, 0.1)
@@ -261,6 +317,31 @@ def test_paid_api_lifecycle() -> None:
 )
 def test_parse_crawl_concurrency(text: str, expected: int | None) -> None:
     assert parse_crawl_concurrency(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("User-agent: *\nCrawl-delay: 2\n", 2.0),
+        ("crawl-DELAY :  0.5  # seconds\r\n", 0.5),
+        ("# Crawl-delay: 9\nCrawl-concurrency: 3\n", None),
+        ("Crawl-delay: soon\nCrawl-delay: 1.5\n", 1.5),
+        ("Crawl-delay: 0\n", None),
+        ("Crawl-delay: -1\n", None),
+        ("Crawl-delay: nan\nCrawl-delay: inf\n", None),
+        ("", None),
+    ],
+)
+def test_parse_crawl_delay(text: str, expected: float | None) -> None:
+    assert parse_crawl_delay(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("2", 2.0), ("0.5", 0.5), (None, None), ("0", None), ("-3", None), ("Wed, 21 Oct 2015 07:28:00 GMT", None)],
+)
+def test_parse_retry_after(value: str | None, expected: float | None) -> None:
+    assert parse_retry_after(value) == expected
 
 
 def test_link_helpers() -> None:
@@ -464,6 +545,40 @@ def test_crawl_stats_endpoint_any_host(
     assert json.loads(body)["beta.test"]["robots_requests"] == 0
 
 
+def test_crawl_delay_published_and_every_early_request_refused(
+    crawl_sites: Callable[[dict[str, SiteSpec]], CrawlSiteServer],
+) -> None:
+    """A site publishes its Crawl-delay in robots.txt; a page request sooner than that after
+    the previous one (``ARRIVAL_SLACK`` aside) is a violation, answered 429, and the shortest
+    gap between page requests is reported."""
+    server = crawl_sites(
+        {
+            "alpha.test": SiteSpec(max_concurrent=2, pages=4, service_time=0, crawl_delay=0.3),
+            "beta.test": SiteSpec(max_concurrent=2, pages=4, service_time=0),
+        }
+    )
+    port = server.port
+    assert parse_crawl_delay(http_get(port, "alpha.test", "/robots.txt")[1]) == 0.3
+    assert parse_crawl_delay(http_get(port, "beta.test", "/robots.txt")[1]) is None
+    assert http_get(port, "alpha.test", "/page/0")[0] == 200
+    status, text = http_get(port, "alpha.test", "/page/1")
+    assert (status, text) == (429, "crawl-delay of 0.3 s not honoured\n")
+    time.sleep(0.3 - ARRIVAL_SLACK)
+    assert http_get(port, "alpha.test", "/page/1")[0] == 200
+    # no Crawl-delay: back-to-back requests are fine
+    assert [http_get(port, "beta.test", f"/page/{i}")[0] for i in range(3)] == [200, 200, 200]
+
+    stats = server.stats()
+    alpha = stats["alpha.test"]
+    assert (alpha["requests"], alpha["ok"], alpha["too_early"], alpha["violations"]) == (3, 2, 1, 1)
+    assert alpha["crawl_delay"] == 0.3
+    assert alpha["min_gap"] is not None and alpha["min_gap"] < 0.3 - ARRIVAL_SLACK
+    beta = stats["beta.test"]
+    assert (beta["too_early"], beta["violations"], beta["crawl_delay"]) == (0, 0, None)
+    server.reset_stats()
+    assert server.stats()["alpha.test"]["min_gap"] is None
+
+
 def test_crawl_site_validation() -> None:
     with pytest.raises(ValueError, match="max_concurrent"):
         SiteSpec(0, 1, 0)
@@ -471,6 +586,8 @@ def test_crawl_site_validation() -> None:
         SiteSpec(1, 0, 0)
     with pytest.raises(ValueError, match="service_time"):
         SiteSpec(1, 1, -0.5)
+    with pytest.raises(ValueError, match="crawl_delay"):
+        SiteSpec(1, 1, 0, crawl_delay=ARRIVAL_SLACK)
     with pytest.raises(ValueError, match="at least one site"):
         CrawlSiteServer({})
     with pytest.raises(ValueError, match="unique"):

@@ -4,8 +4,10 @@ It starts everything it needs (a Redis unless ``REDIS_URL`` is set, the two loca
 two real ``celery worker`` subprocesses), tells the two stories of ``example_project/tasks.py``,
 shows what happened (a live view of each semaphore while the tasks run, a summary table, a PNG
 chart), and stops everything again, also on Ctrl-C and on errors. The exit code is 0 only when
-every check held: no 429 and no robots.txt violation wherever the semaphore was in charge, and
-all the work done.
+every check held wherever the semaphore was in charge: the API's limit and quota kept (no 429
+but the one of its maintenance window), no call during the pause that 429 asked for and the
+paused call first after it, no robots.txt violation (Crawl-concurrency or Crawl-delay), and all
+the work done.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from celery_semaphore import semaphore_for
+from celery_semaphore import SemaphoreStatus, semaphore_for
+from celery_semaphore._celery.parking import parked_keys
 from celery_semaphore.testing import RedisServer
 
 from .. import tasks
 from . import records, wiring
 from .processes import Interrupted, WorkerProcess, guard
 from .records import Keys
-from .report import KeyResult, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
+from .report import KeyResult, Pause, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
 from .servers import CrawlSiteServer, PaidApiServer, SiteSpec
 from .settings import DemoSettings
 
@@ -62,30 +65,37 @@ REFRESH = 0.2
 @dataclass(frozen=True)
 class Scenario:
     """Sizes of one run. Service times are short and counts small so the whole demo stays
-    well under a minute, yet long enough that 8 pool processes overlap on a busy 2-core box.
-    The API allows ``tasks.API_LIMIT`` calls at once: the limit the tasks hold it to."""
+    around half a minute, yet long enough that 8 pool processes overlap on a busy 2-core box.
+    The API allows ``tasks.API_LIMIT`` calls at once and ``tasks.API_QUOTA`` in any window:
+    the rules the tasks hold it to. More calls than one window's quota, so the quota shows; the
+    first call of the run meets the API's maintenance window, ``maintenance`` seconds long."""
 
     api_calls: int
     api_service: float
+    maintenance: float
     sites: dict[str, SiteSpec] = field(default_factory=dict)
 
 
+# A site whose pages take longer than its Crawl-delay (gamma) shows both rules at work: its
+# requests come a delay apart, yet several are served at once, up to its Crawl-concurrency.
 FULL = Scenario(
-    api_calls=40,
+    api_calls=36,
     api_service=0.3,
+    maintenance=2.0,
     sites={
-        "alpha.test": SiteSpec(max_concurrent=1, pages=8, service_time=0.25),
-        "beta.test": SiteSpec(max_concurrent=2, pages=16, service_time=0.25),
-        "gamma.test": SiteSpec(max_concurrent=3, pages=24, service_time=0.25),
+        "alpha.test": SiteSpec(max_concurrent=1, pages=10, service_time=0.2, crawl_delay=0.5),
+        "beta.test": SiteSpec(max_concurrent=2, pages=6, service_time=0.25, crawl_delay=1.0),
+        "gamma.test": SiteSpec(max_concurrent=3, pages=20, service_time=0.6, crawl_delay=0.25),
     },
 )
 QUICK = Scenario(
-    api_calls=20,
+    api_calls=24,
     api_service=0.2,
+    maintenance=2.0,
     sites={
-        "alpha.test": SiteSpec(max_concurrent=1, pages=4, service_time=0.15),
-        "beta.test": SiteSpec(max_concurrent=2, pages=8, service_time=0.15),
-        "gamma.test": SiteSpec(max_concurrent=3, pages=12, service_time=0.15),
+        "alpha.test": SiteSpec(max_concurrent=1, pages=6, service_time=0.15, crawl_delay=0.5),
+        "beta.test": SiteSpec(max_concurrent=2, pages=4, service_time=0.2, crawl_delay=1.0),
+        "gamma.test": SiteSpec(max_concurrent=3, pages=12, service_time=0.5, crawl_delay=0.25),
     },
 )
 
@@ -191,13 +201,14 @@ class Demo:
     def start(self) -> None:
         broker, semaphore, results, prefix, isolated, records_url = self.start_redis()
         scenario = self.scenario
-        self.api = PaidApiServer(tasks.API_LIMIT, scenario.api_service)
+        self.api = PaidApiServer(tasks.API_LIMIT, scenario.api_service, quota=tasks.API_QUOTA)
         self.api.start()
         self.sites = CrawlSiteServer(scenario.sites)
         self.sites.start()
+        count, period = tasks.API_QUOTA
         self.say(
-            f"paid API on {self.api.base_url} (max {tasks.API_LIMIT} concurrent, else 429); "
-            f"sites {', '.join(self.sites.hosts)} on port {self.sites.port}"
+            f"paid API on {self.api.base_url} (max {tasks.API_LIMIT} concurrent and {count} calls in any "
+            f"{period:g} s, else 429); sites {', '.join(self.sites.hosts)} on port {self.sites.port}"
         )
         settings = self.settings = DemoSettings(
             broker_url=broker,
@@ -261,7 +272,7 @@ class Demo:
 
         def render() -> Group:
             table = Table(title=title, title_justify="left", expand=False)
-            for column in ("semaphore key", "limit", "running", "waiting", "done", "429s / violations"):
+            for column in ("semaphore key", "rules", "running", "waiting", "done", "429s / violations"):
                 table.add_column(column, justify="left" if column == "semaphore key" else "right")
             for row in rows():
                 table.add_row(
@@ -305,11 +316,8 @@ class Demo:
         """Holders and waiters straight from the semaphore the workers use (its status())."""
         stack = self.stack
         status = semaphore_for(tasks.app, key).status()
-        source = "robots.txt" if status.limit_source == "override" else "default"
         done = int(stack.data.get(stack.keys.done(key)) or 0)
-        return Row(
-            key, f"{status.limit} ({source})", status.holder_count, str(status.waiter_count), done, total, rejected
-        )
+        return Row(key, rules_in_force(status), status.holder_count, str(status.waiter_count), done, total, rejected)
 
     # -- story 1 ------------------------------------------------------------------------------
 
@@ -321,15 +329,19 @@ class Demo:
         series, key = task.name, task.name if protected else UNPROTECTED_LABEL
         api.reset_stats()
         label = "with the semaphore" if protected else "WITHOUT the semaphore"
+        count, period = tasks.API_QUOTA
         self.say(
             f"[bold]Story 1: paid API, {scenario.api_calls} calls {label}[/] "
-            f"({WORKERS * WORKER_CONCURRENCY} pool processes compete)"
+            f"({WORKERS * WORKER_CONCURRENCY} pool processes compete; the API allows {tasks.API_LIMIT} at once, "
+            f"{count} in any {period:g} s)"
         )
+        if protected:
+            api.begin_maintenance(scenario.maintenance)
+            self.say(
+                f"  the API is down for maintenance: report 0 goes first, alone, and hears 429 with "
+                f"Retry-After: {scenario.maintenance:g}; the other reports follow once {key} is paused"
+            )
         origin = time.time()
-        results = []
-        for i in range(scenario.api_calls):
-            guard.check()
-            results.append(task.delay(i))
 
         def rows() -> list[Row]:
             rejected = int(api.stats()["rejected"])
@@ -340,7 +352,7 @@ class Demo:
             return [Row(key, f"none (API: {tasks.API_LIMIT})", running, "-", done, scenario.api_calls, rejected)]
 
         with self.display(f"Story 1: paid API {label}", rows) as refresh:
-            finished = self.wait(f"story 1 {label}", lambda: all(r.ready() for r in results), refresh)
+            finished, results = self.send_api_calls(task, key if protected else None, refresh)
         stats = api.stats()
         spans = self.spans(series)
         result = KeyResult(
@@ -357,14 +369,40 @@ class Demo:
             service_time=scenario.api_service,
             origin=origin,
             spans=tuple(spans),
-            finished=finished,
+            finished=finished and all(r.ready() for r in results),
+            quota=tasks.API_QUOTA,
+            max_in_window=int(stats["max_in_window"]),
+            rejected_for={reason: int(n) for reason, n in stats["rejected_for"].items()},
+            pause=Pause.from_stats(stats["maintenance"]),
         )
+        reasons = ", ".join(f"{n} for {reason}" for reason, n in result.rejected_for.items() if n)
         self.say(
             f"  {result.served}/{result.calls} served, [{'green' if not result.rejected else 'yellow'}]"
-            f"{result.rejected} answered 429[/], at most {result.server_peak} in flight at the API "
-            f"(allows {result.limit}), {result.makespan:.1f} s"
+            f"{result.rejected} answered 429[/]{f' ({reasons})' if reasons else ''}, at most {result.server_peak} "
+            f"in flight at the API (allows {result.limit}), at most {result.max_in_window} calls in any "
+            f"{period:g} s (allows {count}), {result.makespan:.1f} s"
         )
         return result
+
+    def send_api_calls(self, task: Any, paused_key: str | None, refresh: Callable[[], None]) -> tuple[bool, list[Any]]:
+        """Send the run's calls and wait for them; (all finished, their results). With a
+        ``paused_key``, report 0 goes alone first, and the others only once it has paused that
+        key: the API's maintenance window answers report 0, and no other call is on its way
+        then (a pause holds starts, not calls already started)."""
+        results = []
+        if paused_key is not None:
+            results.append(task.delay(0))
+            semaphore = semaphore_for(tasks.app, paused_key)
+
+            def paused() -> bool:
+                return semaphore.status(listed=0).paused_for is not None
+
+            if not self.wait("story 1: the maintenance 429", paused, refresh):
+                return False, results
+        for i in range(len(results), self.scenario.api_calls):
+            guard.check()
+            results.append(task.delay(i))
+        return self.wait("story 1", lambda: all(r.ready() for r in results), refresh), results
 
     # -- story 2 ------------------------------------------------------------------------------
 
@@ -373,8 +411,8 @@ class Demo:
         sites, data, keys = stack.sites, stack.data, stack.keys
         hosts = sites.hosts
         self.say(
-            f"[bold]Story 2: polite crawler[/] from http://{hosts[0]}/page/0, limits from robots.txt "
-            f"(until read: crawl:* = {tasks.SAFE_CRAWL_LIMIT})"
+            f"[bold]Story 2: polite crawler[/] from http://{hosts[0]}/page/0, limit and Crawl-delay from "
+            f"robots.txt (until read: crawl:* = {tasks.SAFE_CRAWL_LIMIT} at once, {tasks.SAFE_CRAWL_DELAY:g} s apart)"
         )
         sites.reset_stats()
         origin = time.time()
@@ -414,19 +452,33 @@ class Demo:
                     origin=origin,
                     spans=tuple(spans),
                     finished=done,
+                    crawl_delay=spec.crawl_delay,
+                    min_gap=stats[host]["min_gap"],
+                    too_early=int(stats[host]["too_early"]),
                 )
             )
-            self.say(
-                f"  {host}: robots.txt says {self.allowance(key)}; {stats[host]['ok']}/{spec.pages} pages, "
-                f"[{'green' if not stats[host]['violations'] else 'red'}]{stats[host]['violations']} "
-                f"violations[/], at most {stats[host]['max_observed_concurrency']} at once"
-            )
+            self.say(f"  {host}: robots.txt says {self.robots_rules(key)}; {self.site_summary(stats[host])}")
         return results
 
-    def allowance(self, key: str) -> str:
-        """What the crawler read in the host's robots.txt: the runtime limit it stored."""
-        status = semaphore_for(tasks.app, key).status()
-        return str(status.limit) if status.limit_source == "override" else "0"
+    def robots_rules(self, key: str) -> str:
+        """What the crawler read in the host's robots.txt: the runtime limit and spacing it
+        stored ("nothing" where it stored neither)."""
+        status = semaphore_for(tasks.app, key).status(listed=0)
+        read = []
+        if status.limit_source == "override":
+            read.append(f"{status.limit} at once")
+        if status.rules_source == "override" and status.spacing is not None:
+            read.append(f"Crawl-delay {status.spacing:g} s")
+        return ", ".join(read) or "nothing"
+
+    @staticmethod
+    def site_summary(stats: dict[str, Any]) -> str:
+        violations, gap = stats["violations"], stats["min_gap"]
+        return (
+            f"{stats['ok']}/{stats['pages']} pages, [{'green' if not violations else 'red'}]{violations} "
+            f"violations[/], at most {stats['max_observed_concurrency']} at once"
+            + (f", requests at least {gap:.3f} s apart" if gap is not None else "")
+        )
 
     # -- results ------------------------------------------------------------------------------
 
@@ -500,18 +552,24 @@ class Demo:
 
     def _delete_own_keys(self) -> None:
         """In a shared Redis, delete exactly the keys under this run's prefix (never FLUSH). On a
-        user's Cluster or Sentinel only the semaphores are ours: each is emptied and its
-        robots.txt limit dropped through the public API (idle semaphores leave no key)."""
+        user's Cluster or Sentinel only the semaphores are ours: each is emptied (its recent
+        starts too) and its robots.txt limit and spacing dropped through the public API."""
         if self.settings is None or not self.settings.isolated or self.data is None:
             return
         if self.settings.data_url:
-            semaphore = None
-            for host in self.sites.hosts if self.sites is not None else []:
+            hosts = self.sites.hosts if self.sites is not None else []
+            semaphore = semaphore_for(tasks.app, tasks.call_api.name)
+            semaphore.resume()
+            semaphore.reset()
+            for host in hosts:
                 semaphore = semaphore_for(tasks.app, f"crawl:{host}")
                 semaphore.clear_limit()
+                semaphore.set_spacing(None)
                 semaphore.reset()
-            if semaphore is not None:  # the version of the state its workers recorded at start
-                semaphore.client.delete(f"{self.settings.semaphore_prefix}:protocol")
+            # the version of the state its workers recorded at start, and the records of tasks
+            # that parked (they would expire by themselves, after their backstop countdown)
+            semaphore.client.delete(f"{self.settings.semaphore_prefix}:protocol")
+            semaphore.client.delete(*parked_keys(self.settings.semaphore_prefix))
         batch: list[Any] = []
         for key in self.data.scan_iter(match=f"{self.settings.prefix}:*", count=500):
             batch.append(key)
@@ -524,6 +582,19 @@ class Demo:
     def _stop_redis(self) -> None:
         if self.redis is not None:
             self.redis.close()
+
+
+def rules_in_force(status: SemaphoreStatus) -> str:
+    """A key's rules as its live row shows them: "4 · 20/10s · paused 1.2s", "2 · 1s apart
+    (robots.txt)" (a runtime limit stored for a crawled host comes from its robots.txt)."""
+    parts = [f"{status.limit}"]
+    if status.rate is not None:
+        parts.append(str(status.rate))
+    if status.spacing is not None:
+        parts.append(f"{status.spacing:g}s apart")
+    if status.paused_for is not None:
+        parts.append(f"paused {status.paused_for:.1f}s")
+    return " · ".join(parts) + (" (robots.txt)" if status.limit_source == "override" else "")
 
 
 def _start_embedded_redis(attempts: int = 3) -> RedisServer:

@@ -7,14 +7,17 @@ the HTTP servers' counters (429s, peak concurrency they saw) and the spans the t
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich import box
 from rich.table import Table
+
+from .servers import ARRIVAL_SLACK
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,44 @@ def makespan(spans: Sequence[Span]) -> float:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """The API's maintenance window as the API saw it: how long it asked callers to wait, which
+    call it told to (``told``, a path), how many calls still arrived during it, how long it was
+    before the next call came, which call came first after the window, and how long after that
+    one the told call came back (0: it was first)."""
+
+    seconds: float
+    told: str
+    calls_during: int
+    quiet_for: float | None
+    first_after: str | None
+    told_lag: float | None
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any] | None) -> Pause | None:
+        if stats is None:
+            return None
+        return cls(
+            float(stats["seconds"]),
+            str(stats["told"]),
+            int(stats["calls_during"]),
+            stats["quiet_for"],
+            stats["first_after"],
+            stats["told_lag"],
+        )
+
+    @property
+    def told_first(self) -> bool:
+        """The told call was the first after the window, give or take ``ARRIVAL_SLACK``: calls
+        the semaphore let start a ms apart may reach the API in either order."""
+        return self.told_lag is not None and self.told_lag <= ARRIVAL_SLACK
+
+
+@dataclass(frozen=True)
 class KeyResult:
-    """One row of the summary: a semaphore key (or the unprotected run) and what it achieved."""
+    """One row of the summary: a semaphore key (or the unprotected run) and what it achieved.
+    The rules beyond the limit are the server's: the API's quota and maintenance window, a
+    site's Crawl-delay; what the server saw of them comes with them."""
 
     story: str
     key: str
@@ -77,11 +116,49 @@ class KeyResult:
     origin: float  # when the run was started, for the chart's time axis
     spans: tuple[Span, ...] = ()
     finished: bool = True  # False: the run timed out or stopped at a task failure
+    quota: tuple[int, float] | None = None  # the API's plan: at most count calls in any period s
+    max_in_window: int = 0  # most calls the API saw arrive within any period of its quota
+    rejected_for: dict[str, int] = field(default_factory=dict)  # the API's 429s, by reason
+    pause: Pause | None = None  # the API's maintenance window, if one came
+    crawl_delay: float | None = None  # the site's Crawl-delay (seconds between two requests)
+    min_gap: float | None = None  # the shortest time the site saw between two page requests
+    too_early: int = 0  # page requests the site saw sooner than its Crawl-delay after the last
 
     @property
     def ideal(self) -> float:
-        """The best possible makespan: every call served, the limit's slots never idle."""
-        return self.calls * self.service_time / self.limit
+        """The best possible makespan: every call served, as soon as the limit, the quota, the
+        Crawl-delay and the pause allow (see ``ideal_makespan``)."""
+        pause = self.pause.seconds if self.pause is not None else 0.0
+        return ideal_makespan(self.calls, self.service_time, self.limit, self.quota, self.crawl_delay, pause)
+
+
+def ideal_makespan(
+    calls: int,
+    service: float,
+    limit: int,
+    rate: tuple[int, float] | None = None,
+    spacing: float | None = None,
+    pause: float = 0.0,
+) -> float:
+    """The best possible makespan of ``calls`` calls of ``service`` seconds each: every call
+    starts as soon as one of ``limit`` slots is free and the rate (count, seconds) and the
+    spacing allow. With a ``pause``, a call told at 0 s to wait that long comes first: it counts
+    as a start for the rate and the spacing (as it does for the semaphore), and nothing starts
+    before the pause ends. Starting each call at its earliest moment is the best order, since
+    the calls are all alike."""
+    starts = [0.0] if pause else []
+    ends: list[float] = []  # a heap: the ends of the calls started so far
+    for _ in range(calls):
+        at = pause
+        if len(ends) >= limit:
+            at = max(at, heapq.heappop(ends))
+        if spacing and starts:
+            at = max(at, starts[-1] + spacing)
+        if rate is not None and len(starts) >= rate[0]:
+            at = max(at, starts[-rate[0]] + rate[1])
+        starts.append(at)
+        heapq.heappush(ends, at + service)
+    return max(ends, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -91,61 +168,165 @@ class Check:
 
 
 def checks_for(results: Sequence[KeyResult], errors: Sequence[str]) -> list[Check]:
-    """The checks behind the exit code: a protected key got no 429 and stayed within its limit,
-    and all its work was done. The unprotected run is the contrast, reported but not required:
-    whether it overshoots depends on timing, not on the library."""
+    """The checks behind the exit code: a protected key stayed within everything the server
+    allows (its limit, the API's quota, a site's Crawl-delay), got no 429 but the maintenance
+    window's, paused for every worker through that window, and all its work was done. The
+    unprotected run is the contrast, reported but not required: whether it overshoots depends
+    on timing, not on the library."""
     checks = []
     for r in results:
-        peak = f"peak {r.server_peak} of limit {r.limit}"
-        if r.story == "paid API":
-            rejected, work = f"{r.rejected} answered 429", f"{r.served}/{r.calls} calls served"
-        else:
-            rejected, work = f"{r.rejected} violations", f"{r.served}/{r.calls} pages crawled"
         if not r.protected:
-            note = "" if r.rejected else " (no overshoot this time)"
-            checks.append(Check(f"{r.key}, the contrast: {rejected}, {peak}{note}", True))
-            continue
-        checks.append(Check(f"{r.key}: {rejected}, {peak}", r.rejected == 0 and r.server_peak <= r.limit))
-        unfinished = "" if r.finished else " (stopped early)"
-        checks.append(Check(f"{r.key}: {work}{unfinished}", r.served == r.calls and r.finished))
+            checks.append(_contrast(r))
+        elif r.story == "paid API":
+            checks += [*_api_checks(r), _work_done(r, "calls served")]
+        else:
+            checks += [*_site_checks(r), _work_done(r, "pages crawled")]
     first = f": {errors[0]}" if errors else ""
     checks.append(Check(f"task failures: {len(errors)}{first}", not errors))
     return checks
 
 
+def _contrast(r: KeyResult) -> Check:
+    """The unprotected run: how it fared, never a failure."""
+    reasons = ", ".join(f"{n} for {reason}" for reason, n in r.rejected_for.items() if n)
+    text = f"{r.key}, the contrast: {r.rejected} answered 429{f' ({reasons})' if reasons else ''}"
+    text += f", peak {r.server_peak} of limit {r.limit}"
+    if r.quota is not None:
+        text += f", {r.max_in_window} calls in {r.quota[1]:g} s against a quota of {r.quota[0]}"
+    return Check(text + ("" if r.rejected else " (no overshoot this time)"), True)
+
+
+def _work_done(r: KeyResult, what: str) -> Check:
+    unfinished = "" if r.finished else " (stopped early)"
+    return Check(f"{r.key}: {r.served}/{r.calls} {what}{unfinished}", r.served == r.calls and r.finished)
+
+
+def _api_checks(r: KeyResult) -> list[Check]:
+    """The limit, the quota and the pause, each as the API saw it."""
+    over_limit = r.rejected_for.get("concurrency", 0)
+    checks = [
+        Check(
+            f"{r.key}: concurrency never over the limit: peak {r.server_peak} of limit {r.limit}, "
+            f"{over_limit} answered 429 for it",
+            r.server_peak <= r.limit and over_limit == 0,
+        )
+    ]
+    if r.quota is not None:
+        count, period = r.quota
+        maintenance = r.rejected_for.get("maintenance", 0)
+        others = r.rejected - maintenance
+        checks.append(
+            Check(
+                f"{r.key}: API quota never exceeded: max {r.max_in_window} calls in any {period:g} s "
+                f"(quota {count}; a call may come {ARRIVAL_SLACK:g} s early), {others} answered 429 "
+                f"except the maintenance window's {maintenance}",
+                r.max_in_window <= count and others == 0,
+            )
+        )
+    if r.pause is not None:
+        checks.append(_pause_check(r.key, r.pause))
+    return checks
+
+
+def _pause_check(key: str, pause: Pause) -> Check:
+    """After the maintenance 429: no call until its Retry-After was over, on any worker, and
+    then the call that was told to wait first."""
+    told = _report(pause.told)
+    if pause.calls_during:
+        quiet = f"{pause.calls_during} calls during the window"
+    elif pause.quiet_for is not None:
+        quiet = f"no call for {pause.quiet_for:.2f} s"
+    else:
+        quiet = "no call after it"
+    if pause.first_after == pause.told:
+        first = f"then {told} first"
+    elif pause.told_first and pause.told_lag is not None:
+        first = f"then {told} first ({_report(pause.first_after)} came {pause.told_lag * 1000:.0f} ms before it)"
+    else:
+        first = f"then {_report(pause.first_after)} first, not {told}"
+    return Check(
+        f"{key}: pause: {told} heard 429, Retry-After {pause.seconds:g} s (maintenance); {quiet}, {first}",
+        pause.calls_during == 0
+        and pause.quiet_for is not None
+        and pause.quiet_for >= pause.seconds
+        and pause.told_first,
+    )
+
+
+def _report(path: str | None) -> str:
+    """``/v1/reports/7`` as "report 7"."""
+    if path is None:
+        return "nobody"
+    return f"report {path.rsplit('/', 1)[-1]}" if path.startswith("/v1/reports/") else path
+
+
+def _site_checks(r: KeyResult) -> list[Check]:
+    """A site's Crawl-concurrency and Crawl-delay, as the site saw them."""
+    held = r.rejected == 0 and r.server_peak <= r.limit
+    checks = [Check(f"{r.key}: {r.rejected} violations, peak {r.server_peak} of limit {r.limit}", held)]
+    if r.crawl_delay is not None:
+        gap = f"min gap {r.min_gap:.3f} s" if r.min_gap is not None else "a single request"
+        checks.append(
+            Check(
+                f"{r.key}: Crawl-delay {r.crawl_delay:g} s honoured: {gap} between {r.served + r.rejected} "
+                f"page requests, {r.too_early} more than {ARRIVAL_SLACK:g} s early",
+                r.too_early == 0,
+            )
+        )
+    return checks
+
+
 def summary_table(results: Sequence[KeyResult]) -> Table:
-    """Per key: limit, work done, 429s (or violations), the peak the server saw, the makespan
-    against the ideal ``calls * service_time / limit``. Fits an 80-column terminal."""
+    """Per key: its rules, work done, 429s (or violations), the peak the server saw, the
+    makespan against the ideal (``ideal_makespan``). Fits an 80-column terminal."""
     table = Table(title="Summary", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("key (semaphore)", min_width=16)
-    for column in ("limit", "served", "429s", "peak", "makespan", "ideal", "ratio"):
+    for column in ("rules", "served", "429s", "peak", "makespan", "ideal", "ratio"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in results:
         peak_style = "red" if r.server_peak > r.limit else "green"
         rejected_style = "green" if r.rejected == 0 else ("yellow" if not r.protected else "red")
+        if r.protected and r.pause is not None and r.rejected == r.rejected_for.get("maintenance", 0):
+            rejected_style = "green"  # the maintenance window's 429 is the API's, not an overshoot
         complete = r.served == r.calls
         ratio = f"{r.makespan / r.ideal:.2f}" if r.protected and r.ideal > 0 and complete else "-"
         table.add_row(
             r.key,
-            f"{r.limit}" if r.protected else f"none ({r.limit})",
+            _rules(r),
             f"[{'default' if complete else 'yellow'}]{r.served}/{r.calls}[/]",
             f"[{rejected_style}]{r.rejected}[/]",
             f"[{peak_style}]{r.server_peak}[/]",
             f"{r.makespan:.1f} s",
-            f"{r.ideal:.1f} s",
+            f"{r.ideal:.1f} s" if r.protected else "-",
             ratio,
         )
     table.caption = (
-        "429s: rejected by the server (for a site: robots.txt violations); peak: most requests the "
-        "server saw at once; ideal: calls x service time / limit"
+        "rules: limit, then the API's quota (calls/seconds) or the site's Crawl-delay; 429s: rejected "
+        "by the server (for a site: robots.txt violations); peak: most requests the server saw at "
+        "once; ideal: every call as soon as the rules allow"
     )
     table.caption_justify = "left"
     return table
 
 
+def _rules(r: KeyResult) -> str:
+    """The limit and what else the server asks, "4·20/10s", "1·0.5s"; "none" for the
+    unprotected run, which heeds none of it."""
+    if not r.protected:
+        return "none"
+    rules = f"{r.limit}"
+    if r.quota is not None:
+        rules += f"·{r.quota[0]}/{r.quota[1]:g}s"
+    if r.crawl_delay is not None:
+        rules += f"·{r.crawl_delay:g}s"
+    return rules
+
+
 def draw_chart(results: Sequence[KeyResult], path: Path) -> Path:
-    """Concurrency over time per key, the limit as a dashed line, 429s marked: story 1's two
-    runs on the top row, one panel per crawled host below."""
+    """Story 1 on the top row: calls in flight for its two runs (the limit dashed, 429s
+    marked, the pause shaded) and the calls started in the quota's trailing window against
+    the quota. Story 2 below: calls in flight per host, and the page requests per host over
+    time, so the Crawl-delay shows as the gaps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,25 +335,26 @@ def draw_chart(results: Sequence[KeyResult], path: Path) -> Path:
     api = [r for r in results if r.story == "paid API"]
     sites = [r for r in results if r.story != "paid API"]
     rows = [
-        (title, row)
-        for title, row in (
-            ("Story 1: paid API, 429 beyond its limit (same time scale for both runs)", api),
-            ("Story 2: polite crawler, one semaphore per host, limit from robots.txt", sites),
+        (title, row, extra)
+        for title, row, extra in (
+            ("Story 1: paid API, 429 beyond its limit or its quota (same time scale for both runs)", api, _quota_panel),
+            ("Story 2: polite crawler, a semaphore per host, rules from robots.txt", sites, _gaps_panel),
         )
         if row
     ]
-    columns = max((len(row) for _, row in rows), default=1)
-    fig = plt.figure(figsize=(max(4.4 * columns, 9.0), 3.6 * len(rows) + 0.4), layout="constrained")
-    fig.suptitle("celery_semaphore demo: calls in flight over time, from the tasks' own records", fontsize=13)
+    columns = max((len(row) + 1 for _, row, _ in rows), default=1)
+    fig = plt.figure(figsize=(max(4.4 * columns, 9.0), 3.8 * len(rows) + 0.4), layout="constrained")
+    fig.suptitle("celery_semaphore demo: calls over time, from the tasks' own records", fontsize=13)
     subfigs = fig.subfigures(len(rows), 1, squeeze=False)[:, 0]
-    for subfig, (title, row) in zip(subfigs, rows, strict=True):
+    for subfig, (title, row, extra) in zip(subfigs, rows, strict=True):
         subfig.suptitle(title, fontsize=11)
-        axes = subfig.subplots(1, len(row), squeeze=False)[0]
+        axes = subfig.subplots(1, len(row) + 1, squeeze=False)[0]
         # one scale per row, so a run that took longer also looks longer
         top = max(max(r.client_peak, r.limit) for r in row) + 1
         right = max((s.end - r.origin for r in row for s in r.spans), default=1.0) * 1.03
-        for ax, r in zip(axes, row, strict=True):
+        for ax, r in zip(axes, row, strict=False):
             _panel(ax, r, top, right)
+        extra(axes[-1], row, right)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -189,15 +371,63 @@ def _panel(ax: Any, r: KeyResult, top: int, right: float) -> None:
         ax.plot(
             rejected, [top - 0.4] * len(rejected), "|", color="tab:red", markersize=9, label=f"429 ({len(rejected)})"
         )
+    if r.pause is not None and rejected:
+        ax.axvspan(rejected[0], rejected[0] + r.pause.seconds, color="tab:gray", alpha=0.25, label="paused")
     served = f"{r.served}/{r.calls} served"
     ax.set_title(
         f"{r.key}\npeak {r.client_peak} in flight, {served}, {r.rejected} rejected, {r.makespan:.1f} s", fontsize=9
     )
-    ax.set_xlabel("seconds since start", fontsize=8)
-    ax.set_ylabel("calls in flight (task view)", fontsize=8)
+    _axes(ax, "calls in flight (task view)", right)
     ax.set_ylim(0, top)
-    ax.set_xlim(0, right)
     ax.yaxis.get_major_locator().set_params(integer=True)
+
+
+def _quota_panel(ax: Any, row: Sequence[KeyResult], right: float) -> None:
+    """Calls started in the quota's trailing window, for each run, against the quota. The
+    window is the API's, ``ARRIVAL_SLACK`` short of the period: a start at the very moment the
+    rate allows it may be recorded a ms before the one it replaces leaves a window of the full
+    period, and would show as a spike above the quota that no server saw."""
+    quota = next((r.quota for r in row if r.quota is not None), None)
+    if quota is None:
+        ax.set_visible(False)
+        return
+    count, period = quota
+    for r in row:
+        # a call counts from its start for one window: "in flight" for that long
+        windows = [Span(s.key, s.start, s.start + period - ARRIVAL_SLACK, s.status) for s in r.spans]
+        times, levels = concurrency_steps(windows, r.origin)
+        colour = "tab:blue" if r.protected else "tab:orange"
+        label = "with the semaphore" if r.protected else "no semaphore"
+        ax.step(times, levels, where="post", color=colour, linewidth=1.6, label=label)
+    ax.axhline(count, color="tab:red", linestyle="--", linewidth=1.4, label=f"quota {count}")
+    ax.set_title(f"calls started in the last {period:g} s\nagainst the quota of {count} per {period:g} s", fontsize=9)
+    _axes(ax, f"calls in the last {period:g} s", right)
+    ax.set_ylim(0, max(count, *(len(r.spans) for r in row)) + 2)
+
+
+def _gaps_panel(ax: Any, row: Sequence[KeyResult], right: float) -> None:
+    """A mark per page request, a line per host: the gaps between them are the Crawl-delay."""
+    for line, r in enumerate(row):
+        starts = [s.start - r.origin for s in r.spans]
+        ax.eventplot([starts], lineoffsets=line, linelengths=0.6, colors="tab:blue")
+    labels = [
+        f"{r.key.removeprefix('crawl:')}\n"
+        + (f"delay {r.crawl_delay:g} s" if r.crawl_delay else "no delay")
+        + (f", min {r.min_gap:.2f} s" if r.min_gap is not None else "")
+        for r in row
+    ]
+    ax.set_yticks(range(len(row)), labels, fontsize=7)
+    ax.set_ylim(-0.6, len(row) - 0.4)
+    ax.invert_yaxis()
+    ax.set_title("page requests per host\n(min gap: as the site saw it)", fontsize=9)
+    _axes(ax, "", right)
+
+
+def _axes(ax: Any, ylabel: str, right: float) -> None:
+    ax.set_xlabel("seconds since start", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_xlim(0, right)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right")
