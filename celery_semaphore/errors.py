@@ -53,7 +53,13 @@ class SemaphoreUnavailable(SemaphoreError):
         self.waited = waited
 
     def __str__(self) -> str:
-        return f"semaphore {self.key!r} (limit {self.limit}) granted no slot within {self.waited:.3f} s"
+        limit = "no concurrency limit" if self.limit >= NO_LIMIT else f"limit {self.limit}"
+        return f"semaphore {self.key!r} ({limit}) granted no slot within {self.waited:.3f} s"
+
+
+# The limit of a semaphore that has a rate or a spacing and no concurrency limit (_core.rules
+# names it UNLIMITED; it imports this module, so the value is written here once more).
+NO_LIMIT = 2**31 - 1
 
 
 class LeaseLost(SemaphoreError):

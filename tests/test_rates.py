@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, Waiting
+from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, SemaphoreUnavailable, Waiting
 from celery_semaphore._core.rules import UNLIMITED, Rate, Rules, check_rate
 from celery_semaphore._core.storage import HOLDER_FIELD, INFO_SEPARATOR
 
@@ -91,6 +91,10 @@ def test_a_semaphore_needs_a_limit_a_rate_or_a_spacing(redis_client: redis.Redis
     only_rate = FairSemaphore(redis_client, "only-rate", None, rate="3/s")
     assert only_rate.limit == UNLIMITED
     assert "rate=3/s" in repr(only_rate)
+    for _ in range(3):  # the rate's count, held at once: no concurrency limit stops them
+        only_rate.acquire(timeout=0)
+    with pytest.raises(SemaphoreUnavailable, match="no concurrency limit"):
+        only_rate.acquire(timeout=0)
 
 
 def test_limit_concurrency_takes_a_rate_and_a_spacing(redis_server: RedisServer) -> None:

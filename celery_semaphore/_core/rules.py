@@ -16,12 +16,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigurationError
+from ..errors import NO_LIMIT, ConfigurationError
 from .validation import check_seconds, to_ms
 
 # A semaphore with a rate or a spacing and no concurrency limit: the scripts still compare the
 # holder count with a limit, and this one is never reached.
-UNLIMITED = 2**31 - 1
+UNLIMITED = NO_LIMIT
 
 # Celery's ``rate_limit`` units, and the day for quotas sold per day.
 _PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
