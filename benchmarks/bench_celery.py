@@ -211,8 +211,9 @@ class Lab:
     """The servers of one benchmark run, and the means to run a round on them: start workers,
     send tasks, wait for them, read what the probes recorded."""
 
-    def __init__(self, stack: CeleryStack) -> None:
+    def __init__(self, stack: CeleryStack, worker_conf: dict[str, Any] | None = None) -> None:
         self.stack = stack
+        self.worker_conf = dict(worker_conf or {})  # settings for every worker (--prefetch-multiplier)
         self.env = dict(stack.env)
         self.redis_broker = stack.env["PROJ_BROKER_URL"]
         self.probe = redis.Redis.from_url(stack.env["PROJ_PROBE_URL"])
@@ -251,7 +252,7 @@ class Lab:
                 {**self.env, "PROJ_BROKER_URL": broker_url, "PROJ_QUEUE": queue},
                 name=f"bench{i}-{tag}",
                 concurrency=children,
-                conf=conf,
+                conf={**self.worker_conf, **conf},
                 app=APP,
             )
             for i, queue in enumerate(queues)
@@ -1056,6 +1057,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(e.g. order/semaphore)",
     )
     parser.add_argument("--json", help="also write every round's figures, versions and the commit here")
+    parser.add_argument(
+        "--prefetch-multiplier",
+        type=int,
+        help="worker_prefetch_multiplier of every worker (default: Celery's, 4); 1 lets a woken task's "
+        "wake copy queue behind no prefetched first deliveries",
+    )
     args = parser.parse_args(argv)
     only = {name.strip() for name in args.only.split(",")} if args.only else None
     specs = [spec for spec in scenarios(args.quick) if selected(only, spec.name)]
@@ -1069,6 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "load_at_start": os.getloadavg(),
         "rounds": args.rounds,
         "quick": args.quick,
+        "prefetch_multiplier": args.prefetch_multiplier or "Celery's default",
         **versions(),
     }
     amqp_needed = any(isinstance(spec, Fairness | Handoff) and spec.broker == "amqp" for spec in specs)
@@ -1077,7 +1085,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     outcomes: dict[str, Outcome] = {}
     stack = CeleryStack()
     try:
-        lab = Lab(stack)
+        lab = Lab(
+            stack,
+            {"worker_prefetch_multiplier": args.prefetch_multiplier} if args.prefetch_multiplier else None,
+        )
         for spec in specs:
             print(f"{spec.name} ...", file=sys.stderr, flush=True)
             outcomes[spec.name] = run_scenario(lab, spec, args.rounds, only, amqp)
