@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from celery.exceptions import Retry
 
-from .._core.attempts import Ask, new_token
+from .._core.attempts import Ask, Granted, new_token
 from .._core.multi import MultiSemaphore
 from .._core.semaphore import FairSemaphore
 
@@ -50,4 +50,6 @@ def pause_and_stand_first(semaphore: FairSemaphore | MultiSemaphore, waiter: str
     attempt = semaphore._try(
         Ask(token=new_token(), waiter=waiter, ticket=ticket, patience=seconds + PLACE_SLACK, label="paused")
     )
+    if isinstance(attempt, Granted):  # the pause ended already (a pause of a millisecond): no slot is wanted now
+        attempt.lease.release()
     return getattr(attempt, "ticket", None) or ticket
