@@ -32,7 +32,6 @@ from rich.table import Table
 from rich.text import Text
 
 from celery_semaphore import SemaphoreStatus, semaphore_for
-from celery_semaphore._celery.parking import parked_keys
 from celery_semaphore.testing import RedisServer
 
 from .. import tasks
@@ -566,10 +565,11 @@ class Demo:
                 semaphore.clear_limit()
                 semaphore.set_spacing(None)
                 semaphore.reset()
-            # the version of the state its workers recorded at start, and the records of tasks
-            # that parked (they would expire by themselves, after their backstop countdown)
-            semaphore.client.delete(f"{self.settings.semaphore_prefix}:protocol")
-            semaphore.client.delete(*parked_keys(self.settings.semaphore_prefix))
+            # what is left under this run's own prefix: the version of the state its workers
+            # recorded at start, and the records of tasks that parked (those would expire by
+            # themselves, after their backstop countdown); on a cluster, scanned on every master
+            for key in list(semaphore.client.scan_iter(match=f"{self.settings.semaphore_prefix}:*", count=500)):
+                semaphore.client.delete(key)
         batch: list[Any] = []
         for key in self.data.scan_iter(match=f"{self.settings.prefix}:*", count=500):
             batch.append(key)
