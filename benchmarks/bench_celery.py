@@ -207,6 +207,21 @@ def amqp_problem(url: str) -> str | None:
     return None
 
 
+def start_together(group: Sequence[Worker]) -> None:
+    """Start every worker of ``group`` at once (start-up is seconds of CPU on this host), then
+    wait until each says it is ready; RoundFailed if one exits or is not ready in 120 s."""
+    for worker in group:
+        worker.start(wait_ready=False)
+    deadline = time.monotonic() + 120
+    for worker in group:
+        while " ready." not in worker.log():
+            if worker.process is not None and worker.process.poll() is not None:
+                raise RoundFailed(f"worker {worker.name} exited at start:\n{worker.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RoundFailed(f"worker {worker.name} not ready after 120 s:\n{worker.log()[-3000:]}")
+            time.sleep(0.05)
+
+
 class Lab:
     """The servers of one benchmark run, and the means to run a round on them: start workers,
     send tasks, wait for them, read what the probes recorded."""
@@ -258,16 +273,7 @@ class Lab:
             for i, queue in enumerate(queues)
         ]
         try:
-            for worker in group:
-                worker.start(wait_ready=False)
-            deadline = time.monotonic() + 120
-            for worker in group:
-                while " ready." not in worker.log():
-                    if worker.process is not None and worker.process.poll() is not None:
-                        raise RoundFailed(f"worker {worker.name} exited at start:\n{worker.log()[-3000:]}")
-                    if time.monotonic() > deadline:
-                        raise RoundFailed(f"worker {worker.name} not ready after 120 s:\n{worker.log()[-3000:]}")
-                    time.sleep(0.05)
+            start_together(group)
             yield group
         finally:
             for worker in group:

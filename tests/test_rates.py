@@ -242,8 +242,8 @@ def test_a_pause_holds_every_start_and_the_head_goes_first(redis_client: redis.R
     holder.release()
 
 
-def test_resume_lets_the_head_start_at_once(redis_client: redis.Redis) -> None:
-    semaphore = FairSemaphore(redis_client, "api", 2, lease=30)
+def assert_resume_lets_the_head_start_at_once(semaphore: FairSemaphore) -> None:
+    """Paused until resumed, a blocked waiter does not start; resume() lets it start at once."""
     semaphore.pause()  # until resumed
     assert semaphore.status().paused_for == math.inf
     granted: list[float] = []
@@ -255,11 +255,16 @@ def test_resume_lets_the_head_start_at_once(redis_client: redis.Redis) -> None:
     thread = threading.Thread(target=take)
     thread.start()
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=5)
+    assert not granted
     resumed = time.monotonic()
     semaphore.resume()
     thread.join(10)
     assert granted and granted[0] - resumed < 0.5
     assert semaphore.status().paused_for is None
+
+
+def test_resume_lets_the_head_start_at_once(redis_client: redis.Redis) -> None:
+    assert_resume_lets_the_head_start_at_once(FairSemaphore(redis_client, "api", 2, lease=30))
 
 
 def test_a_runtime_rate_wins_and_lapses_with_its_ttl(redis_client: redis.Redis) -> None:

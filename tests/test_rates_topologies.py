@@ -29,35 +29,9 @@ from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, Waiting
 from celery_semaphore._core.clients import client_for
 from celery_semaphore.errors import RedisUnavailable
 
-from .conftest import _flavour_binary
-from .redis_server import RedisClusterSet, RedisSentinelSet, RedisServer
-from .test_rates import granted_ms, most_in_any_window, run_threads
+from .redis_server import RedisClusterSet, RedisServer
+from .test_rates import assert_resume_lets_the_head_start_at_once, granted_ms, most_in_any_window, run_threads
 from .waiting import wait_until
-
-TOPOLOGIES = [("cluster", "path"), ("cluster", "6.2"), ("sentinel", "path"), ("sentinel", "6.2")]
-
-
-@pytest.fixture(params=TOPOLOGIES, ids=[f"{name}-{flavour}" for name, flavour in TOPOLOGIES])
-def topology_client(
-    request: pytest.FixtureRequest,
-    _redis_clusters: dict[str, RedisClusterSet],
-    _redis_sentinel_sets: dict[str, RedisSentinelSet],
-) -> Any:
-    """A client of the run's shared cluster or Sentinel set of the given Redis (the sets behind
-    the ``redis_cluster`` and ``redis_sentinel_set`` fixtures), emptied before the test."""
-    name, flavour = request.param
-    servers: RedisClusterSet | RedisSentinelSet
-    if name == "cluster":
-        if flavour not in _redis_clusters:
-            _redis_clusters[flavour] = RedisClusterSet(replicas=1, binary=_flavour_binary(flavour)).start()
-        servers = _redis_clusters[flavour]
-    else:
-        if flavour not in _redis_sentinel_sets:
-            _redis_sentinel_sets[flavour] = RedisSentinelSet(binary=_flavour_binary(flavour)).start()
-        servers = _redis_sentinel_sets[flavour]
-        servers.wait_settled()
-    servers.flushall()
-    return client_for(servers.url)
 
 
 def paused_until_ms(client: Any, semaphore: FairSemaphore) -> int:
@@ -113,24 +87,7 @@ def test_a_pause_holds_every_start_and_resume_ends_it(topology_client: Any) -> N
     assert until <= started < until + 150
     assert semaphore.renew(holder.token)  # the holder kept its slot through the pause
 
-    semaphore.pause()
-    assert semaphore.status().paused_for == float("inf")
-    granted: list[float] = []
-
-    def take() -> None:
-        with semaphore.acquire(timeout=10):
-            granted.append(time.monotonic())
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=5)
-    time.sleep(0.2)
-    assert not granted
-    resumed = time.monotonic()
-    semaphore.resume()
-    thread.join(10)
-    assert granted and granted[0] - resumed < 0.5
-    assert semaphore.status().paused_for is None
+    assert_resume_lets_the_head_start_at_once(semaphore)
     holder.release()
 
 

@@ -14,10 +14,6 @@ from typing import Any
 
 import pytest
 
-from celery_semaphore._core.clients import client_for
-
-from .conftest import _flavour_binary
-from .redis_server import RedisClusterSet, RedisSentinelSet
 from .test_runs import (  # noqa: F401  (collected again here, on each topology)
     test_a_copy_takes_over_a_run_whose_holder_was_killed,
     test_a_run_whose_lease_lapsed_before_a_normal_release_still_counts_as_done,
@@ -46,26 +42,8 @@ from .test_semaphore import (  # noqa: F401  (collected again here, on each topo
 
 pytestmark = pytest.mark.slow
 
-TOPOLOGIES = [("cluster", "path"), ("cluster", "6.2"), ("sentinel", "path"), ("sentinel", "6.2")]
 
-
-@pytest.fixture(params=TOPOLOGIES, ids=[f"{name}-{flavour}" for name, flavour in TOPOLOGIES])
-def redis_client(
-    request: pytest.FixtureRequest,
-    _redis_clusters: dict[str, RedisClusterSet],
-    _redis_sentinel_sets: dict[str, RedisSentinelSet],
-) -> Any:
-    """A client of a shared cluster or Sentinel set of the given Redis, emptied before the test."""
-    name, flavour = request.param
-    servers: RedisClusterSet | RedisSentinelSet
-    if name == "cluster":
-        if flavour not in _redis_clusters:
-            _redis_clusters[flavour] = RedisClusterSet(replicas=1, binary=_flavour_binary(flavour)).start()
-        servers = _redis_clusters[flavour]
-    else:
-        if flavour not in _redis_sentinel_sets:
-            _redis_sentinel_sets[flavour] = RedisSentinelSet(binary=_flavour_binary(flavour)).start()
-        servers = _redis_sentinel_sets[flavour]
-        servers.wait_settled()
-    servers.flushall()
-    return client_for(servers.url)
+@pytest.fixture
+def redis_client(topology_client: Any) -> Any:
+    """The semaphore's own tests, run on each shared Cluster and Sentinel set (conftest)."""
+    return topology_client
