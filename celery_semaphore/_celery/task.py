@@ -544,9 +544,7 @@ def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:
 
 
 def _names_of(semaphore: AnySemaphore) -> set[str]:
-    if isinstance(semaphore, MultiSemaphore):
-        return {member.name for member in semaphore.semaphores}
-    return {semaphore.name}
+    return {member.name for member in members(semaphore)}
 
 
 class _EagerHeld(threading.local):
