@@ -550,3 +550,50 @@ def _received(sock: socket.socket) -> bytes:
         return sock.recv(16)
     except BlockingIOError:
         return b""
+
+
+@pytest.mark.parametrize("noticed_by", ["tick", "renewal"])
+def test_an_offer_heard_but_never_claimed_by_a_parked_waiter_is_reported_when_it_lapses(
+    redis_client: redis.Redis, noticed_by: str
+) -> None:
+    """A parked waiter's process heard its offer and died before sending its wake copy (a pool
+    child recycled between the two): nobody claims, and nothing at publish time could tell. When
+    the offer lapses, the script that purges it reports the waiter as unheard, so that the
+    caller sends its wake copy from the record kept in Redis: a claim window late, not a
+    backstop late. A periodic tick and a holder's renewal each purge."""
+    from celery_semaphore._core import semaphore as semaphore_module
+    from celery_semaphore._core.scripts import scripts_for
+
+    semaphore = FairSemaphore(redis_client, f"heard-{noticed_by}", 2, patience=30)
+    keeper, holder = semaphore.acquire(timeout=0), semaphore.acquire(timeout=0)
+    assert isinstance(semaphore.try_acquire(waiter="parked"), Waiting)
+    address = semaphore.keys.wake_address("deaf")
+    deaf = redis_client.pubsub()
+    deaf.subscribe(address)  # hears the offer, never acts on it
+    wait_until(lambda: redis_client.pubsub_numsub(address)[0][1] == 1, timeout=10, what="the deaf listener")
+    assert semaphore._leave("parked", away_for=60, wake=address)
+    told: list[tuple[str, ...]] = []
+    handler = semaphore_module._unheard_handler  # the Celery layer's, if imported: put back after
+    semaphore_module.on_unheard(lambda _, waiters: told.append(waiters))
+    try:
+        assert holder.release()
+        assert told == [], "the offer was heard: nothing to report yet"
+        offered_at = time.monotonic()
+
+        def reported() -> bool:
+            if noticed_by == "tick":
+                unheard = scripts_for(redis_client).tick(semaphore.keys, rules=semaphore.rules.arg)
+                if unheard:
+                    told.append(unheard)
+            else:
+                keeper.renew()  # raises LeaseLost if the keeper lost its slot
+            return bool(told)
+
+        wait_until(reported, timeout=10, what="the lapsed offer reported")
+        assert time.monotonic() - offered_at >= 1.0, "not before the claim window ends"
+        assert told == [("parked",)]
+    finally:
+        semaphore_module.on_unheard(handler)
+        deaf.close()
+        keeper.release()
+        semaphore._release_holders_with_prefix("")

@@ -42,7 +42,7 @@ from .lease import Lease
 from .redis_errors import RedisErrors
 from .rules import Rules
 from .scripts import SemaphoreKeys, scripts_for
-from .semaphore import FairSemaphore
+from .semaphore import FairSemaphore, tell_unheard
 from .storage import (
     GRANTED,
     RAN,
@@ -294,9 +294,11 @@ class MultiSemaphore:
 
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):
-            return self._scripts.renew_many(
+            reply = self._scripts.renew_many(
                 self.all_keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
+        tell_unheard(self, reply.unheard)
+        return reply.codes
 
 
 __all__ = ["MultiSemaphore"]

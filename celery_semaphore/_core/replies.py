@@ -48,6 +48,12 @@ class ManyReply:
 
 
 @dataclass(frozen=True)
+class RenewReply:
+    codes: list[int]  # one RENEW_* code per holder, in order
+    unheard: tuple[str, ...] = ()  # waiters offered a slot whose wake-up nobody heard
+
+
+@dataclass(frozen=True)
 class ListedHolder:
     token: str
     deadline_ms: int

@@ -34,6 +34,7 @@ from .replies import (
     ListedHolder,
     ListedWaiter,
     ManyReply,
+    RenewReply,
     StatusReply,
 )
 from .rules import Rules
@@ -284,11 +285,11 @@ class Scripts:
 
     def renew(
         self, keys: SemaphoreKeys, *, lease_ms: int, rules: Rules, reclaim: bool, holders: list[tuple[str, str]]
-    ) -> list[int]:
+    ) -> RenewReply:
         args: list[Any] = [lease_ms, rules.arg, int(reclaim)]
         for token, label in holders:
             args += [token, label]
-        return [int(code) for code in self._scripts["renew"](keys=keys.line_keys, args=args)]
+        return _renew_reply(self._scripts["renew"](keys=keys.line_keys, args=args), len(holders))
 
     def leave(
         self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, rules: Rules, wake: str = ""
@@ -410,11 +411,11 @@ class Scripts:
         rules: list[Rules],
         reclaim: bool,
         holders: list[tuple[str, str]],
-    ) -> list[int]:
+    ) -> RenewReply:
         args: list[Any] = [lease_ms, int(reclaim), len(keys), *(each.arg for each in rules)]
         for token, label in holders:
             args += [token, label]
-        return [int(code) for code in self._scripts["renew_many"](keys=_many_keys(keys), args=args)]
+        return _renew_reply(self._scripts["renew_many"](keys=_many_keys(keys), args=args), len(holders))
 
     def leave_many(
         self,
@@ -499,6 +500,13 @@ def scripts_for(client: Any) -> Scripts:
         if client not in _registered:
             _registered[client] = Scripts(client)
         return _registered[client]
+
+
+def _renew_reply(reply: list[Any], holders: int) -> RenewReply:
+    """One code per holder, then the waiters offered a slot unheard."""
+    return RenewReply(
+        codes=[int(code) for code in reply[:holders]], unheard=tuple(as_text(waiter) for waiter in reply[holders:])
+    )
 
 
 def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[bytes]:

@@ -367,9 +367,11 @@ class FairSemaphore:
         should count against the limit.
         """
         with RedisErrors(self.name, "renew"):
-            return self._scripts.renew(
+            reply = self._scripts.renew(
                 self.keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
+        tell_unheard(self, reply.unheard)
+        return reply.codes
 
     # -- inspecting and steering -----------------------------------------------------------
 

@@ -265,6 +265,9 @@ local function record_run(run, value, now, remember_ms)
   extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
 end
 
+-- The waiters offered a slot whose wake-up nobody heard (see notify): a script's reply lists them.
+local unheard = {}
+
 -- @rest-of-lib
 -- The rest: the line, offers and hand-off, wake-ups, purges, several semaphores. A script that
 -- has this marker line in its own text gets what follows there (after its fast path), any other
@@ -324,8 +327,8 @@ end
 -- scripts that hand slots on return: their caller sends a parked task's wake copy itself
 -- (_parking.wake_unheard), so the offer is claimed in milliseconds instead of lapsing. PUBLISH
 -- on a cluster counts only this node's subscribers: an address marked "c." (a cluster listener
--- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard.
-local unheard = {}
+-- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard. ("unheard" itself is
+-- declared before "@rest-of-lib": a script's fast path may report it.)
 local function notify(address, waiter)
   if address and address ~= '' then
     local heard
@@ -383,11 +386,25 @@ end
 
 -- One bounded step of removing lapsed holders, lapsed offers and waiters that stopped asking.
 -- Returns how many holder entries (leases or offers) went, i.e. how many slots it freed.
+-- An offer that lapsed unclaimed to a waiter that is parked (still in line, away, with a wake
+-- address) was heard by a process that then could not send the waiter's wake copy (it was
+-- exiting, recycled or killed between hearing and sending): the waiter is added to "unheard"
+-- too, so that the caller sends its wake copy from the record kept in Redis, and it comes back
+-- a claim window late instead of at its backstop.
 local function purge(now)
   local dead = redis.call('ZRANGEBYSCORE', K_HOLDERS, -now, now, 'LIMIT', 0, PURGE_STEP)
   if #dead > 0 then
     redis.call('ZREM', K_HOLDERS, unpack(dead))
     redis.call('HDEL', K_HOLDER_INFO, unpack(prefixed(dead, HOLDER_FIELD)))
+    for i = 1, #dead do
+      if string.sub(dead[i], 1, 1) == OFFER_MARK then
+        local waiter = string.sub(dead[i], 2)
+        local address = wake_address(waiter)
+        if address and address ~= '' and not redis.call('ZSCORE', K_PRESENT, waiter) then
+          unheard[#unheard + 1] = waiter
+        end
+      end
+    end
   end
   local gone = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, PURGE_STEP)
   if #gone > 0 then

@@ -76,6 +76,9 @@ local function granted(code, r)
   if run ~= '' then
     record_run(run, token, now, remember_ms)
   end
+  if #unheard > 0 then
+    return {code, unpack(unheard)}
+  end
   return code
 end
 

@@ -7,7 +7,7 @@
 --                     slot is free; "0": never
 --   ARGV[4], ARGV[5], ... pairs of (token, label)
 -- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN, or RENEW_LOST (no
--- free slot).
+-- free slot); then the waiters offered a slot whose wake-up nobody heard (see notify in _lib.lua).
 -- A token still in KEYS[1] counts as held even if its deadline passed and no purge removed it
 -- yet: nobody else was given its slot meanwhile.
 
@@ -42,5 +42,8 @@ end
 -- the purge above may have freed slots (a crashed holder's lease ran out): hand them on
 if redis.call('ZCARD', K_PRESENT) > 0 then
   hand_off(now, r, nil)
+end
+for i = 1, #unheard do
+  codes[#codes + 1] = unheard[i]
 end
 return codes

@@ -7,7 +7,8 @@
 --   ARGV[3] n         the number of semaphores
 --   ARGV[4..3+n]      each semaphore's rules where no runtime override is stored
 --   then pairs of (token, label)
--- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN or RENEW_LOST.
+-- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN or RENEW_LOST;
+-- then the waiters offered a slot whose wake-up nobody heard (see notify in _lib.lua).
 
 local lease_ms = tonumber(ARGV[1])
 local reclaim = ARGV[2] == '1'
@@ -64,5 +65,8 @@ for i = 1, n do
   if redis.call('ZCARD', K_PRESENT) > 0 then
     hand_off(now, limits[i], nil)
   end
+end
+for i = 1, #unheard do
+  codes[#codes + 1] = unheard[i]
 end
 return codes
