@@ -35,6 +35,7 @@ from .._core.scripts import preload
 from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
+from . import woken_first
 from .backstop import BackstopStep, follow_backstops, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
@@ -67,6 +68,10 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         pool_cls = getattr(worker, "pool_cls", None)
         prefork = isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
         pool_room.prepare(size, prefork=prefork)
+
+    def start(self, worker: Any) -> None:
+        # the pool step made the worker's line of received tasks by now (woken_first.py)
+        woken_first.install(worker)
 
 
 class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]

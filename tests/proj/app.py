@@ -669,3 +669,35 @@ def throttled_api(self: Any, seconds: float, answer_429_for: float = 0.0, key: s
         self.semaphore_pause(answer_429_for)
     _held(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+def _wait_for_gate(gate: str) -> None:
+    """Block until the test opens ``gate`` (pushes to the key), for at most 60 s (in short
+    BLPOPs: a client's socket timeout would end a long one)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not probe(gate).client.blpop([f"gate:{gate}"], timeout=1):
+        pass
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    name="proj.gated_slot",
+    bind=True,
+)
+def gated_slot(self: Any, gate: str, key: str = "proj.gated_slot") -> str:
+    """Holds the only slot of its task until ``gate`` opens (an empty gate: not at all); ``key``
+    names its probe."""
+    _held(key, 0, self.request.id)
+    if gate:
+        _wait_for_gate(gate)
+    return str(self.request.id)
+
+
+@app.task(name="proj.gated", bind=True)
+def gated(self: Any, gate: str) -> str:
+    """No semaphore: keeps its pool process busy until ``gate`` opens."""
+    _wait_for_gate(gate)
+    return str(self.request.id)

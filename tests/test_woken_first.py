@@ -1,0 +1,89 @@
+"""A woken task reaches the next free pool process before the tasks its worker received ahead
+of it (real prefork workers, Redis broker).
+
+A parked task's wake copy carries a turn: its slot idles until the copy asks. A worker keeps
+the tasks it received and has no free process for in line, first in, first out, in Celery's
+semaphore of pool processes (``worker_pool_putlocks``, the default). The wake copy goes to the
+front of that line (``woken_first.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from celery_semaphore import semaphore_for
+from celery_semaphore._celery.tokens import task_key
+
+from .celery_stack import CeleryStack
+from .waiting import wait_until
+from .workers import worker_group
+
+pytestmark = pytest.mark.workers
+
+BLOCKERS = 5
+
+
+def test_a_woken_task_starts_before_the_tasks_received_ahead_of_it(celery_stack: CeleryStack) -> None:
+    """One worker of one process: a parked task is woken while its process runs another task and
+    5 plain tasks wait in the worker's line; when the process frees, the woken task runs first
+    (before the change it ran last, its slot idle meanwhile)."""
+    import tests.proj.app as proj
+
+    key = "woken-first"  # the probe's: the slot is the task's
+    probe = proj.probe(key).client
+    conf: dict[str, Any] = {"worker_prefetch_multiplier": 10}
+    with (
+        worker_group(celery_stack.env, queue="woken-holder", names=("woken-holder",), concurrency=1),
+        worker_group(celery_stack.env, queue="woken", names=("woken",), concurrency=1, conf=conf) as waiters,
+    ):
+        holder = proj.gated_slot.apply_async((f"{key}-holder", key), queue="woken-holder")
+        wait_until(lambda: probe.llen(f"probe:{key}:starts") == 1, timeout=30, what="the holder runs")
+        waiter = proj.gated_slot.apply_async(("", key), queue="woken")
+        semaphore = semaphore_for(proj.app, "proj.gated_slot")
+        wait_until(
+            lambda: (
+                any(w.waiter == task_key(waiter.id) for w in semaphore.status().waiters)
+                and not waiter_running(waiters[0].log(), waiter.id)
+            ),
+            timeout=30,
+            what="the waiter parked",
+        )
+        occupier = proj.gated.apply_async((f"{key}-occupier",), queue="woken")
+        blockers = [proj.unlimited.apply_async((0.05, f"{key}-blockers"), queue="woken") for _ in range(BLOCKERS)]
+        broker = celery_stack.broker.client()
+        wait_until(
+            lambda: broker.llen("woken") == 0 and received(waiters[0].log(), occupier.id, *(b.id for b in blockers)),
+            timeout=30,
+            what="the occupier and the blockers in the worker",
+        )
+        # the first delivery, then its backstop copy (a countdown: the worker holds it till due)
+        wait_until(lambda: received(waiters[0].log(), waiter.id, times=2), timeout=30, what="the backstop copy")
+        probe.rpush(f"gate:{key}-holder", 1)  # the holder ends: its slot is offered to the parked waiter
+        assert holder.get(timeout=30) == holder.id
+        wait_until(lambda: received(waiters[0].log(), waiter.id, times=3), timeout=30, what="the wake copy received")
+        probe.rpush(f"gate:{key}-occupier", 1)  # the worker's one process frees
+        assert waiter.get(timeout=60) == waiter.id
+        for blocker in blockers:
+            blocker.get(timeout=60)
+        occupier.get(timeout=30)
+        broker.close()
+    started = {
+        entry.split()[0].decode(): float(entry.split()[1]) for entry in probe.lrange(f"probe:{key}:starts", 0, -1)
+    }
+    blockers_started = [float(entry.split()[1]) for entry in probe.lrange(f"probe:{key}-blockers:starts", 0, -1)]
+    assert len(blockers_started) == BLOCKERS
+    assert started[waiter.id] < min(blockers_started), (
+        f"the woken task started {sum(at < started[waiter.id] for at in blockers_started)} tasks late"
+    )
+
+
+def received(log: str, *task_ids: str, times: int = 1) -> bool:
+    return all(len(re.findall(rf"\[{re.escape(task_id)}\] received", log)) >= times for task_id in task_ids)
+
+
+def waiter_running(log: str, task_id: str) -> bool:
+    """Whether the task's first delivery is still running (not yet retried or done)."""
+    return not re.search(rf"\[{re.escape(task_id)}\] (retry|succeeded|ignored)", log, re.IGNORECASE)
