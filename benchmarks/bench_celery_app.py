@@ -24,8 +24,10 @@ probe database (db 3 of the broker's Redis), keyed by task id:
 * ``bench:starts`` / ``bench:ends`` (lists of ``"<id> <time> <worker> <key>"``): the body of the
   limited work, start and end; with the concurrency probe (``probe:<key>``) around it, the true
   number of bodies running at once per key;
-* ``bench:released`` (list of ``"<id> <time> <worker> <key>"``): right after ``SemaphoreTask``'s
-  ``__call__`` returned, i.e. right after its slot was released: the start of a hand-off;
+* ``bench:released`` (list of ``"<id> <time> <worker> <key>"``): the moment the task's release
+  began (stamped as the library's ``_release`` is entered), the start of a hand-off. Stamped
+  there, not once ``SemaphoreTask.__call__`` returns: the release also sends the next waiter's
+  wake copy from this process, and a stamp after it would leave that time out of the hand-off;
 * ``bench:durations`` (list of ``"<id> <ms>"``): ``task_prerun`` to ``task_postrun`` per run, the
   per-task cost with and without the semaphore;
 * ``bench:failures`` (list): any task that failed, so that the benchmark stops instead of
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -46,7 +49,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, signals
 
-from celery_semaphore import SemaphoreTask
+from celery_semaphore import FairSemaphore, MultiSemaphore, SemaphoreTask
 from tests.concurrency_probe import ConcurrencyProbe
 
 app = Celery(
@@ -129,22 +132,38 @@ class AskStamped(Task):  # type: ignore[misc]
                 probe_client().rpush("bench:calls", f"{task_id} {asked}")
 
 
+# The moment this thread last began a release (see bench:released).
+_release_began = threading.local()
+
+
+def _stamped(release: Any) -> Any:
+    def stamped_release(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _release_began.at = time.time()
+        return release(self, *args, **kwargs)
+
+    return stamped_release
+
+
+FairSemaphore._release = _stamped(FairSemaphore._release)  # type: ignore[method-assign]
+MultiSemaphore._release = _stamped(MultiSemaphore._release)  # type: ignore[method-assign]
+
+
 class TimedSemaphoreTask(AskStamped, SemaphoreTask):
     """SemaphoreTask that notes the moment its slot was given back (and stamps its first ask).
 
-    ``SemaphoreTask.__call__`` releases in its ``finally``, so the instant our ``super().__call__``
-    returns (or raises) is right after the release: the start of the hand-off that the benchmark
-    times to the next waiter's body start. A refused call (no body ran) released nothing and
-    records nothing."""
+    ``SemaphoreTask.__call__`` releases in its ``finally``: the moment that release began is the
+    start of the hand-off that the benchmark times to the next waiter's body start. A refused
+    call (no body ran) released nothing and records nothing."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.request.bench_key = None
+        _release_began.at = None
         try:
             return super().__call__(*args, **kwargs)
         finally:
             key = getattr(self.request, "bench_key", None)
             if key is not None:
-                released = time.time()
+                released = getattr(_release_began, "at", None) or time.time()
                 probe_client().rpush("bench:released", f"{self.request.id} {released} {_worker(self)} {key}")
 
 

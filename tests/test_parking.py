@@ -65,6 +65,34 @@ def test_an_offer_sends_the_wake_copy_at_once(redis_server: RedisServer, redis_c
     assert parking.parked_count() == 0
 
 
+def test_the_releasing_process_sends_the_wake_copy_and_the_parked_one_does_not_send_it_again(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The process whose release offers a parked waiter its turn sends the wake copy itself (it
+    is running; the parked task's process may be busy with another task). The parked process,
+    told too, finds the record taken and sends nothing: one copy."""
+    from celery_semaphore._celery.parking import parking
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-releaser"
+    releasing = parking()  # this process's, whose wake handler the release calls
+    releasing.sweep(app, redis_client, prefix)  # as a worker's process: it knows the app
+    try:
+        semaphore = FairSemaphore(redis_client, "park-releaser", 1, prefix=prefix)
+        holder = semaphore.acquire(timeout=5)
+        assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+        parked = Parking()  # the parked task's process
+        wake_copy = app.signature("parking.job", queue="q-releaser.semaphore-wake")
+        semaphore._leave("t1", 30, parked.park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+        holder.release()
+        wait_until(lambda: parked.sent_elsewhere == 1, timeout=10, what="the parked process told, the copy sent")
+        assert _queued(redis_server, "q-releaser.semaphore-wake") == 1
+        assert parked.parked_count() == 0
+    finally:
+        # no sweeping of this test's deployment for the rest of the session
+        releasing._sweep_targets.pop((id(redis_client), prefix), None)
+
+
 def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     """When a parked task's time is up and no copy of its wait asked meanwhile, the wake copy is
     sent anyway; a task whose copy did ask is left alone."""

@@ -553,14 +553,15 @@ def _received(sock: socket.socket) -> bytes:
 
 
 @pytest.mark.parametrize("noticed_by", ["tick", "renewal"])
-def test_an_offer_heard_but_never_claimed_by_a_parked_waiter_is_reported_when_it_lapses(
+def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when_its_offer_lapses(
     redis_client: redis.Redis, noticed_by: str
 ) -> None:
-    """A parked waiter's process heard its offer and died before sending its wake copy (a pool
-    child recycled between the two): nobody claims, and nothing at publish time could tell. When
-    the offer lapses, the script that purges it reports the waiter as unheard, so that the
-    caller sends its wake copy from the record kept in Redis: a claim window late, not a
-    backstop late. A periodic tick and a holder's renewal each purge."""
+    """A parked waiter's offer is published on its process's channel (heard here) and also
+    reported to the script's caller, which just freed the slot and sends the wake copy at once
+    (the parked process may be busy). If nobody acts on it (that process heard it and died
+    before sending, and the caller had no way to send), the offer lapses, and the script that
+    purges it reports the waiter again: a claim window late, not a backstop late. A periodic
+    tick and a holder's renewal each purge."""
     from celery_semaphore._core import semaphore as semaphore_module
     from celery_semaphore._core.scripts import scripts_for
 
@@ -577,7 +578,10 @@ def test_an_offer_heard_but_never_claimed_by_a_parked_waiter_is_reported_when_it
     semaphore_module.on_unheard(lambda _, waiters: told.append(waiters))
     try:
         assert holder.release()
-        assert told == [], "the offer was heard: nothing to report yet"
+        assert told == [("parked",)], "a parked waiter is the caller's to wake, heard or not"
+        assert deaf.get_message(timeout=5) is not None  # the subscription's confirmation
+        assert deaf.get_message(timeout=5)["data"] == b"parked"  # and the offer, published too
+        told.clear()
         offered_at = time.monotonic()
 
         def reported() -> bool:
@@ -592,8 +596,35 @@ def test_an_offer_heard_but_never_claimed_by_a_parked_waiter_is_reported_when_it
         wait_until(reported, timeout=10, what="the lapsed offer reported")
         assert time.monotonic() - offered_at >= 1.0, "not before the claim window ends"
         assert told == [("parked",)]
+        granted = semaphore.try_acquire(waiter="parked")
+        assert isinstance(granted, Granted), "the late waiter still heads the line"
+        granted.lease.release()
     finally:
         semaphore_module.on_unheard(handler)
         deaf.close()
         keeper.release()
+        semaphore._release_holders_with_prefix("")
+
+
+def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(redis_client: redis.Redis) -> None:
+    """A caller blocked in ``acquire`` hears its offer on its own listener and claims it: the
+    releasing caller has nothing to send for it."""
+    from celery_semaphore._core import semaphore as semaphore_module
+
+    semaphore = FairSemaphore(redis_client, "heard-present", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    leases: list[Any] = []
+    blocked = threading.Thread(target=lambda: leases.append(semaphore.acquire(timeout=30)), daemon=True)
+    blocked.start()
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the blocked caller in line")
+    told: list[tuple[str, ...]] = []
+    handler = semaphore_module._unheard_handler
+    semaphore_module.on_unheard(lambda _, waiters: told.append(waiters))
+    try:
+        assert holder.release()
+        blocked.join(timeout=30)
+        assert leases and leases[0].release()
+        assert told == []
+    finally:
+        semaphore_module.on_unheard(handler)
         semaphore._release_holders_with_prefix("")

@@ -2,15 +2,22 @@
 
 A refused task leaves the worker: it is re-sent with a countdown (the *backstop* copy, which
 survives anything the semaphore's Redis or this process may lose) and it *parks*: it stays
-offerable in the line, its wake address this process's channel. When a release (anywhere) hands
-it the slot, the offer is published on that channel, and this process sends the task again at
-once (the *wake* copy), to the wake queue that every worker consumes next to its own, so the copy
-does not queue behind a backlog of fresh tasks. Whichever copy asks first claims the slot; the
-acquire script's run record drops the other one (see ``task.py``).
+offerable in the line, its wake address this process's channel, and its wake copy is kept in
+Redis too (``park.lua``). When a script (a release, anywhere) hands it the slot, the task is sent
+again at once (the *wake* copy), to the wake queue that every worker consumes next to its own, so
+the copy does not queue behind a backlog of fresh tasks. Two processes may send it, and the one
+that takes the record first does (``claim_parked_waiter.lua``): the process whose script made the
+offer, which is running and free (it just gave a slot back), and this one, told on its channel,
+which covers a caller with no Celery here. Sent by this process alone, the copy went out 15-60 ms
+late under load: its listener and sender threads wait for the interpreter lock while its main
+thread runs another task. Whichever copy of the task asks first claims the slot; the acquire
+script's run record drops the other one (see ``task.py``).
 
-If this process dies before the offer comes, nobody sends the wake copy: the offer lapses after
-its claim window, the slot goes on to the next waiter, and the backstop copy rejoins the line at
-its old ticket when its countdown ends. A delay, never a loss.
+If the offer finds this process gone, nobody hears it, and the process that made it sends the
+copy. An offer nobody acted on (told to a process that died before sending) lapses after its
+claim window; the script that purges it reports the waiter again and its caller sends the copy
+from the record, if still there. Else the backstop copy rejoins the line at its old ticket when
+its countdown ends. A delay, never a loss.
 
 The other way round, a lost backstop copy (on the Redis broker, a message popped by the pending
 ``BRPOP`` of a worker being killed is gone) is caught by a *sweep*. The wake copy is kept in
@@ -140,6 +147,8 @@ class Parking:
         self._to_send: queue.SimpleQueue[_Parked | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._sweep_targets: dict[tuple[int, str], _SweepTarget] = {}
+        # wake-ups heard here whose copy another process sent (it took the record first)
+        self.sent_elsewhere = 0
 
     def park(
         self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, wake_copy: Any, *, away_for: float, run: str
@@ -328,13 +337,20 @@ class Parking:
                     self._wake(target.client, target.prefix, keys.deadlines, unheard, target.app)
 
     def wake_unheard(self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
-        """A script this process ran offered ``waiters`` a slot of ``semaphore``, and nobody heard
-        (the process that parked each is gone): send their wake copies from here, now, so that
-        each claims its offer in milliseconds instead of letting it lapse."""
+        """A script this process ran offered ``waiters`` a slot of ``semaphore``: parked waiters
+        (their own process may be busy, or gone), and any other waiter nobody heard. Send their
+        wake copies from here, now, so that each claims its offer in milliseconds.
+
+        Only from a process that knows the deployment's app (a worker's processes: they sweep
+        it): a copy is sent through the app it is read back into, and Celery's current app, in
+        another process, may have another broker. Taken and then lost, the wait's record could
+        not be sent by its own process either. Elsewhere, the parked task's process sends it, or
+        a worker's tick once the offer lapses."""
         first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
         with self._lock:
             target = self._sweep_targets.get((id(first.client), first.prefix))
-        self._wake(first.client, first.prefix, first.keys.deadlines, waiters, target.app if target else None)
+        if target is not None:
+            self._wake(first.client, first.prefix, first.keys.deadlines, waiters, target.app)
 
     def _wake(self, client: Any, prefix: str, deadlines_key: str, waiters: tuple[str, ...], app: Any) -> None:
         scripts = scripts_for(client)
@@ -346,16 +362,10 @@ class Parking:
                 self._send_parked_here(deadlines_key, waiter)
                 continue
             record, copy = claimed
-            if app is None:
-                from celery import current_app
-
-                app = current_app
             try:
                 wake_copy = deserialized(copy, app)
             except Exception as error:
-                logger.warning(
-                    "could not wake a task that did not hear its turn (%s): its backstop copy is its way back", error
-                )
+                logger.warning("could not wake a parked task (%s): its backstop copy is its way back", error)
                 continue
             self._send(wake_copy, ParkedRecord.read(record).name)
 
@@ -384,7 +394,26 @@ class Parking:
             if parked is None:
                 return
             parked.handle.close()
+            if parked.recorded and not self._take_record(parked):
+                self.sent_elsewhere += 1  # the process that made the offer took the record and sent it
+                continue
             self._send(parked.wake_copy, parked.name)
+
+    @staticmethod
+    def _take_record(parked: _Parked) -> bool:
+        """Take the record kept in Redis of a wait this process was told to wake; False when
+        another process took it first (the one whose script made the offer sends the wake copy
+        too, see notify in lua/_lib.lua): one of the two sends. True if Redis cannot say: a
+        second copy is dropped by its run, a missing one would wait for its backstop."""
+        semaphore = parked.semaphore
+        try:
+            taken = scripts_for(semaphore.client).claim_parked_waiter(
+                parked_keys(_prefix_of(semaphore)), deadlines_key=semaphore.keys.deadlines, waiter=parked.waiter
+            )
+        except Exception as error:
+            logger.debug("could not take the parked record of a wait of %r: %s", parked.name, error)
+            return True
+        return taken is not None
 
     @staticmethod
     def _send(wake_copy: Any, name: str) -> None:

@@ -82,6 +82,7 @@ local HOLDER_FIELD = 'h:'
 local WAITER_FIELD = 'w:'
 local HOLD_FIELD = 'hold'
 local INFO_SEPARATOR = '|'
+local PARKED_MARK = '>'
 local RECORD_SEPARATOR = '\n'
 -- the weight of a waiter "*<w>*<id>" and of a token "<token>*<w>"; a wake address of a sharded
 -- listener, and one of a cluster listener without sharded pub/sub (see notify)
@@ -329,8 +330,17 @@ end
 -- on a cluster counts only this node's subscribers: an address marked "c." (a cluster listener
 -- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard. ("unheard" itself is
 -- declared before "@rest-of-lib": a script's fast path may report it.)
+-- A parked waiter (its address stored behind PARKED_MARK, see leave.lua) is added whether heard
+-- or not: the caller, which just freed the slot and is running, sends the wake copy at once,
+-- while the parked task's own process may be busy for tens of ms with another task before its
+-- listener's wake-up turns into a send (measured under load: 15-60 ms). That process is told
+-- too; whichever of the two takes the parked record first sends (claim_parked_waiter.lua).
 local function notify(address, waiter)
   if address and address ~= '' then
+    local parked = string.sub(address, 1, 1) == PARKED_MARK
+    if parked then
+      address = string.sub(address, 2)
+    end
     local heard
     if HAS_GT and string.find(address, SHARDED_ADDRESS_PATTERN) then
       heard = redis.call('SPUBLISH', address, waiter)
@@ -340,12 +350,13 @@ local function notify(address, waiter)
         heard = 1
       end
     end
-    if heard == 0 then
+    if heard == 0 or parked then
       unheard[#unheard + 1] = waiter
     end
   end
 end
 
+-- A waiter's wake address as stored: a parked waiter's behind PARKED_MARK (see notify).
 local function wake_address(waiter)
   local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter)
   if info then
@@ -386,11 +397,11 @@ end
 
 -- One bounded step of removing lapsed holders, lapsed offers and waiters that stopped asking.
 -- Returns how many holder entries (leases or offers) went, i.e. how many slots it freed.
--- An offer that lapsed unclaimed to a waiter that is parked (still in line, away, with a wake
--- address) was heard by a process that then could not send the waiter's wake copy (it was
--- exiting, recycled or killed between hearing and sending): the waiter is added to "unheard"
--- too, so that the caller sends its wake copy from the record kept in Redis, and it comes back
--- a claim window late instead of at its backstop.
+-- An offer that lapsed unclaimed to a waiter still parked (its address marked, see notify) was
+-- not acted on by whoever was told (a caller without a wake handler, or a process that heard
+-- it and then exited, recycled or killed, before sending the wake copy): the waiter is added
+-- to "unheard" again, so that the caller sends its wake copy from the record kept in Redis,
+-- if still there, and it comes back a claim window late instead of at its backstop.
 local function purge(now)
   local dead = redis.call('ZRANGEBYSCORE', K_HOLDERS, -now, now, 'LIMIT', 0, PURGE_STEP)
   if #dead > 0 then
@@ -400,7 +411,7 @@ local function purge(now)
       if string.sub(dead[i], 1, 1) == OFFER_MARK then
         local waiter = string.sub(dead[i], 2)
         local address = wake_address(waiter)
-        if address and address ~= '' and not redis.call('ZSCORE', K_PRESENT, waiter) then
+        if address and string.sub(address, 1, 1) == PARKED_MARK then
           unheard[#unheard + 1] = waiter
         end
       end

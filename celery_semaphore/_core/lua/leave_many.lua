@@ -25,7 +25,7 @@ for i = 1, n do
     if wake ~= '' then
       local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
       redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
-                 (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. wake)
+                 (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. PARKED_MARK .. wake)
       redis.call('ZADD', K_PRESENT, ticket, waiter)
     else
       redis.call('ZREM', K_PRESENT, waiter)
