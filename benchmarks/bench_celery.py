@@ -61,7 +61,11 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   next body start. Case ``restarted`` against case ``steady``, the same run with no restart, as
   the baseline. Figures: p50 / p90 / p99 ms of the releases outside the restarts (a restart
   spans its SIGTERM to its replacement's "ready", widened by 1 s each side), the worst release
-  to next start anywhere (restarts included), and the p99 as a ratio of the steady run's.
+  to next start anywhere (restarts included), and the p99 as a ratio of the steady run's. Its
+  workers keep only the records it reads (``bench_records``, see bench_celery_app). The
+  figure depends on the CPU: 200 first deliveries are refused in the first two seconds, and with
+  ``--children 4`` (the default here) 8 pool processes on 2 cores queue for the CPU meanwhile;
+  ``--children 2`` is Celery's own default on such a machine.
 * ``overhead``: the same do-nothing task with and without the semaphore (a key whose limit is
   never reached), one worker with one child, sent as a backlog: median ``task_prerun`` to
   ``task_postrun`` ms per task, and the difference.
@@ -581,7 +585,8 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
     worker is warm-restarted every ``spec.every`` seconds until every task ended."""
     key = f"{spec.name}-{case}-r{round_no}-{lab.nonce}"
     queue = f"bc-{key}"
-    conf: dict[str, Any] = {"semaphore_limits": {"bc:*": 1}}
+    # only the records this round reads: each is a round trip in the workers (bench_celery_app)
+    conf: dict[str, Any] = {"semaphore_limits": {"bc:*": 1}, "bench_records": "hand-off"}
     restarts: list[tuple[float, float]] = []
     problems: list[str] = []
     lab.clean(broker_url)
@@ -1049,6 +1054,7 @@ max send->ask: longest time from sending a link to its first ask; round s: the r
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    global CHILDREN  # read by every scenario, like the constant it defaults to
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="repeat each scenario this many times (default 3)")
     parser.add_argument(
@@ -1069,7 +1075,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="worker_prefetch_multiplier of every worker (default: Celery's, 4); 1 lets a woken task's "
         "wake copy queue behind no prefetched first deliveries",
     )
+    parser.add_argument(
+        "--children",
+        type=int,
+        default=CHILDREN,
+        help=f"pool processes of each of the {WORKERS} workers (default {CHILDREN}; Celery's own default is the "
+        f"number of CPUs, {os.cpu_count()} here)",
+    )
     args = parser.parse_args(argv)
+    CHILDREN = args.children
     only = {name.strip() for name in args.only.split(",")} if args.only else None
     specs = [spec for spec in scenarios(args.quick) if selected(only, spec.name)]
     if not specs:
@@ -1083,6 +1097,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "rounds": args.rounds,
         "quick": args.quick,
         "prefetch_multiplier": args.prefetch_multiplier or "Celery's default",
+        "children": CHILDREN,
         **versions(),
     }
     amqp_needed = any(isinstance(spec, Fairness | Handoff) and spec.broker == "amqp" for spec in specs)

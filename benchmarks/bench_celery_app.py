@@ -32,6 +32,12 @@ probe database (db 3 of the broker's Redis), keyed by task id:
   per-task cost with and without the semaphore;
 * ``bench:failures`` (list): any task that failed, so that the benchmark stops instead of
   waiting for it.
+
+Each record is a round trip to the probe database, and on a 2-core machine under a backlog
+they are a fair share of the work: ``bench:received`` costs the worker's main process one per
+message before it dispatches the task. A scenario that reads only starts, ends, releases and
+failures (``rolling``) sets ``bench_records = "hand-off"`` in the workers' configuration, and
+the other records are not kept.
 """
 
 # Celery's decorators are untyped: the tasks and handlers below would each need an ignore.
@@ -228,15 +234,20 @@ def _ours(task: Any) -> bool:
 _prerun_at: dict[str, float] = {}
 
 
+def _all_records() -> bool:
+    """Whether this worker keeps every record, or only those of a hand-off (module docstring)."""
+    return app.conf.get("bench_records", "all") != "hand-off"
+
+
 @signals.task_received.connect
 def _on_received(request: Any = None, **_: Any) -> None:
-    if request is not None and str(getattr(request, "name", "")).startswith("bench."):
+    if request is not None and str(getattr(request, "name", "")).startswith("bench.") and _all_records():
         probe_client().hincrby("bench:received", request.id, 1)
 
 
 @signals.task_prerun.connect
 def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
-    if task_id is None or not _ours(task):
+    if task_id is None or not _ours(task) or not _all_records():
         return
     now = time.time()
     if probe_client().hincrby("bench:runs", task_id, 1) == 1:
