@@ -1072,8 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--prefetch-multiplier",
         type=int,
-        help="worker_prefetch_multiplier of every worker (default: Celery's, 4); 1 lets a woken task's "
-        "wake copy queue behind no prefetched first deliveries",
+        help="worker_prefetch_multiplier of every worker (default: Celery's, 4)",
     )
     parser.add_argument(
         "--children",
