@@ -574,8 +574,8 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
     wait_until(lambda: redis_client.pubsub_numsub(address)[0][1] == 1, timeout=10, what="the deaf listener")
     assert semaphore._leave("parked", away_for=60, wake=address)
     told: list[tuple[str, ...]] = []
-    handler = semaphore_module._unheard_handler  # the Celery layer's, if imported: put back after
-    semaphore_module.on_unheard(lambda _, waiters: told.append(waiters))
+    handler = semaphore_module._to_wake_handler  # the Celery layer's, if imported: put back after
+    semaphore_module.on_to_wake(lambda _, waiters: told.append(waiters))
     try:
         assert holder.release()
         assert told == [("parked",)], "a parked waiter is the caller's to wake, heard or not"
@@ -586,9 +586,9 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
 
         def reported() -> bool:
             if noticed_by == "tick":
-                unheard = scripts_for(redis_client).tick(semaphore.keys, rules=semaphore.rules.arg)
-                if unheard:
-                    told.append(unheard)
+                to_wake = scripts_for(redis_client).tick(semaphore.keys, rules=semaphore.rules.arg)
+                if to_wake:
+                    told.append(to_wake)
             else:
                 keeper.renew()  # raises LeaseLost if the keeper lost its slot
             return bool(told)
@@ -600,7 +600,7 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
         assert isinstance(granted, Granted), "the late waiter still heads the line"
         granted.lease.release()
     finally:
-        semaphore_module.on_unheard(handler)
+        semaphore_module.on_to_wake(handler)
         deaf.close()
         keeper.release()
         semaphore._release_holders_with_prefix("")
@@ -618,13 +618,13 @@ def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(red
     blocked.start()
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the blocked caller in line")
     told: list[tuple[str, ...]] = []
-    handler = semaphore_module._unheard_handler
-    semaphore_module.on_unheard(lambda _, waiters: told.append(waiters))
+    handler = semaphore_module._to_wake_handler
+    semaphore_module.on_to_wake(lambda _, waiters: told.append(waiters))
     try:
         assert holder.release()
         blocked.join(timeout=30)
         assert leases and leases[0].release()
         assert told == []
     finally:
-        semaphore_module.on_unheard(handler)
+        semaphore_module.on_to_wake(handler)
         semaphore._release_holders_with_prefix("")

@@ -48,7 +48,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .._core.multi import MultiSemaphore
 from .._core.scripts import SemaphoreKeys, scripts_for
-from .._core.semaphore import FairSemaphore, on_unheard
+from .._core.semaphore import FairSemaphore, on_to_wake
 from .._core.storage import ParkedRecord, parked_line, read_parked_line
 from .._core.wakeups import WakeHandle, wake_ups_for
 
@@ -329,14 +329,14 @@ class Parking:
                 try:
                     base, rules = read_parked_line(line)
                     keys = SemaphoreKeys.of_base(base)
-                    unheard = scripts.tick(keys, rules=rules)
+                    to_wake = scripts.tick(keys, rules=rules)
                 except Exception as error:
                     logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
                     continue
-                if unheard:
-                    self._wake(target.client, target.prefix, keys.deadlines, unheard, target.app)
+                if to_wake:
+                    self._wake(target.client, target.prefix, keys.deadlines, to_wake, target.app)
 
-    def wake_unheard(self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
+    def wake_offered(self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
         """A script this process ran offered ``waiters`` a slot of ``semaphore``: parked waiters
         (their own process may be busy, or gone), and any other waiter nobody heard. Send their
         wake copies from here, now, so that each claims its offer in milliseconds.
@@ -477,8 +477,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _wake_unheard(semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
-    parking().wake_unheard(semaphore, waiters)
+def _wake_offered(semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
+    parking().wake_offered(semaphore, waiters)
 
 
-on_unheard(_wake_unheard)
+on_to_wake(_wake_offered)

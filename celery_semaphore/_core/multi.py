@@ -42,7 +42,7 @@ from .lease import Lease
 from .redis_errors import RedisErrors
 from .rules import Rules
 from .scripts import SemaphoreKeys, scripts_for
-from .semaphore import FairSemaphore, tell_unheard
+from .semaphore import FairSemaphore, tell_to_wake
 from .storage import (
     GRANTED,
     RAN,
@@ -297,7 +297,7 @@ class MultiSemaphore:
             reply = self._scripts.renew_many(
                 self.all_keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
-        tell_unheard(self, reply.unheard)
+        tell_to_wake(self, reply.to_wake)
         return reply.codes
 
 

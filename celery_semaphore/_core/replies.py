@@ -17,7 +17,7 @@ class AcquireReply:
     hold_ms: int  # -1: unknown
     ticket: int | None
     turn: int
-    unheard: tuple[str, ...] = ()  # WAIT: waiters offered a slot whose wake-up nobody heard
+    to_wake: tuple[str, ...] = ()  # waiters offered a slot whom the caller wakes: parked, or unheard
     twin_lease_ms: int = 0  # RUNNING: how long the lease of the copy that runs lasts (unless renewed)
     retry_ms: int = 0  # WAIT: ms until a slot reserved for it under a rate, spacing or pause may be claimed
     opens_ms: int = 0  # WAIT: ms until a rate, spacing or pause allows the line's next start
@@ -29,7 +29,7 @@ class HandOffReply:
     slot whose wake-up nobody heard (lua/_lib.lua, notify)."""
 
     done: bool
-    unheard: tuple[str, ...] = ()
+    to_wake: tuple[str, ...] = ()
 
 
 # A grant or a finished run is answered with its bare code; its other fields mean nothing then.
@@ -50,7 +50,7 @@ class ManyReply:
 @dataclass(frozen=True)
 class RenewReply:
     codes: list[int]  # one RENEW_* code per holder, in order
-    unheard: tuple[str, ...] = ()  # waiters offered a slot whose wake-up nobody heard
+    to_wake: tuple[str, ...] = ()  # waiters offered a slot whom the caller wakes: parked, or unheard
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,8 @@ class Scripts:
         code = int(reply[0])
         if code == RUNNING:  # with the lease left of the copy that runs
             return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
-        if code in (GRANTED, CLAIMED):  # a claim that handed the next start to waiters unheard
-            return AcquireReply(code, 0, 0, 0, -1, None, 0, unheard=tuple(as_text(waiter) for waiter in reply[1:]))
+        if code in (GRANTED, CLAIMED):  # a grant that handed slots to waiters its caller wakes
+            return AcquireReply(code, 0, 0, 0, -1, None, 0, to_wake=tuple(as_text(waiter) for waiter in reply[1:]))
         outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms, opens_ms = reply[:9]
         text = as_text(ticket_text)
         return AcquireReply(
@@ -269,7 +269,7 @@ class Scripts:
             hold_ms=int(hold_ms),
             ticket=int(float(text)) if text else None,
             turn=int(turn),
-            unheard=tuple(as_text(waiter) for waiter in reply[9:]),
+            to_wake=tuple(as_text(waiter) for waiter in reply[9:]),
             retry_ms=int(retry_ms),
             opens_ms=int(opens_ms),
         )
@@ -481,7 +481,8 @@ class Scripts:
         self._scripts["remember_wait"](keys=keys.encoded, args=[first_delivery, wait_id, _number(remember_ms)])
 
     def tick(self, keys: SemaphoreKeys, *, rules: bytes) -> tuple[str, ...]:
-        """Purge a line one step and hand freed slots on; the waiters offered one unheard.
+        """Purge a line one step and hand freed slots on; the waiters the caller must wake
+        (offered a slot: parked, or nobody heard; see notify in lua/_lib.lua).
         ``rules``: as ``Rules.arg`` (a parked line's record carries them as text)."""
         return tuple(as_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[rules]))
 
@@ -503,9 +504,9 @@ def scripts_for(client: Any) -> Scripts:
 
 
 def _renew_reply(reply: list[Any], holders: int) -> RenewReply:
-    """One code per holder, then the waiters offered a slot unheard."""
+    """One code per holder, then the waiters the caller must wake (see ``tick``)."""
     return RenewReply(
-        codes=[int(code) for code in reply[:holders]], unheard=tuple(as_text(waiter) for waiter in reply[holders:])
+        codes=[int(code) for code in reply[:holders]], to_wake=tuple(as_text(waiter) for waiter in reply[holders:])
     )
 
 

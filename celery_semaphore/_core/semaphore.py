@@ -68,22 +68,23 @@ from .waiting import WakeAddress, wait_for_turn, wait_or_give_up
 logger = logging.getLogger("celery_semaphore")
 
 
-# Told (semaphore, waiters) when a script offered a slot to waiters whose wake-up nobody heard
-# (their process is gone): the Celery layer sends a parked task's wake copy itself (_celery/parking.py).
-# Unset, such an offer lapses after its claim window and goes on to the next waiter.
-UnheardHandler = Callable[[Any, "tuple[str, ...]"], None]
-_unheard_handler: UnheardHandler | None = None
+# Told (semaphore, waiters) when a script offered a slot to parked waiters, or to waiters whose
+# wake-up nobody heard (their process is gone): the Celery layer sends a parked task's wake copy
+# itself (_celery/parking.py). Unset, a parked waiter's own process sends it, and an offer nobody
+# heard lapses after its claim window and goes on to the next waiter.
+ToWakeHandler = Callable[[Any, "tuple[str, ...]"], None]
+_to_wake_handler: ToWakeHandler | None = None
 
 
-def on_unheard(handler: UnheardHandler | None) -> None:
-    global _unheard_handler
-    _unheard_handler = handler
+def on_to_wake(handler: ToWakeHandler | None) -> None:
+    global _to_wake_handler
+    _to_wake_handler = handler
 
 
-def tell_unheard(semaphore: Any, waiters: tuple[str, ...]) -> None:
-    """Hand ``waiters`` (offered a slot of ``semaphore``, unheard) to the handler, if any; never
-    raises: the release or try that found them has done its own work."""
-    handler = _unheard_handler
+def tell_to_wake(semaphore: Any, waiters: tuple[str, ...]) -> None:
+    """Hand ``waiters`` (offered a slot of ``semaphore``: parked, or nobody heard) to the
+    handler, if any; never raises: the release or try that found them has done its own work."""
+    handler = _to_wake_handler
     if handler is None or not waiters:
         return
     try:
@@ -297,12 +298,12 @@ class FairSemaphore:
         if reply.outcome in (GRANTED, CLAIMED):
             lease = Lease(self, token, label=label, run=run or None, remember_ms=remember_ms)
             renewer.track(lease)
-            if reply.unheard:
-                tell_unheard(self, reply.unheard)
+            if reply.to_wake:
+                tell_to_wake(self, reply.to_wake)
             return Granted(lease)
         if reply.outcome == WAIT:
-            if reply.unheard:
-                tell_unheard(self, reply.unheard)
+            if reply.to_wake:
+                tell_to_wake(self, reply.to_wake)
             return Waiting(
                 reply.position,
                 reply.free,
@@ -326,7 +327,7 @@ class FairSemaphore:
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
             reply = self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, rules=self.rules, wake=wake)
-        tell_unheard(self, reply.unheard)
+        tell_to_wake(self, reply.to_wake)
         return reply.done
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
@@ -337,8 +338,8 @@ class FairSemaphore:
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "release") from error
-        if reply.unheard:
-            tell_unheard(self, reply.unheard)
+        if reply.to_wake:
+            tell_to_wake(self, reply.to_wake)
         return reply.done
 
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
@@ -370,7 +371,7 @@ class FairSemaphore:
             reply = self._scripts.renew(
                 self.keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
-        tell_unheard(self, reply.unheard)
+        tell_to_wake(self, reply.to_wake)
         return reply.codes
 
     # -- inspecting and steering -----------------------------------------------------------

@@ -266,8 +266,9 @@ local function record_run(run, value, now, remember_ms)
   extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
 end
 
--- The waiters offered a slot whose wake-up nobody heard (see notify): a script's reply lists them.
-local unheard = {}
+-- The waiters offered a slot whom the script's caller wakes: parked, or nobody heard (see notify).
+-- A script's reply lists them.
+local to_wake = {}
 
 -- @rest-of-lib
 -- The rest: the line, offers and hand-off, wake-ups, purges, several semaphores. A script that
@@ -324,11 +325,11 @@ end
 -- PUBLISH. A server before 7 has no SPUBLISH: there it PUBLISHes (nobody hears it; the waiter's
 -- own asks every patience/3 cover it) rather than fail the script.
 -- A waiter nobody heard (no subscriber: its process is gone, a pool child recycled by
--- max_tasks_per_child say, or its listener is reconnecting) is added to "unheard", which the
--- scripts that hand slots on return: their caller sends a parked task's wake copy itself
--- (_parking.wake_unheard), so the offer is claimed in milliseconds instead of lapsing. PUBLISH
+-- max_tasks_per_child say, or its listener is reconnecting) is added to "to_wake", the waiters
+-- the scripts that hand slots on return: their caller sends a parked task's wake copy itself
+-- (_parking.wake_offered), so the offer is claimed in milliseconds instead of lapsing. PUBLISH
 -- on a cluster counts only this node's subscribers: an address marked "c." (a cluster listener
--- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard. ("unheard" itself is
+-- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard. ("to_wake" itself is
 -- declared before "@rest-of-lib": a script's fast path may report it.)
 -- A parked waiter (its address stored behind PARKED_MARK, see leave.lua) is added whether heard
 -- or not: the caller, which just freed the slot and is running, sends the wake copy at once,
@@ -351,7 +352,7 @@ local function notify(address, waiter)
       end
     end
     if heard == 0 or parked then
-      unheard[#unheard + 1] = waiter
+      to_wake[#to_wake + 1] = waiter
     end
   end
 end
@@ -400,7 +401,7 @@ end
 -- An offer that lapsed unclaimed to a waiter still parked (its address marked, see notify) was
 -- not acted on by whoever was told (a caller without a wake handler, or a process that heard
 -- it and then exited, recycled or killed, before sending the wake copy): the waiter is added
--- to "unheard" again, so that the caller sends its wake copy from the record kept in Redis,
+-- to "to_wake" again, so that the caller sends its wake copy from the record kept in Redis,
 -- if still there, and it comes back a claim window late instead of at its backstop.
 local function purge(now)
   local dead = redis.call('ZRANGEBYSCORE', K_HOLDERS, -now, now, 'LIMIT', 0, PURGE_STEP)
@@ -412,7 +413,7 @@ local function purge(now)
         local waiter = string.sub(dead[i], 2)
         local address = wake_address(waiter)
         if address and string.sub(address, 1, 1) == PARKED_MARK then
-          unheard[#unheard + 1] = waiter
+          to_wake[#to_wake + 1] = waiter
         end
       end
     end

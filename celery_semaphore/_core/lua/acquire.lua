@@ -29,11 +29,11 @@
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns (the codes are named in _lib.lua), when granted, the bare integer outcome (GRANTED or
--- CLAIMED: the common answer stays short to parse), or {CLAIMED, unheard...} when the claim
+-- CLAIMED: the common answer stays short to parse), or {CLAIMED, to_wake...} when the claim
 -- handed the next start on to a waiter nobody heard; for a duplicate run, {RUNNING, lease_ms}
 -- (its other copy holds the slot now, its lease lasting lease_ms more unless renewed) or RAN
 -- (the run finished); when refused, {WAIT, position, free, limit, hold, ticket, turn, retry_ms,
--- opens_ms, unheard...}:
+-- opens_ms, to_wake...}:
 --   outcome  GRANTED: the slot is held under token (also when token already held it, so a
 --            resend by redis-py after a connection error is harmless); CLAIMED: granted by
 --            claiming the offer a release made to this waiter; WAIT: refused
@@ -49,7 +49,7 @@
 --   opens_ms 0; or, while a rate, a spacing or a pause allows no start, the ms until the next
 --            start is allowed (to whoever heads the line then): a caller far from its turn need
 --            not wait in-process meanwhile
---   unheard  the waiters this try offered a slot to whose wake-up nobody heard (see notify)
+--   to_wake  the waiters this try offered a slot to whose wake-up nobody heard (see notify)
 
 local token, waiter = ARGV[1], ARGV[2]
 local spec, lease_ms, patience_ms, enqueue, fresh, label =
@@ -76,8 +76,8 @@ local function granted(code, r)
   if run ~= '' then
     record_run(run, token, now, remember_ms)
   end
-  if #unheard > 0 then
-    return {code, unpack(unheard)}
+  if #to_wake > 0 then
+    return {code, unpack(to_wake)}
   end
   return code
 end
@@ -108,7 +108,7 @@ local function refused(left, ticket, retry_ms)
   return {WAIT, redis.call('ZRANK', K_QUEUE, waiter) or redis.call('ZCARD', K_QUEUE), left, r.limit,
           average or tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1,
           ticket and string.format('%.0f', ticket) or '', redis.call('ZRANK', K_PRESENT, waiter) or 0,
-          retry_ms, r.gated and gate_wait(r, now, 1) or 0, unpack(unheard)}
+          retry_ms, r.gated and gate_wait(r, now, 1) or 0, unpack(to_wake)}
 end
 
 if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
@@ -135,8 +135,8 @@ if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
   if redis.call('ZCARD', K_PRESENT) > 0 then
     hand_off(now, r, nil)
   end
-  if #unheard > 0 then
-    return {CLAIMED, unpack(unheard)}
+  if #to_wake > 0 then
+    return {CLAIMED, unpack(to_wake)}
   end
   return CLAIMED
 end
@@ -160,7 +160,7 @@ if not enqueue then
     return granted(GRANTED, r)
   end
   return {WAIT, redis.call('ZCARD', K_QUEUE), left, r.limit, average, '', redis.call('ZCARD', K_PRESENT), 0,
-          r.gated and gate_wait(r, now, 1) or 0, unpack(unheard)}
+          r.gated and gate_wait(r, now, 1) or 0, unpack(to_wake)}
 end
 
 local ticket = redis.call('ZSCORE', K_QUEUE, waiter)

@@ -1,6 +1,6 @@
 -- claim_parked_waiter: take the parked-task record of one waiter, now, whatever its due time:
 -- the waiter was offered a slot and nobody heard its wake-up (its process is gone), so the
--- process that made the offer sends its wake copy instead (_parking.wake_unheard). One taker.
+-- process that made the offer sends its wake copy instead (_parking.wake_offered). One taker.
 --   KEYS[1] due     ZSET  (see park.lua)
 --   KEYS[2] copies  HASH
 --   KEYS[3] waiters HASH

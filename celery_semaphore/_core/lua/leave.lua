@@ -9,9 +9,9 @@
 --                    *parked*: offered its turn like a present waiter, the offer told on that
 --                    address (a Celery worker that sends the task back at once)
 -- Returns 1 if the waiter was in line (or held an offer), 0 if not; followed by the waiters whose
--- wake-up nobody heard, if any ({1, unheard...}; see notify in _lib.lua). Safe to repeat.
+-- wake-up nobody heard, if any ({1, to_wake...}; see notify in _lib.lua). Safe to repeat.
 -- A slot offered to a waiter that gives up or steps away unparked goes on to the next present
--- waiter at once; a parked waiter keeps its offer, and is returned as unheard: its caller wakes it.
+-- waiter at once; a parked waiter keeps its offer, and is returned to wake: its caller wakes it.
 
 local waiter = ARGV[1]
 local away_ms = tonumber(ARGV[2])
@@ -28,13 +28,13 @@ if away_ms and in_line and wake ~= '' then
     -- offered already (between its refusal and this park), told where nobody listened: the
     -- caller, the parking process itself, sends its wake copy now, in the same call (a pool
     -- process recycled after this task would not live to hear a publish)
-    unheard[#unheard + 1] = waiter
+    to_wake[#to_wake + 1] = waiter
   else
     redis.call('ZADD', K_PRESENT, in_line, waiter)
     hand_off(now, rules_in_force(ARGV[3], now), nil)
   end
   extend_line(away_ms + GRACE_MS)
-  return {1, unpack(unheard)}
+  return {1, unpack(to_wake)}
 end
 local had_offer = redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter)
 if away_ms and in_line then
@@ -49,4 +49,4 @@ if had_offer == 1 then
   now = now or now_ms()
   settle(now, rules_in_force(ARGV[3], now))
 end
-return {(in_line or had_offer == 1) and 1 or 0, unpack(unheard)}
+return {(in_line or had_offer == 1) and 1 or 0, unpack(to_wake)}

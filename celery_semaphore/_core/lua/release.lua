@@ -8,7 +8,7 @@
 --   ARGV[4] remember_ms  with a run: how long the finished run is remembered
 --   ARGV[3..4] may be left out when empty; KEYS[11..12] are passed only with a run
 -- Returns 1 if token held a slot and now does not; 0 if its lease was already gone (expired,
--- released before, or never granted); {1, unheard...} when the hand-off offered the slot to a
+-- released before, or never granted); {1, to_wake...} when the hand-off offered the slot to a
 -- waiter whose wake-up nobody heard (see notify in _lib.lua). Safe to repeat.
 -- When no line exists (KEYS[6] does not) this is three calls (ZREM, EXISTS, HDEL): no TIME, no
 -- PUBLISH. Otherwise the release also folds the holder's hold time (server time) into the moving
@@ -49,7 +49,7 @@ if redis.call('ZCARD', K_QUEUE) == 0 then
   return 1
 end
 settle(now, rules_in_force(ARGV[2], now))
-if #unheard > 0 then
-  return {1, unpack(unheard)}
+if #to_wake > 0 then
+  return {1, unpack(to_wake)}
 end
 return 1

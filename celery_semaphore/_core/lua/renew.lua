@@ -43,7 +43,7 @@ end
 if redis.call('ZCARD', K_PRESENT) > 0 then
   hand_off(now, r, nil)
 end
-for i = 1, #unheard do
-  codes[#codes + 1] = unheard[i]
+for i = 1, #to_wake do
+  codes[#codes + 1] = to_wake[i]
 end
 return codes

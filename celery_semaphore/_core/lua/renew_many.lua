@@ -66,7 +66,7 @@ for i = 1, n do
     hand_off(now, limits[i], nil)
   end
 end
-for i = 1, #unheard do
-  codes[#codes + 1] = unheard[i]
+for i = 1, #to_wake do
+  codes[#codes + 1] = to_wake[i]
 end
 return codes

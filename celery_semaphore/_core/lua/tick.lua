@@ -12,4 +12,4 @@ if redis.call('ZCARD', K_PRESENT) > 0 then
 else
   purge(now)
 end
-return unheard
+return to_wake
