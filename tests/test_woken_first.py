@@ -21,11 +21,10 @@ from .celery_stack import CeleryStack
 from .waiting import wait_until
 from .workers import worker_group
 
-pytestmark = pytest.mark.workers
-
 BLOCKERS = 5
 
 
+@pytest.mark.workers
 def test_a_woken_task_starts_before_the_tasks_received_ahead_of_it(celery_stack: CeleryStack) -> None:
     """One worker of one process: a parked task is woken while its process runs another task and
     5 plain tasks wait in the worker's line; when the process frees, the woken task runs first
@@ -87,3 +86,42 @@ def received(log: str, *task_ids: str, times: int = 1) -> bool:
 def waiter_running(log: str, task_id: str) -> bool:
     """Whether the task's first delivery is still running (not yet retried or done)."""
     return not re.search(rf"\[{re.escape(task_id)}\] (retry|succeeded|ignored)", log, re.IGNORECASE)
+
+
+def test_wake_copies_go_ahead_of_fresh_tasks_in_arrival_order_among_themselves() -> None:
+    """The line itself (kombu's semaphore, as a prefork worker makes it): with no process free,
+    fresh tasks and wake copies arrive mixed; they leave wake copies first, each kind in the
+    order it came."""
+    from types import SimpleNamespace
+
+    from kombu.asynchronous.semaphore import LaxBoundedSemaphore
+
+    from celery_semaphore._celery import woken_first
+
+    line = LaxBoundedSemaphore(1)
+    assert woken_first.install(SimpleNamespace(semaphore=line))
+    started: list[str] = []
+
+    def request(name: str, queue: str) -> Any:
+        return SimpleNamespace(name=name, delivery_info={"routing_key": queue})
+
+    line.acquire(lambda req: started.append(req.name), request("running", "q"))  # takes the one process
+    for name, queue in [
+        ("fresh1", "q"),
+        ("woken1", "q.semaphore-wake"),
+        ("fresh2", "q"),
+        ("woken2", "q.semaphore-wake"),
+    ]:
+        line.acquire(lambda req: started.append(req.name), request(name, queue))
+    for _ in range(4):
+        line.release()
+    assert started == ["running", "woken1", "woken2", "fresh1", "fresh2"]
+
+
+def test_a_worker_without_a_line_of_that_shape_is_left_as_it_is() -> None:
+    from types import SimpleNamespace
+
+    from celery_semaphore._celery import woken_first
+
+    assert not woken_first.install(SimpleNamespace(semaphore=None))  # thread, green and solo pools
+    assert not woken_first.install(SimpleNamespace())

@@ -61,17 +61,26 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(worker, **kwargs)
         check_app(worker.app)
         # before the pool forks: its processes share which of them are busy (pool_room.py)
-        from celery.concurrency.prefork import TaskPool as PreforkPool
-
         autoscale = getattr(worker, "autoscale", None) or (0, 0)
         size = max(int(getattr(worker, "concurrency", 0) or 0), int(max(autoscale)))
-        pool_cls = getattr(worker, "pool_cls", None)
-        prefork = isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
-        pool_room.prepare(size, prefork=prefork)
+        pool_room.prepare(size, prefork=self._prefork(worker))
 
     def start(self, worker: Any) -> None:
         # the pool step made the worker's line of received tasks by now (woken_first.py)
-        woken_first.install(worker)
+        keeps_line = getattr(worker, "pool_putlocks", False) and getattr(worker, "use_eventloop", False)
+        if not woken_first.install(worker) and keeps_line and self._prefork(worker):
+            logger.warning(
+                "woken tasks keep Celery's order in this worker: its line of received tasks is not the "
+                "shape celery-semaphore knows (a Celery version it was not tested with?), so a woken "
+                "task may wait behind fresh deliveries"
+            )
+
+    @staticmethod
+    def _prefork(worker: Any) -> bool:
+        from celery.concurrency.prefork import TaskPool as PreforkPool
+
+        pool_cls = getattr(worker, "pool_cls", None)
+        return isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
 
 
 class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]
