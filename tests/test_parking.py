@@ -93,6 +93,38 @@ def test_the_releasing_process_sends_the_wake_copy_and_the_parked_one_does_not_s
         releasing._sweep_targets.pop((id(redis_client), prefix), None)
 
 
+def test_a_wake_up_handed_on_later_is_sent_from_the_sender_thread(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewer hands the waiters its renewal offered a slot on with ``later``: their wake
+    copies go out from the parking's sender thread, never from the calling thread, which must
+    not wait on a broker (its stall would let leases lapse while their bodies run). The send
+    is observed by wrapping this project's own ``Parking._send``; the message is real."""
+    import threading
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-later"
+    semaphore = FairSemaphore(redis_client, "park-later", 1, prefix=prefix)
+    holder = semaphore.acquire(timeout=5)
+    assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+    wake_copy = app.signature("parking.job", queue="q-later.semaphore-wake")
+    semaphore._leave("t1", 30, Parking().park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+    senders: list[threading.Thread] = []
+    send = Parking._send
+
+    def noted_send(copy: object, name: str) -> None:
+        senders.append(threading.current_thread())
+        send(copy, name)
+
+    monkeypatch.setattr(Parking, "_send", staticmethod(noted_send))
+    waker = Parking()
+    waker.sweep(app, redis_client, prefix)
+    waker.wake_offered(semaphore, ("t1",), later=True)
+    wait_until(lambda: _queued(redis_server, "q-later.semaphore-wake") == 1, timeout=10, what="the wake copy sent")
+    assert senders and senders[0] is not threading.current_thread()
+    holder.release()
+
+
 def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     """When a parked task's time is up and no copy of its wait asked meanwhile, the wake copy is
     sent anyway; a task whose copy did ask is left alone."""

@@ -574,8 +574,9 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
     wait_until(lambda: redis_client.pubsub_numsub(address)[0][1] == 1, timeout=10, what="the deaf listener")
     assert semaphore._leave("parked", away_for=60, wake=address)
     told: list[tuple[str, ...]] = []
+    later: list[bool] = []
     handler = semaphore_module._to_wake_handler  # the Celery layer's, if imported: put back after
-    semaphore_module.on_to_wake(lambda _, waiters: told.append(waiters))
+    semaphore_module.on_to_wake(lambda _, waiters, not_now: (told.append(waiters), later.append(not_now)))
     try:
         assert holder.release()
         assert told == [("parked",)], "a parked waiter is the caller's to wake, heard or not"
@@ -596,6 +597,8 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
         wait_until(reported, timeout=10, what="the lapsed offer reported")
         assert time.monotonic() - offered_at >= 1.0, "not before the claim window ends"
         assert told == [("parked",)]
+        if noticed_by == "renewal":
+            assert later[-1] is True, "the renewer hands wake-ups on, never waits on a broker"
         granted = semaphore.try_acquire(waiter="parked")
         assert isinstance(granted, Granted), "the late waiter still heads the line"
         granted.lease.release()
@@ -619,7 +622,7 @@ def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(red
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the blocked caller in line")
     told: list[tuple[str, ...]] = []
     handler = semaphore_module._to_wake_handler
-    semaphore_module.on_to_wake(lambda _, waiters: told.append(waiters))
+    semaphore_module.on_to_wake(lambda _, waiters, __: told.append(waiters))
     try:
         assert holder.release()
         blocked.join(timeout=30)

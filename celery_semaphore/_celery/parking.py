@@ -43,14 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import signature
-from kombu.serialization import dumps, loads, prepare_accept_content
-
 from .._core.multi import MultiSemaphore
 from .._core.scripts import SemaphoreKeys, scripts_for
 from .._core.semaphore import FairSemaphore, on_to_wake
 from .._core.storage import ParkedRecord, parked_line, read_parked_line
 from .._core.wakeups import WakeHandle, wake_ups_for
+from .wake_copies import deserialized, serialized
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -95,33 +93,19 @@ def _line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
     return parked_line(first.keys.base, first.rules.arg)
 
 
-def serialized(wake_copy: Any) -> bytes | None:
-    """A wake copy as the app's task serializer writes it (content type and encoding in front),
-    or None when it cannot be written that way."""
-    try:
-        content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
-            dict(wake_copy), serializer=wake_copy.app.conf.task_serializer
-        )
-    except Exception as error:
-        logger.debug("a wake copy is kept in this process only (it cannot be serialized): %s", error)
-        return None
-    body = data if isinstance(data, bytes) else data.encode(encoding)
-    return f"{content_type}\n{encoding}\n".encode() + body
-
-
-def deserialized(copy: bytes, app: Any) -> Any:
-    """The wake copy ``serialized`` wrote, as a signature of ``app``."""
-    content_type, encoding, body = copy.split(b"\n", 2)
-    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
-    fields = loads(body, content_type.decode(), encoding.decode(), accept=accept)  # type: ignore[no-untyped-call]
-    return signature(fields, app=app)
-
-
 @dataclass(frozen=True)
 class _SweepTarget:
     client: Any
     prefix: str
     app: Any
+
+
+@dataclass(frozen=True)
+class _Offered:
+    """Waiters a script offered a slot, to wake from the sender thread (``wake_offered``)."""
+
+    semaphore: FairSemaphore | MultiSemaphore
+    waiters: tuple[str, ...]
 
 
 @dataclass
@@ -144,7 +128,7 @@ class Parking:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parked: dict[tuple[int, str], _Parked] = {}
-        self._to_send: queue.SimpleQueue[_Parked | None] = queue.SimpleQueue()
+        self._to_send: queue.SimpleQueue[_Parked | _Offered | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._sweep_targets: dict[tuple[int, str], _SweepTarget] = {}
         # wake-ups heard here whose copy another process sent (it took the record first)
@@ -336,16 +320,25 @@ class Parking:
                 if to_wake:
                     self._wake(target.client, target.prefix, keys.deadlines, to_wake, target.app)
 
-    def wake_offered(self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
+    def wake_offered(
+        self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...], *, later: bool = False
+    ) -> None:
         """A script this process ran offered ``waiters`` a slot of ``semaphore``: parked waiters
         (their own process may be busy, or gone), and any other waiter nobody heard. Send their
-        wake copies from here, now, so that each claims its offer in milliseconds.
+        wake copies from here, now, so that each claims its offer in milliseconds; with
+        ``later``, from the sender thread (for a caller that must never wait on a broker: the
+        renewer, whose stall would let leases lapse while their bodies run).
 
         Only from a process that knows the deployment's app (a worker's processes: they sweep
         it): a copy is sent through the app it is read back into, and Celery's current app, in
         another process, may have another broker. Taken and then lost, the wait's record could
         not be sent by its own process either. Elsewhere, the parked task's process sends it, or
         a worker's tick once the offer lapses."""
+        if later:
+            with self._lock:
+                self._start()
+            self._to_send.put(_Offered(semaphore, waiters))
+            return
         first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
         with self._lock:
             target = self._sweep_targets.get((id(first.client), first.prefix))
@@ -393,11 +386,20 @@ class Parking:
                 continue
             if parked is None:
                 return
+            if isinstance(parked, _Offered):
+                self._wake_offered_now(parked)
+                continue
             parked.handle.close()
             if parked.recorded and not self._take_record(parked):
                 self.sent_elsewhere += 1  # the process that made the offer took the record and sent it
                 continue
             self._send(parked.wake_copy, parked.name)
+
+    def _wake_offered_now(self, offered: _Offered) -> None:
+        try:
+            self.wake_offered(offered.semaphore, offered.waiters)
+        except Exception as error:  # Redis or the broker down: their backstop copies still come
+            logger.warning("could not wake the tasks offered a slot of %r: %s", offered.semaphore.name, error)
 
     @staticmethod
     def _take_record(parked: _Parked) -> bool:
@@ -477,8 +479,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _wake_offered(semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...]) -> None:
-    parking().wake_offered(semaphore, waiters)
+def _wake_offered(semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...], later: bool) -> None:
+    parking().wake_offered(semaphore, waiters, later=later)
 
 
 on_to_wake(_wake_offered)

@@ -297,7 +297,7 @@ class MultiSemaphore:
             reply = self._scripts.renew_many(
                 self.all_keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
-        tell_to_wake(self, reply.to_wake)
+        tell_to_wake(self, reply.to_wake, later=True)  # the renewer's thread: it must never block
         return reply.codes
 
 

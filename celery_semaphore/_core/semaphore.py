@@ -71,8 +71,9 @@ logger = logging.getLogger("celery_semaphore")
 # Told (semaphore, waiters) when a script offered a slot to parked waiters, or to waiters whose
 # wake-up nobody heard (their process is gone): the Celery layer sends a parked task's wake copy
 # itself (_celery/parking.py). Unset, a parked waiter's own process sends it, and an offer nobody
-# heard lapses after its claim window and goes on to the next waiter.
-ToWakeHandler = Callable[[Any, "tuple[str, ...]"], None]
+# heard lapses after its claim window and goes on to the next waiter. The third argument,
+# "later": the caller must not wait for the wake-ups (the renewer: see tell_to_wake).
+ToWakeHandler = Callable[[Any, "tuple[str, ...]", bool], None]
 _to_wake_handler: ToWakeHandler | None = None
 
 
@@ -81,14 +82,15 @@ def on_to_wake(handler: ToWakeHandler | None) -> None:
     _to_wake_handler = handler
 
 
-def tell_to_wake(semaphore: Any, waiters: tuple[str, ...]) -> None:
+def tell_to_wake(semaphore: Any, waiters: tuple[str, ...], *, later: bool = False) -> None:
     """Hand ``waiters`` (offered a slot of ``semaphore``: parked, or nobody heard) to the
-    handler, if any; never raises: the release or try that found them has done its own work."""
+    handler, if any; never raises: the release or try that found them has done its own work.
+    ``later``: for the renewer, which must never wait on what a wake-up involves (a broker)."""
     handler = _to_wake_handler
     if handler is None or not waiters:
         return
     try:
-        handler(semaphore, waiters)
+        handler(semaphore, waiters, later)
     except Exception as error:
         logger.warning(
             "could not wake the waiters of %r that did not hear their turn (their offer lapses "
@@ -371,7 +373,7 @@ class FairSemaphore:
             reply = self._scripts.renew(
                 self.keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders
             )
-        tell_to_wake(self, reply.to_wake)
+        tell_to_wake(self, reply.to_wake, later=True)  # the renewer's thread: it must never block
         return reply.codes
 
     # -- inspecting and steering -----------------------------------------------------------
