@@ -45,7 +45,7 @@ def test_a_woken_task_starts_before_the_tasks_received_ahead_of_it(celery_stack:
         wait_until(
             lambda: (
                 any(w.waiter == task_key(waiter.id) for w in semaphore.status().waiters)
-                and not waiter_running(waiters[0].log(), waiter.id)
+                and first_delivery_ended(waiters[0].log(), waiter.id)
             ),
             timeout=30,
             what="the waiter parked",
@@ -83,9 +83,9 @@ def received(log: str, *task_ids: str, times: int = 1) -> bool:
     return all(len(re.findall(rf"\[{re.escape(task_id)}\] received", log)) >= times for task_id in task_ids)
 
 
-def waiter_running(log: str, task_id: str) -> bool:
-    """Whether the task's first delivery is still running (not yet retried or done)."""
-    return not re.search(rf"\[{re.escape(task_id)}\] (retry|succeeded|ignored)", log, re.IGNORECASE)
+def first_delivery_ended(log: str, task_id: str) -> bool:
+    """Whether the task's first delivery ended (retried, done or ignored)."""
+    return bool(re.search(rf"\[{re.escape(task_id)}\] (retry|succeeded|ignored)", log, re.IGNORECASE))
 
 
 def test_wake_copies_go_ahead_of_fresh_tasks_in_arrival_order_among_themselves() -> None:

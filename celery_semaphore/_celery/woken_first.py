@@ -25,14 +25,14 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .parking import WAKE_QUEUE_SUFFIX
+from .wake_queues import is_wake_queue
 
 
 def is_woken(request: Any) -> bool:
     """Whether ``request`` (a Celery worker request) is a wake copy: it came from a wake queue."""
     delivery_info = getattr(request, "delivery_info", None) or {}
     routing_key = delivery_info.get("routing_key") if isinstance(delivery_info, dict) else None
-    return isinstance(routing_key, str) and routing_key.endswith(WAKE_QUEUE_SUFFIX)
+    return isinstance(routing_key, str) and is_wake_queue(routing_key)
 
 
 def install(worker: Any) -> bool:

@@ -336,9 +336,13 @@ end
 -- while the parked task's own process may be busy for tens of ms with another task before its
 -- listener's wake-up turns into a send (measured under load: 15-60 ms). That process is told
 -- too; whichever of the two takes the parked record first sends (claim_parked_waiter.lua).
+local function is_parked(address)
+  return address ~= nil and string.sub(address, 1, 1) == PARKED_MARK
+end
+
 local function notify(address, waiter)
   if address and address ~= '' then
-    local parked = string.sub(address, 1, 1) == PARKED_MARK
+    local parked = is_parked(address)
     if parked then
       address = string.sub(address, 2)
     end
@@ -411,8 +415,7 @@ local function purge(now)
     for i = 1, #dead do
       if string.sub(dead[i], 1, 1) == OFFER_MARK then
         local waiter = string.sub(dead[i], 2)
-        local address = wake_address(waiter)
-        if address and string.sub(address, 1, 1) == PARKED_MARK then
+        if is_parked(wake_address(waiter)) then
           to_wake[#to_wake + 1] = waiter
         end
       end
