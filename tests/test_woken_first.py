@@ -125,3 +125,35 @@ def test_a_worker_without_a_line_of_that_shape_is_left_as_it_is() -> None:
 
     assert not woken_first.install(SimpleNamespace(semaphore=None))  # thread, green and solo pools
     assert not woken_first.install(SimpleNamespace())
+
+
+def test_a_stopping_worker_hands_back_the_wake_copies_in_its_line_and_keeps_the_rest() -> None:
+    """handing_back.py on the line itself (kombu's semaphore, as a prefork worker makes it): a
+    worker that stopped consuming rejects, with requeue, the wake copies waiting for a process,
+    and takes them out of the line (a process freed during the shutdown must not run a copy the
+    broker has back); fresh tasks stay, for Celery to give back when its connection closes."""
+    from types import SimpleNamespace
+
+    from kombu.asynchronous.semaphore import LaxBoundedSemaphore
+
+    from celery_semaphore._celery.handing_back import hand_back
+
+    line = LaxBoundedSemaphore(1)
+    started: list[str] = []
+    rejected: list[tuple[str, bool]] = []
+
+    class Request(SimpleNamespace):
+        def reject(self, requeue: bool = False) -> None:
+            rejected.append((self.name, requeue))
+
+    def request(name: str, queue: str) -> Any:
+        return Request(name=name, delivery_info={"routing_key": queue})
+
+    line.acquire(lambda req: started.append(req.name), request("running", "q"))  # takes the one process
+    for name, queue in [("fresh1", "q"), ("woken1", "q.semaphore-wake"), ("woken2", "q.semaphore-wake")]:
+        line.acquire(lambda req: started.append(req.name), request(name, queue))
+    assert hand_back(SimpleNamespace(semaphore=line, consumer=None)) == 2
+    assert rejected == [("woken1", True), ("woken2", True)]
+    line.release()
+    line.release()
+    assert started == ["running", "fresh1"]

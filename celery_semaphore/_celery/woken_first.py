@@ -45,7 +45,7 @@ def install(worker: Any) -> bool:
 
     def add_waiter(entry: Any) -> None:
         # an entry is (callback, args, kwargs), args being (request,) for a task
-        if _is_woken_entry(entry):
+        if is_woken_entry(entry):
             _insert_after_woken(waiting, entry)
         else:
             waiting.append(entry)
@@ -56,12 +56,12 @@ def install(worker: Any) -> bool:
 
 def _insert_after_woken(line: deque[Any], entry: Any) -> None:
     place = 0
-    while place < len(line) and _is_woken_entry(line[place]):
+    while place < len(line) and is_woken_entry(line[place]):
         place += 1
     line.insert(place, entry)
 
 
-def _is_woken_entry(entry: Any) -> bool:
+def is_woken_entry(entry: Any) -> bool:
     """Whether a waiting entry, ``(callback, args, kwargs)`` with ``args == (request,)`` for a
     task, is a wake copy's."""
     if not (isinstance(entry, tuple) and len(entry) == 3):

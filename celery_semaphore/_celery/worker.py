@@ -5,6 +5,8 @@
   naming the setting or the task: a silent unlimited run is the one outcome we never allow.
   Also warn where countdowns could outlast the Redis broker's visibility timeout (the broker
   would then deliver a waiting task twice) and where Redis may evict lease keys.
+* At warm shutdown, once the worker stopped consuming: hand back the wake copies it received
+  and will not run (``handing_back.py``), so their turn does not wait for the pool to stop.
 * In the consumer: consume, next to each of the worker's queues, its wake queue, where a waiting
   task is sent again the moment a release hands it a slot (so it does not queue behind a backlog
   of fresh tasks in the queue it came from); also next to a queue added later (``add_consumer``).
@@ -39,6 +41,7 @@ from . import woken_first
 from .backstop import BackstopStep, follow_backstops, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
+from .handing_back import hand_back
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from .parking import parking, wake_queue
 from .policy import VISIBILITY_MARGIN
@@ -56,6 +59,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Checks the semaphore configuration when the worker starts."""
 
     label = "Semaphore"
+    # started once the pool is, so stopped before it: after the consumer (which stops first) and
+    # before the pool's wait for the running tasks (handing_back.py)
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
@@ -74,6 +80,11 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "shape celery-semaphore knows (a Celery version it was not tested with?), so a woken "
                 "task may wait behind fresh deliveries"
             )
+
+    def stop(self, worker: Any) -> None:
+        handed = hand_back(worker)
+        if handed:
+            logger.info("handed %d woken task(s) back to the broker: this worker stops", handed)
 
     @staticmethod
     def _prefork(worker: Any) -> bool:
