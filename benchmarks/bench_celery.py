@@ -632,6 +632,7 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
     }
     gaps: list[tuple[float, float]] = []  # (release time, ms to the next start)
     slow: dict[str, int] = {}  # how the starts that came more than 50 ms after a release came
+    slow_at: list[str] = []  # and when their releases were, in s from the round's first start
     for release in released:
         later = [at for at in started if at > release]
         if later:
@@ -639,6 +640,7 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
             if gaps[-1][1] > 50:
                 way = how.get(later[0], "?").replace(queue, "queue")
                 slow[way] = slow.get(way, 0) + 1
+                slow_at.append(f"{release - started[0]:.1f}")
     outside = [ms for at, ms in gaps if not any(a - 1 <= at <= b + 1 for a, b in restarts)]
     return {
         "outside_ms": outside,
@@ -650,6 +652,8 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
         "max_all_ms": max((ms for _, ms in gaps), default=float("nan")),
         "makespan_s": makespan,
         "slow_starts": slow,
+        "slow_at_s": slow_at,
+        "restarts_at_s": [f"{a - started[0]:.1f}-{b - started[0]:.1f}" for a, b in restarts] if started else [],
     }
 
 
@@ -904,7 +908,8 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
                 ]
             )
         slow = [
-            f"{case} round {r['round']}: {r['slow_starts']}"
+            f"{case} round {r['round']}: {r['slow_starts']} after the releases at {', '.join(r.get('slow_at_s', []))} s"
+            + (f" (restarts at {', '.join(r['restarts_at_s'])} s)" if r.get("restarts_at_s") else "")
             for case in outcome.rounds
             for r in outcome.rounds[case]
             if r.get("slow_starts")

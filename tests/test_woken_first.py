@@ -127,33 +127,62 @@ def test_a_worker_without_a_line_of_that_shape_is_left_as_it_is() -> None:
     assert not woken_first.install(SimpleNamespace())
 
 
-def test_a_stopping_worker_hands_back_the_wake_copies_in_its_line_and_keeps_the_rest() -> None:
-    """handing_back.py on the line itself (kombu's semaphore, as a prefork worker makes it): a
-    worker that stopped consuming rejects, with requeue, the wake copies waiting for a process,
+def test_a_stopping_worker_hands_back_the_wake_copies_no_process_accepted() -> None:
+    """handing_back.py on the line itself (kombu's semaphore, as a prefork worker makes it) and
+    on Celery's record of requests: a worker that stopped consuming rejects, with requeue, the
+    wake copies it received that no pool process accepted (in its line, or in the pool's buffer),
     and takes them out of the line (a process freed during the shutdown must not run a copy the
-    broker has back); fresh tasks stay, for Celery to give back when its connection closes."""
+    broker has back). Fresh tasks stay, for Celery to give back when its connection closes; a
+    copy a process accepted runs; thread, green and solo pools hand back nothing of theirs."""
     from types import SimpleNamespace
 
+    from celery.worker import state as worker_state
     from kombu.asynchronous.semaphore import LaxBoundedSemaphore
 
-    from celery_semaphore._celery.handing_back import hand_back
+    from celery_semaphore._celery.handing_back import hand_back_before_close
 
     line = LaxBoundedSemaphore(1)
     started: list[str] = []
     rejected: list[tuple[str, bool]] = []
 
-    class Request(SimpleNamespace):
+    class Request:
+        def __init__(self, name: str, queue: str) -> None:
+            self.id = self.name = name
+            self.delivery_info, self.acknowledged = {"routing_key": queue}, False
+
         def reject(self, requeue: bool = False) -> None:
             rejected.append((self.name, requeue))
+            self.acknowledged = True
 
-    def request(name: str, queue: str) -> Any:
-        return Request(name=name, delivery_info={"routing_key": queue})
-
-    line.acquire(lambda req: started.append(req.name), request("running", "q"))  # takes the one process
-    for name, queue in [("fresh1", "q"), ("woken1", "q.semaphore-wake"), ("woken2", "q.semaphore-wake")]:
-        line.acquire(lambda req: started.append(req.name), request(name, queue))
-    assert hand_back(SimpleNamespace(semaphore=line, consumer=None)) == 2
-    assert rejected == [("woken1", True), ("woken2", True)]
-    line.release()
-    line.release()
-    assert started == ["running", "fresh1"]
+    wake = "q.semaphore-wake"
+    requests = {name: Request(name, queue) for name, queue in [("running", wake), ("fresh1", "q")]}
+    requests.update((name, Request(name, wake)) for name in ("woken1", "woken2", "buffered", "accepted"))
+    try:
+        for request in requests.values():
+            worker_state.task_reserved(request)
+        worker_state.active_requests.add(requests["accepted"])
+        line.acquire(lambda req: started.append(req.name), requests["running"])  # takes the one process
+        worker_state.active_requests.add(requests["running"])
+        for name in ("fresh1", "woken1", "woken2"):
+            line.acquire(lambda req: started.append(req.name), requests[name])
+        closed: list[bool] = []
+        blueprint = SimpleNamespace(on_close=lambda: closed.append(True))
+        consumer = SimpleNamespace(controller=SimpleNamespace(semaphore=line), blueprint=blueprint)
+        hand_back_before_close(consumer, prefork=False)
+        blueprint.on_close()
+        assert (rejected, closed) == ([], [True])
+        hand_back_before_close(consumer, prefork=True)
+        hand_back_before_close(consumer, prefork=True)  # a consumer restarted wraps once
+        blueprint.on_close()
+        assert closed == [True, True]
+        assert sorted(rejected) == [("buffered", True), ("woken1", True), ("woken2", True)]
+        line.release()
+        line.release()
+        assert started == ["running", "fresh1"]
+        blueprint.on_close()  # each once
+        assert len(rejected) == 3
+    finally:
+        for request in requests.values():
+            worker_state.reserved_requests.discard(request)
+            worker_state.active_requests.discard(request)
+            worker_state.requests.pop(request.name, None)

@@ -41,7 +41,7 @@ from . import woken_first
 from .backstop import BackstopStep, follow_backstops, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
-from .handing_back import hand_back
+from .handing_back import hand_back_before_close, read_pending_brpop
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from .parking import parking, wake_queue
 from .policy import VISIBILITY_MARGIN
@@ -82,9 +82,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
 
     def stop(self, worker: Any) -> None:
-        handed = hand_back(worker)
-        if handed:
-            logger.info("handed %d woken task(s) back to the broker: this worker stops", handed)
+        read_pending_brpop(getattr(worker, "consumer", None))
 
     @staticmethod
     def _prefork(worker: Any) -> bool:
@@ -101,6 +99,7 @@ class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, consumer: Any) -> None:
+        hand_back_before_close(consumer, prefork=SemaphoreStep._prefork(consumer.controller))
         follow_queue_changes(consumer)
         for queue in list(consumer.task_consumer.queues):
             consume_wake_queue(consumer, queue.name)
