@@ -197,6 +197,20 @@ def test_a_child_killed_mid_run_without_acks_late_never_runs_twice(proj: Any, wo
     assert [run[0] for run in runs(proj, key)] == [result.id]
 
 
+def test_a_process_killed_after_the_body_and_before_the_outcome_loses_nothing(proj: Any, workers: list[Worker]) -> None:
+    """A waited task (acks_late, reject_on_worker_lost) whose pool process is SIGKILLed after the
+    body returned and before Celery stored the result: Celery delivers it again, and that copy
+    runs it (at least once, as acks_late promises), so it succeeds. Before, the slot went back
+    with the run marked finished before Celery stored the outcome: the copy was dropped as
+    "another copy of this wait has run" and the task stayed RETRY for good (the full chaos test
+    lost 1 task of 300 so, seed 3)."""
+    key = "killed_before_its_outcome"
+    result = waited_then_started(proj, proj.killed_before_its_outcome, key, 0.1, workers=workers)
+    assert result.get(timeout=30) == result.id
+    ends = [run for run in runs(proj, key, "ends") if run[0] == result.id]
+    assert len(ends) == 2, "the body ran, its process was killed before the outcome, and it ran once more"
+
+
 def test_a_reused_task_id_runs_each_time(proj: Any, workers: list[Worker]) -> None:
     """A fixed id ("run once a night") used twice, both invocations having waited: each runs."""
     key = "recycled"

@@ -44,6 +44,7 @@ from . import policy
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
+from .giving_back import give_back, give_back_at_end
 from .options import (
     FROM_SETTINGS,
     MARKER,
@@ -72,10 +73,6 @@ from .wake_queues import backstop_queue
 AnySemaphore = FairSemaphore | MultiSemaphore
 
 logger = logging.getLogger("celery_semaphore")
-
-# Releasing when Redis is unreachable: tries in the background, the lease is the backstop.
-RELEASE_TRIES = 5
-RELEASE_PAUSE = 0.5
 
 
 class SemaphoreTask(Task):  # type: ignore[misc]
@@ -187,7 +184,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             raise
         finally:
             if lease is not None:
-                give_back(lease, finished=finished)
+                give_back_at_end(request, lease, finished=finished)
 
     def semaphore_pause(self, seconds: float) -> NoReturn:
         """From the body, on "429, Retry-After: <seconds>": pause this task's semaphore for every
@@ -619,28 +616,3 @@ def _leave_quietly(semaphore: AnySemaphore, waiter: str, *, away_for: float | No
     except SemaphoreError as error:
         if not outages.is_down(semaphore):  # during an outage, the outage line says it all
             logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)
-
-
-def give_back(lease: Lease, *, finished: bool = True) -> None:
-    """Release now; only if Redis is unreachable, keep trying briefly in a daemon thread, so the
-    task's result is not held up. The lease expiring is the backstop. ``finished=False``: Celery
-    will deliver the task again, so its run is not marked finished (that copy must run it)."""
-    run = lease.run if finished else None
-    try:
-        if not lease.release(finished=finished) and lease.lost:
-            logger.warning("%r: the lease had been lost before the task ended", lease)
-        return
-    except RedisUnavailable as error:
-        logger.warning("release of %r failed, retrying in the background: %s", lease, error)
-
-    def retry() -> None:
-        for attempt in range(RELEASE_TRIES):
-            time.sleep(RELEASE_PAUSE * (attempt + 1))
-            try:
-                lease.semaphore._release(lease.token, run, lease.remember_ms)
-                return
-            except RedisUnavailable:
-                continue
-        logger.error("%r could not be released; its slot comes back when the lease ends", lease)
-
-    threading.Thread(target=retry, name="celery-semaphore-release", daemon=True).start()
