@@ -37,6 +37,13 @@ def runs(proj: Any, key: str, which: str = "starts") -> list[tuple[str, int, flo
     return [(task_id.decode(), int(pid), float(at)) for task_id, pid, at in (entry.split() for entry in entries)]
 
 
+def hand_offs(proj: Any, key: str) -> list[tuple[float, float]]:
+    """(seconds from each body's end to the next body's start, that end), in order."""
+    starts = sorted(at for _, _, at in runs(proj, key))
+    ends = sorted(at for _, _, at in runs(proj, key, "ends"))
+    return [(start - end, end) for end, start in zip(ends, starts[1:], strict=False)]
+
+
 def makespan(proj: Any, queue: str, count: int) -> float:
     """Seconds from sending ``count`` 0.5 s tasks of limit 1 to the last result."""
     started = time.monotonic()
@@ -150,10 +157,8 @@ def test_a_rolling_restart_strands_no_waiter(proj: Any, celery_stack: CeleryStac
         finally:
             done.set()
             restarter.join(timeout=60)
-    starts = sorted(at for _, _, at in runs(proj, key))
-    ends = sorted(at for _, _, at in runs(proj, key, "ends"))
-    assert len(starts) == len(ends) == count
-    gaps = [(start - end, end) for end, start in zip(ends, starts[1:], strict=False)]
+    assert len(runs(proj, key)) == len(runs(proj, key, "ends")) == count
+    gaps = hand_offs(proj, key)
     worst = max(gap for gap, _ in gaps)
     outside = sorted(gap for gap, at in gaps if not any(a - 1 <= at <= b + 1 for a, b in restarts))
     p50, p90, p99 = (outside[int(q * (len(outside) - 1))] * 1000 for q in (0.5, 0.9, 0.99))
@@ -161,7 +166,7 @@ def test_a_rolling_restart_strands_no_waiter(proj: Any, celery_stack: CeleryStac
         f"{len(restarts)} restarts; release to next start: max {worst:.3f} s; outside the restarts p50 "
         f"{p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms ({len(outside)} samples)"
     )
-    origin = starts[0]
+    origin = min(at for _, _, at in runs(proj, key))
     slowest = sorted(gaps, reverse=True)[:3]
     print(
         "restarts at "
@@ -198,9 +203,7 @@ def test_a_worker_in_a_long_warm_shutdown_hands_back_its_wake_copy_at_once(
         for result in results:
             assert result.get(timeout=120) == result.id
         stopping_log = group[1].log()
-    starts = sorted(at for _, _, at in runs(proj, key))
-    ends = sorted(at for _, _, at in runs(proj, key, "ends"))
-    gaps = [(start - end, end) for end, start in zip(ends, starts[1:], strict=False)]
+    gaps = hand_offs(proj, key)
     near_the_stop = [f"{gap * 1000:.0f}" for gap, at in gaps if stopped_at - 0.5 <= at <= stopped_at + stop_took]
     handed_back = "handed 1 woken task" in stopping_log or "for queue 'hand-back.semaphore-wake'" in stopping_log
     print(
