@@ -33,6 +33,7 @@ from typing import Any
 from celery import bootsteps
 from kombu.messaging import Consumer
 
+from .due_copies import Mover, due_copies_for
 from .wake_queues import (
     backstop_queue,
     backstop_queue_for,
@@ -181,6 +182,7 @@ class BackstopHolder:
 
 
 HOLDER_ATTRIBUTE = "_celery_semaphore_backstop_holder"
+MOVER_ATTRIBUTE = "_celery_semaphore_due_copy_mover"
 # Transports whose workers hold backstop copies: RabbitMQ, whose broker keeps a held message until
 # it is acked and hands it on the moment its holder's connection goes.
 _HOLDING_TRANSPORTS = frozenset({"amqp"})
@@ -212,7 +214,9 @@ def holds_backstops(app: Any) -> bool:
 
 
 class BackstopStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Holds, in the worker's main process, the backstop copies of every queue it consumes."""
+    """Holds, in the worker's main process, the backstop copies of every queue it consumes
+    (RabbitMQ), or moves them from the broker's Redis to their queues when due (the Redis
+    broker, ``due_copies.py``)."""
 
     label = "Semaphore backstop queues"
     # after the wake queues: a queue added later gets its backstop queue from the same hook
@@ -220,6 +224,13 @@ class BackstopStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, consumer: Any) -> None:
         if not holds_backstops(consumer.app):
+            store = due_copies_for(consumer.app)
+            if store is not None and getattr(consumer, MOVER_ATTRIBUTE, None) is None:
+                mover = Mover(consumer.app, store)
+                setattr(consumer, MOVER_ATTRIBUTE, mover)
+                for queue in list(consumer.task_consumer.queues):
+                    mover.follow(queue.name)
+                mover.start()
             return
         holder = BackstopHolder(consumer)
         setattr(consumer, HOLDER_ATTRIBUTE, holder)
@@ -227,17 +238,26 @@ class BackstopStep(bootsteps.StartStopStep):  # type: ignore[misc]
             follow_backstops(consumer, queue.name)
 
     def stop(self, consumer: Any) -> None:
+        # the mover keeps moving through a reconnection (its own client); it stops with the worker
         holder = getattr(consumer, HOLDER_ATTRIBUTE, None)
         if holder is not None:
             setattr(consumer, HOLDER_ATTRIBUTE, None)
             holder.close()
 
-    shutdown = stop
+    def shutdown(self, consumer: Any) -> None:
+        self.stop(consumer)
+        mover = getattr(consumer, MOVER_ATTRIBUTE, None)
+        if mover is not None:
+            setattr(consumer, MOVER_ATTRIBUTE, None)
+            mover.stop()
 
 
 def follow_backstops(consumer: Any, origin: str) -> None:
     """Have ``consumer``'s worker hold the backstop copies of the queue ``origin`` (a queue it
     consumes, from its start or added later)."""
+    mover = getattr(consumer, MOVER_ATTRIBUTE, None)
+    if mover is not None:
+        mover.follow(origin)
     holder = getattr(consumer, HOLDER_ATTRIBUTE, None)
     if holder is None:
         return

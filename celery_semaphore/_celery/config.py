@@ -55,6 +55,7 @@ class SemaphoreConfig:
     prefix: str = DEFAULT_PREFIX
     lease: float = DEFAULT_LEASE
     countdown: tuple[float, float] = DEFAULT_COUNTDOWN
+    countdown_given: bool = False  # semaphore_countdown was set
     max_wait: float | None = None
     fail_open: bool = False
     inline_wait: float = DEFAULT_INLINE_WAIT
@@ -62,6 +63,9 @@ class SemaphoreConfig:
     glob_limits: tuple[tuple[str, KeyRules], ...] = ()
     # seconds after which the Redis broker redelivers an unacked message; None for other brokers
     visibility_timeout: float | None = None
+    # the broker's Redis (plain or Sentinel), where waiting tasks' due-later copies are kept
+    # (due_copies.py); None for other brokers
+    broker_redis: _urls.BackendSpec | None = None
     # one Redis Cluster hash tag for every semaphore of the app (tasks with several keys need it
     # on a cluster); None: each semaphore in the slot of its own key
     hash_tag: str | None = None
@@ -198,6 +202,7 @@ def parse_config(app: Any) -> SemaphoreConfig:
         prefix=check_prefix("semaphore_prefix", conf.get("semaphore_prefix", DEFAULT_PREFIX)),
         lease=check_seconds("semaphore_lease", conf.get("semaphore_lease", DEFAULT_LEASE)),
         countdown=parse_countdown("semaphore_countdown", conf.get("semaphore_countdown", DEFAULT_COUNTDOWN)),
+        countdown_given=conf.get("semaphore_countdown") is not None,
         max_wait=parse_max_wait("semaphore_max_wait", conf.get("semaphore_max_wait")),
         fail_open=fail_open,
         inline_wait=check_seconds(
@@ -206,6 +211,7 @@ def parse_config(app: Any) -> SemaphoreConfig:
         exact_limits=exact,
         glob_limits=globs,
         visibility_timeout=visibility_timeout,
+        broker_redis=broker,
         hash_tag=_hash_tag(conf.get("semaphore_hash_tag")),
     )
 

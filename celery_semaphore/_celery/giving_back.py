@@ -28,6 +28,7 @@ from celery import signals
 
 from .._core.lease import Lease
 from ..errors import RedisUnavailable
+from .due_copies import withdraw
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -79,6 +80,7 @@ def _give_back_pending(task: Any = None, **_: Any) -> None:
     if lease is not None:
         setattr(request, _PENDING_ATTRIBUTE, None)
         give_back(lease, finished=True)
+        withdraw(task.app, lease.run)  # no copy of a finished run comes back
 
 
 signals.task_postrun.connect(_give_back_pending, weak=False)

@@ -147,6 +147,8 @@ class WaitOptions:
     countdown: tuple[float, float]
     max_wait: float | None
     inline_wait: float
+    # the countdown was set (task option or app setting): it also bounds a parked task's backstop
+    countdown_given: bool = False
 
 
 def wait_options(task: Any, config: SemaphoreConfig) -> WaitOptions:
@@ -160,4 +162,5 @@ def wait_options(task: Any, config: SemaphoreConfig) -> WaitOptions:
         else parse_countdown(f"{task.name}.semaphore_countdown", countdown),
         max_wait=config.max_wait if max_wait is FROM_SETTINGS else max_wait,
         inline_wait=config.inline_wait if task.semaphore_inline_wait is None else float(task.semaphore_inline_wait),
+        countdown_given=countdown is not None or config.countdown_given,
     )

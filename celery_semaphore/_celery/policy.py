@@ -26,6 +26,10 @@ UNKNOWN_HOLD_ROUNDS = 2
 # A countdown stays this far below the Redis broker's visibility_timeout: beyond it the broker
 # would deliver the waiting message a second time.
 VISIBILITY_MARGIN = 0.5
+# A parked task's backstop copy kept in the broker (not held by a worker) is due this much later.
+# Below RabbitMQ's default consumer_timeout (30 min), past which a copy a worker holds closes its
+# channel; long enough that a waiting task costs next to nothing.
+KEPT_APART_BACKSTOP_S = 300.0
 
 
 def expected_wait(waiting: Waiting, *, among_present: bool = False) -> float | None:
@@ -88,12 +92,27 @@ def countdown(
     return max(1, round(min(max(base, low), max(high, 1.0))))
 
 
-def backstop(bounds: tuple[float, float], *, visibility_timeout: float | None = None) -> int:
-    """The countdown of a parked task's backstop copy: the upper bound (below the broker's
-    visibility timeout). Its hand-off brings a parked task back when its turn comes; the copy
-    only covers a lost wake-up (its process died, Redis lost the line), and one that came back
-    sooner would only be refused and re-sent, over and over, while the line is long."""
+def backstop(
+    bounds: tuple[float, float],
+    *,
+    visibility_timeout: float | None = None,
+    kept_apart: bool = False,
+    bounds_given: bool = False,
+) -> int:
+    """The countdown of a parked task's backstop copy. Its hand-off brings a parked task back
+    when its turn comes; the copy only covers a lost wake-up (its process died, Redis lost the
+    line), and one that came back sooner would only be refused and sent again, over and over,
+    while the line is long.
+
+    ``kept_apart``: the copy waits in the broker's Redis or a backstop queue, where waiting costs
+    nothing, so it is due after ``KEPT_APART_BACKSTOP_S``, or after the countdown's upper bound
+    where the countdown was set (``bounds_given``: it keeps its meaning, the longest a waiting
+    task stays away): a parked task is delivered again when a slot is offered to it, and
+    otherwise once per backstop. Else it is a countdown message held by a worker: the upper
+    bound, below the broker's visibility timeout."""
     high = bounds[1]
+    if kept_apart:
+        return max(1, round(high if bounds_given else KEPT_APART_BACKSTOP_S))
     if visibility_timeout is not None:
         high = min(high, visibility_timeout * VISIBILITY_MARGIN)
     return max(1, round(high))

@@ -44,6 +44,7 @@ from . import policy
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
+from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, send_copy, stores_copies, withdraw
 from .giving_back import give_back, give_back_at_end
 from .options import (
     FROM_SETTINGS,
@@ -205,9 +206,16 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         ticket = pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
         args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
         again = self._copy_of_wait(history, ticket, seconds, args, kwargs)
-        again.apply_async()
+        send_copy(self.app, again)
         logger.info("%s[%s] paused %r for %g s; it goes first after", self.name, request.id, semaphore.name, seconds)
         raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds, sig=again)
+
+    def _keeps_copies_apart(self) -> bool:
+        """Whether this task's due-later copies wait in the broker, apart from any worker: in the
+        broker's Redis, or in backstop queues held outside the prefetch window (RabbitMQ). Not
+        for a task whose queue cannot be told (its copies are Celery countdowns)."""
+        origin = WaitHistory.of(self.request).origin or _queue_of(self.app, self.request)
+        return origin is not None and (stores_copies(self.app) or holds_backstops(self.app))
 
     def _acks_late(self) -> bool:
         acks_late = getattr(self.request, "acks_late", None)
@@ -312,6 +320,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
+            if run is not None and not self._acks_late():
+                # Celery runs a task without acks_late at most once: from here no stored copy
+                # may run it again, whatever kills this worker (with acks_late the copy stays
+                # until the run finishes: it completes a run whose whole worker was killed)
+                withdraw(self.app, run)
             metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
         metrics.refused(family)
@@ -325,7 +338,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             due_in = attempt.retry_after
             if options.max_wait is not None:
                 due_in = min(due_in, max(0.0, options.max_wait - waited) + 0.5)
-            if config.visibility_timeout is not None:
+            if config.visibility_timeout is not None and not self._keeps_copies_apart():
                 due_in = min(due_in, config.visibility_timeout * policy.VISIBILITY_MARGIN)
             self._wait_for_start(semaphore, attempt, history, args, kwargs, due_in)
         countdown = policy.countdown(
@@ -333,7 +346,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         )
         # a parked task comes back through the hand-off, so its backstop copy (a countdown) is
         # late: sooner, it would come back, be refused and be re-sent over and over
-        backstop = policy.backstop(options.countdown, visibility_timeout=config.visibility_timeout)
+        backstop = policy.backstop(
+            options.countdown,
+            visibility_timeout=config.visibility_timeout,
+            kept_apart=self._keeps_copies_apart(),
+            bounds_given=options.countdown_given,
+        )
         if options.max_wait is not None:
             left = round(options.max_wait - waited + 0.5)
             countdown, backstop = max(1, min(countdown, left)), max(1, min(backstop, left))
@@ -359,6 +377,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         headers: dict[str, Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        run: str,
     ) -> Any:
         """A copy of this wait that is due in ``countdown`` seconds. On RabbitMQ it is sent at
         once to the backstop queue of its queue, where a worker's main process holds it until it
@@ -367,6 +386,15 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         cannot grow). On the Redis broker, and for a task whose queue cannot be told (routed by
         a topic exchange, say), it is a Celery countdown, as Celery routes it."""
         request = self.request
+        if origin is not None and stores_copies(self.app):
+            # the Redis broker: kept in the broker's Redis until due, under its run (due_copies.py)
+            return self.signature_from_request(
+                request,
+                args,
+                kwargs,
+                queue=backstop_queue(origin),
+                headers={**headers, DUE_IN_HEADER: countdown, COPY_ID_HEADER: run},
+            )
         if origin is not None and holds_backstops(self.app):
             return self.signature_from_request(
                 request,
@@ -387,7 +415,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         origin = history.origin or _queue_of(self.app, self.request)
         came_woken = origin is not None and _routing_key(self.request) == wake_queue(origin)
         headers = self._headers_of_copy(history, ticket, origin)
-        return self._copy_due_in(due_in, origin, came_woken, headers, args, kwargs)
+        return self._copy_due_in(due_in, origin, came_woken, headers, args, kwargs, history.run_id(self.request))
 
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began
@@ -428,7 +456,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request = self.request
         config = config_for(self.app)
         lease = attempt.twin_lease or semaphore.lease
-        longest = policy.backstop(wait_options(self, config).countdown, visibility_timeout=config.visibility_timeout)
+        options = wait_options(self, config)
+        longest = policy.backstop(
+            options.countdown,
+            visibility_timeout=config.visibility_timeout,
+            kept_apart=self._keeps_copies_apart(),
+            bounds_given=options.countdown_given,
+        )
         countdown = max(1, round(min(lease + 1.0, longest)))
         again = self._copy_of_wait(history, history.ticket, countdown, args, kwargs)
         logger.info(
@@ -438,7 +472,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             countdown,
         )
         try:
-            again.apply_async()
+            send_copy(self.app, again)
         except Exception as error:
             raise SemaphoreError(
                 f"could not re-send {self.name}[{request.id}] while its twin runs: {error}", key=semaphore.name
@@ -464,7 +498,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         self._note_first_wait(semaphore, history)
         again = self._copy_of_wait(history, attempt.ticket, due_in, args, kwargs)
         try:
-            again.apply_async()
+            send_copy(self.app, again)
         except Exception as error:
             _leave_quietly(semaphore, _waiter_of(semaphore, request))  # no copy will come
             raise SemaphoreError(
@@ -518,13 +552,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         away_for = countdown + AWAY_SLACK
         # back where it came from: a copy that came through the wake queue goes to its origin
         came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
-        backstop = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs)
+        backstop = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs, run)
         # Step away, parked: a parked waiter is offered its turn like a present one and woken
         # through this process; should its place lapse, its ticket travels in the headers and
         # puts it back where it was.
         _leave_quietly(semaphore, waiter, away_for=away_for, wake=address)
         try:
-            backstop.apply_async()
+            send_copy(self.app, backstop)
         except Exception as error:
             _leave_quietly(semaphore, waiter)  # no copy will come: give the place up
             if address:

@@ -15,6 +15,7 @@ from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
 from .config import SemaphoreConfig
 from .options import WaitOptions
+from .policy import KEPT_APART_BACKSTOP_S
 from .wait_headers import WaitHistory
 
 logger = logging.getLogger("celery_semaphore")
@@ -79,4 +80,5 @@ def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, hist
 
 def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
     """How long a finished run of a waited task is remembered, to drop its late copies."""
-    return max(options.countdown[1] + AWAY_SLACK, config.visibility_timeout or 0.0) + REMEMBER_SLACK
+    longest_away = max(options.countdown[1], KEPT_APART_BACKSTOP_S) + AWAY_SLACK
+    return max(longest_away, config.visibility_timeout or 0.0) + REMEMBER_SLACK

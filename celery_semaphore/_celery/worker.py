@@ -41,6 +41,7 @@ from . import woken_first
 from .backstop import BackstopStep, follow_backstops, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
+from .due_copies import stores_copies, withdraw
 from .handing_back import hand_back_before_close, read_pending_brpop
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from .parking import parking, wake_queue
@@ -221,10 +222,11 @@ def check_app(app: Any) -> None:
 
 
 def _warn_about_eta_task_limit(app: Any) -> None:
-    """Where backstop copies are countdown messages (the Redis broker), ``worker_eta_task_limit``
-    caps how many the worker holds, and at the cap it fetches nothing else: say so at start."""
+    """Where backstop copies are countdown messages (a broker that neither keeps them in its
+    Redis nor in backstop queues), ``worker_eta_task_limit`` caps how many the worker holds, and
+    at the cap it fetches nothing else: say so at start."""
     eta_task_limit = app.conf.get("worker_eta_task_limit")
-    if eta_task_limit is not None and not holds_backstops(app):
+    if eta_task_limit is not None and not holds_backstops(app) and not stores_copies(app):
         logger.warning(
             "worker_eta_task_limit=%s: a semaphore task that waits outside the worker is held here as a countdown "
             "message until its backstop is due, and once %s such messages are held this worker fetches nothing "
@@ -339,6 +341,7 @@ def _release_by_task_id(
         if finished_run is not None:
             config = config_for(task.app)
             semaphore._release("", finished_run, to_ms(remember_for(wait_options(task, config), config)))
+            withdraw(task.app, finished_run)
     except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
         return

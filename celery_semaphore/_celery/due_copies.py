@@ -1,0 +1,276 @@
+"""On the Redis broker, a waiting task's copies that are due later wait in the broker's Redis.
+
+A task that waits outside the worker sends a copy of itself that is due later: its backstop
+(should its wake-up be lost), or the copy that comes back for a start a rate, a spacing or a
+pause reserved. Sent as a Celery countdown, that copy was fetched at once by some worker and held
+there, unacknowledged, in its prefetch window until due: a long backlog under a quota moved out of
+the broker into the workers' memory, ``worker_eta_task_limit`` stalled the wake-ups behind held
+copies, and each parked task came back every 30 s to be refused again.
+
+Here the copy is published, as kombu writes it, to ``<queue>.semaphore-backstop``, a list no
+worker consumes. ``move_due_copies.lua`` then *stows* it in a sorted set of the broker's Redis
+(due when its header says, by that server's clock, under the id of its wait's run: a newer copy
+of one wait replaces the older) and, once due, moves it to the wake queue of its queue, routed
+as that queue's message. The process that sent the copy stows it at once; each worker's main
+process runs the script on a timer of its own (as soon as the next copy is due, at least once a
+second), so whichever worker is alive moves what is due. Every step is one script in the
+broker's Redis: a process killed at any point leaves each copy in exactly one place (the list,
+the store or its queue), and the next run of any worker carries on from there. A copy is
+*withdrawn* when its run no longer needs it (``withdraw``): no copy outlives its task.
+
+The script also watches the semaphore Redis's epoch (a random value it keeps under
+``<prefix>:epoch``): one that came back empty (a restart without persistence) has a new one, and
+then every stored copy is due at once, since nothing is left there to wake a parked task.
+
+Relies on kombu's Redis transport naming its lists ``<global_keyprefix><queue>`` and
+``<queue><sep><priority>`` (``priority_steps``), and writing messages as JSON with the
+routing key in ``properties.delivery_info``: unchanged from kombu 5.3 to 5.7.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .._core.clients import client_for
+from .config import config_for
+from .parking import wake_queue
+from .wake_queues import (
+    BACKSTOP_QUEUE_SUFFIX,
+    backstop_queue,
+    is_derived_queue,
+    is_wake_queue,
+    origin_of_derived,
+)
+
+logger = logging.getLogger("celery_semaphore")
+
+# Headers of a copy kept in the broker's Redis: seconds from its sending until it is due, and the
+# run it continues (one stored copy per run).
+DUE_IN_HEADER = "semaphore_due_in"
+COPY_ID_HEADER = "semaphore_backstop"
+
+# The store's keys (behind kombu's global_keyprefix).
+DUE_KEY = "semaphore-backstops:due"
+COPIES_KEY = "semaphore-backstops:copies"
+EPOCH_KEY = "semaphore-backstops:epoch"
+
+# Most copies one script run stows per list and moves.
+BATCH = 100
+# A worker's mover runs at least this often, and sooner when a copy falls due sooner.
+MOVE_EVERY_S = 1.0
+# ... but never more often than this (a run takes a fraction of a millisecond).
+MOVE_AT_MOST_EVERY_S = 0.005
+# A worker looks at the semaphore Redis's epoch this often.
+EPOCH_EVERY_S = 1.0
+
+_KOMBU_SEPARATOR = "\x06\x16"
+_KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+_STORING_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
+
+
+@dataclass(frozen=True)
+class _Naming:
+    """How kombu's Redis transport names the lists of a queue, from the broker settings."""
+
+    prefix: str
+    separator: str
+    priority_steps: tuple[int, ...]
+
+    def lists_of(self, queue: str) -> list[str]:
+        return [self.prefix + (f"{queue}{self.separator}{step}" if step else queue) for step in self.priority_steps]
+
+
+def _naming_of(app: Any) -> _Naming:
+    options = app.conf.get("broker_transport_options") or {}
+    steps = options.get("priority_steps") or _KOMBU_PRIORITY_STEPS
+    return _Naming(
+        prefix=str(options.get("global_keyprefix") or ""),
+        separator=str(options.get("sep") or _KOMBU_SEPARATOR),
+        priority_steps=tuple(sorted({int(step) for step in steps})),
+    )
+
+
+_SCRIPT_TEXT = (importlib.resources.files("celery_semaphore._celery") / "lua" / "move_due_copies.lua").read_text(
+    encoding="utf-8"
+)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What one run of the script did."""
+
+    moved: int  # copies moved to their queues
+    stowed: int  # copies taken from backstop lists into the store
+    next_due_in: float | None  # seconds until the next stored copy is due; None: none stored
+    flushed: bool  # the semaphore Redis was found restarted: every stored copy was made due
+
+
+class DueCopies:
+    """The store of one app's due-later copies in its broker's Redis."""
+
+    def __init__(self, app: Any) -> None:
+        spec = config_for(app).broker_redis
+        if spec is None:
+            raise ValueError("the broker is not a Redis")
+        self.client = client_for(spec)
+        self.naming = _naming_of(app)
+        config = config_for(app)
+        # one epoch record per semaphore deployment: apps of several deployments share a broker
+        epoch_of = f"{EPOCH_KEY}:{config.prefix}@{config.backend_display}"
+        self.keys = [self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of)]
+        self._script: Any = self.client.register_script(_SCRIPT_TEXT)
+
+    def run(self, origins: list[str] | tuple[str, ...], *, epoch: str = "", most: int = BATCH) -> Moved:
+        """Stow what was published to the backstop lists of ``origins``, and move what is due."""
+        keys = list(self.keys)
+        names: list[str] = []
+        for origin in origins:
+            sources = self.naming.lists_of(backstop_queue(origin))
+            targets = self.naming.lists_of(wake_queue(origin))
+            for source, target in zip(sources, targets, strict=True):
+                keys += [source, target]
+                names += [json.dumps(backstop_queue(origin)), json.dumps(wake_queue(origin))]
+        moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=[most, epoch, *names])
+        next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
+        return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
+
+    def withdraw(self, run: str) -> None:
+        """Forget the stored copy of ``run``: the run has started or finished, and no copy of it
+        may come back."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zrem(self.keys[0], run)
+        pipe.hdel(self.keys[1], run)
+        pipe.execute()
+
+
+_lock = threading.Lock()
+_stores: dict[int, tuple[Any, DueCopies | None]] = {}
+
+
+def stores_copies(app: Any) -> bool:
+    """Whether ``app``'s due-later copies wait in its broker's Redis (the Redis broker)."""
+    return due_copies_for(app) is not None
+
+
+def due_copies_for(app: Any) -> DueCopies | None:
+    """The store of ``app``'s due-later copies (one per app and process), None on other brokers."""
+    with _lock:
+        cached = _stores.get(id(app))
+        if cached is not None and cached[0] is app:
+            return cached[1]
+    store: DueCopies | None = None
+    try:
+        with app.connection_for_write() as connection:  # never connected: it only names the transport
+            driver = connection.transport.driver_type
+    except Exception:
+        driver = None
+    if driver in _STORING_TRANSPORTS:
+        try:
+            store = DueCopies(app)
+        except Exception as error:  # a setting the worker's start check reports
+            logger.debug("due-later copies cannot be kept in the broker's Redis: %s", error)
+    with _lock:
+        _stores[id(app)] = (app, store)
+    return store
+
+
+def send_copy(app: Any, copy: Any) -> None:
+    """Send ``copy`` (a signature); one bound for a backstop list is stowed at once, so that
+    ``withdraw`` finds it. Raises what the send raises; a failed stow is left to the movers."""
+    copy.apply_async()
+    queue = (copy.options or {}).get("queue")
+    name = getattr(queue, "name", queue)
+    if not isinstance(name, str) or not name.endswith(BACKSTOP_QUEUE_SUFFIX):
+        return
+    store = due_copies_for(app)
+    if store is None:
+        return
+    try:
+        store.run([origin_of_derived(name)])
+    except Exception as error:
+        logger.warning("a waiting task's copy waits in %s until a worker stows it: %s", name, error)
+
+
+def withdraw(app: Any, run: str | None) -> None:
+    """Forget the stored copy of ``run`` (its run started without acks_late, or finished)."""
+    if run is None:
+        return
+    store = due_copies_for(app)
+    if store is None:
+        return
+    try:
+        store.withdraw(run)
+    except Exception as error:  # it comes back when due, and its run record drops it
+        logger.debug("could not withdraw the stored copy of run %s: %s", run, error)
+
+
+class Mover:
+    """The timer of one worker's main process that moves due copies to their queues."""
+
+    def __init__(self, app: Any, store: DueCopies) -> None:
+        self.app = app
+        self.store = store
+        self.origins: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="celery-semaphore-due-copies", daemon=True)
+        self._epoch_token = uuid.uuid4().hex
+        self._epoch = ""
+        self._epoch_at = 0.0
+        self.moved = 0
+
+    def follow(self, origin: str) -> None:
+        if not is_derived_queue(origin) and not is_wake_queue(origin) and origin not in self.origins:
+            self.origins = [*self.origins, origin]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                moved = self.store.run(tuple(self.origins), epoch=self._semaphore_epoch())
+            except Exception as error:
+                if not failing:
+                    logger.warning("could not move waiting tasks' due copies (trying every second): %s", error)
+                failing = True
+                self._stop.wait(MOVE_EVERY_S)
+                continue
+            failing = False
+            self.moved += moved.moved
+            if moved.flushed:
+                logger.warning("the semaphore's Redis came back empty: every waiting task's stored copy is sent now")
+            if moved.moved >= BATCH or moved.stowed >= BATCH:
+                continue  # more is due, or waiting to be stowed
+            wait = MOVE_EVERY_S if moved.next_due_in is None else min(MOVE_EVERY_S, moved.next_due_in)
+            self._stop.wait(max(MOVE_AT_MOST_EVERY_S, wait))
+
+    def _semaphore_epoch(self) -> str:
+        """The semaphore Redis's epoch, looked at once a second ("" in between): a random value
+        the first worker to find none writes, so one that came back empty gets a new one."""
+        now = time.monotonic()
+        if now - self._epoch_at < EPOCH_EVERY_S:
+            return ""
+        self._epoch_at = now
+        config = config_for(self.app)
+        client = client_for(config.backend)
+        key = f"{config.prefix}:epoch"
+        try:
+            client.set(key, self._epoch_token, nx=True)
+            value = client.get(key)
+        except Exception as error:  # the semaphore Redis down: nothing to compare this round
+            logger.debug("could not read the semaphore Redis's epoch: %s", error)
+            return ""
+        if value is None:
+            return ""
+        return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,81 @@
+-- move_due_copies: on the Redis broker, keep waiting tasks' due-later copies in the broker's
+-- Redis and move each to its queue when it is due (_celery/due_copies.py). Atomic: a copy is in
+-- exactly one of its backstop list, the store or its target queue at every moment, whoever
+-- runs this and whenever that process dies.
+--   KEYS[1] due     ZSET  copy id -> when it is due (this server's ms)
+--   KEYS[2] copies  HASH  copy id -> "<target list key>\n<message as kombu wrote it>"
+--   KEYS[3] epoch   STRING the semaphore Redis's epoch last seen here
+--   KEYS[4..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
+--   ARGV[1] most    copies to stow per list, and to move, in this call
+--   ARGV[2] epoch   the semaphore Redis's epoch now, or "" (not looked at in this call)
+--   ARGV[3..] per pair: the backstop queue's name and the target queue's name, JSON-quoted
+-- Returns {moved, stowed, next_due_in_ms (-1: nothing stored), flushed (1: the semaphore Redis
+-- was found restarted, and every stored copy was made due now)}.
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local most = tonumber(ARGV[1])
+
+-- 1. A semaphore Redis that came back empty forgot every line and parked wait: nothing would
+--    wake a stored copy before it is due, so all become due now.
+local flushed = 0
+if ARGV[2] ~= '' then
+  local seen = redis.call('GET', KEYS[3])
+  if seen ~= ARGV[2] then
+    redis.call('SET', KEYS[3], ARGV[2])
+    if seen then
+      redis.call('ZUNIONSTORE', KEYS[1], 1, KEYS[1], 'WEIGHTS', 0)
+      flushed = 1
+    end
+  end
+end
+
+-- 2. Stow what kombu published to the backstop lists: due its header's seconds from now, under
+--    its id (a newer copy of one wait replaces the older), routed as its target queue's message.
+local stowed = 0
+for i = 4, #KEYS, 2 do
+  local source, target = KEYS[i], KEYS[i + 1]
+  local from_name, to_name = ARGV[i - 1], ARGV[i]
+  for _ = 1, most do
+    local message = redis.call('RPOP', source)
+    if not message then
+      break
+    end
+    local ok, decoded = pcall(cjson.decode, message)
+    local headers = ok and type(decoded) == 'table' and type(decoded.headers) == 'table' and decoded.headers or {}
+    local id = headers.semaphore_backstop
+    if type(id) ~= 'string' or id == '' then
+      id = '?' .. now .. ':' .. stowed .. ':' .. source
+    end
+    local due_in = tonumber(headers.semaphore_due_in) or 0
+    local at = string.find(message, '"routing_key": ' .. from_name, 1, true)
+    if at then
+      local cut = at + string.len('"routing_key": ') - 1
+      message = string.sub(message, 1, cut) .. to_name .. string.sub(message, cut + string.len(from_name) + 1)
+    end
+    redis.call('ZADD', KEYS[1], now + math.floor(due_in * 1000), id)
+    redis.call('HSET', KEYS[2], id, target .. '\n' .. message)
+    stowed = stowed + 1
+  end
+end
+
+-- 3. Move what is due to its queue, as kombu would have published it there.
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
+for _, id in ipairs(due) do
+  local stored = redis.call('HGET', KEYS[2], id)
+  if stored then
+    local cut = string.find(stored, '\n', 1, true)
+    redis.call('LPUSH', string.sub(stored, 1, cut - 1), string.sub(stored, cut + 1))
+  end
+end
+if #due > 0 then
+  redis.call('ZREM', KEYS[1], unpack(due))
+  redis.call('HDEL', KEYS[2], unpack(due))
+end
+
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local next_in = -1
+if #first > 0 then
+  next_in = math.max(0, tonumber(first[2]) - now)
+end
+return {#due, stowed, next_in, flushed}

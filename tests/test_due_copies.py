@@ -1,0 +1,187 @@
+"""On the Redis broker, a waiting task's due-later copies wait in the broker's Redis
+(``_celery/due_copies.py``): stowed at once, moved to the wake queue when due by any process,
+withdrawn when their run no longer needs them, all due at once when the semaphore's Redis
+came back empty. Real Redis servers, real kombu publishing; no workers (the worker tests cover
+the tasks' side)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_semaphore._celery.config import forget_config
+from celery_semaphore._celery.due_copies import (
+    COPIES_KEY,
+    COPY_ID_HEADER,
+    DUE_IN_HEADER,
+    DUE_KEY,
+    DueCopies,
+    due_copies_for,
+    send_copy,
+    withdraw,
+)
+from celery_semaphore._celery.wake_queues import wake_aware
+from tests.redis_server import RedisServer
+from tests.waiting import wait_until
+
+BACKSTOP_LIST = "celery.semaphore-backstop"
+WAKE_LIST = "celery.semaphore-wake"
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
+    broker, semaphore = RedisServer().start(), RedisServer().start()
+    yield broker, semaphore
+    for server in (broker, semaphore):
+        server.__exit__()
+
+
+@dataclass
+class Setup:
+    app: Any
+    client: Any  # the broker's Redis
+    store: DueCopies
+
+
+@pytest.fixture
+def setup(servers: tuple[RedisServer, RedisServer]) -> Setup:
+    app = _app(*servers)
+    store = due_copies_for(app)
+    assert isinstance(store, DueCopies)
+    return Setup(app, servers[0].client(), store)
+
+
+def _app(broker: RedisServer, semaphore: RedisServer) -> Any:
+    app = Celery("due_copies_test", broker=broker.url, set_as_current=False)
+    app.conf.semaphore_backend_url = semaphore.url
+    forget_config(app)
+    wake_aware(app)
+    return app
+
+
+def _copy(app: Any, run: str, due_in: float) -> Any:
+    return app.signature(
+        "due_copies_test.work",
+        args=(run,),
+        queue=BACKSTOP_LIST,
+        headers={DUE_IN_HEADER: due_in, COPY_ID_HEADER: run, "semaphore_queue": "celery"},
+    )
+
+
+def test_a_copy_is_stowed_at_once_and_moved_to_the_wake_queue_when_due(setup: Setup) -> None:
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-a", 0.5))
+    # kept in the broker's Redis, in no list a worker reads, and not a countdown (no eta)
+    assert client.llen(BACKSTOP_LIST) == 0
+    assert client.llen(WAKE_LIST) == 0
+    assert client.zcard(DUE_KEY) == 1
+    stored = client.hget(COPIES_KEY, "run-a")
+    assert stored is not None and stored.startswith(WAKE_LIST.encode() + b"\n")
+    assert store.run(["celery"]).moved == 0  # not due yet
+    started = time.monotonic()
+    wait_until(lambda: store.run(["celery"]).moved or client.llen(WAKE_LIST), timeout=5, what="moved when due")
+    assert time.monotonic() - started >= 0.3
+    (message,) = client.lrange(WAKE_LIST, 0, -1)
+    payload = json.loads(message)
+    # routed as a message of the wake queue, so the worker takes it for a wake copy
+    assert payload["properties"]["delivery_info"]["routing_key"] == WAKE_LIST
+    assert payload["headers"]["eta"] is None
+    assert payload["headers"]["argsrepr"] == "('run-a',)"
+    assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+
+
+def test_a_newer_copy_of_a_run_replaces_the_older_and_withdraw_forgets_it(setup: Setup) -> None:
+    app, client = setup.app, setup.client
+    send_copy(app, _copy(app, "run-b", 60))
+    send_copy(app, _copy(app, "run-b", 120))
+    send_copy(app, _copy(app, "run-c", 60))
+    assert client.zcard(DUE_KEY) == 2
+    withdraw(app, "run-b")
+    assert client.zrange(DUE_KEY, 0, -1) == [b"run-c"]
+    assert client.hkeys(COPIES_KEY) == [b"run-c"]
+
+
+def test_every_stored_copy_is_due_at_once_when_the_semaphore_redis_comes_back_empty(setup: Setup) -> None:
+    app, client, store = setup.app, setup.client, setup.store
+    for run in ("run-1", "run-2", "run-3"):
+        send_copy(app, _copy(app, run, 600))
+    first = store.run(["celery"], epoch="epoch-1")
+    assert (first.moved, first.flushed) == (0, False)  # the first epoch seen: nothing to compare
+    assert store.run(["celery"], epoch="epoch-1").moved == 0
+    again = store.run(["celery"], epoch="epoch-2")  # another epoch: the Redis came back empty
+    assert again.flushed and again.moved == 3
+    assert client.llen(WAKE_LIST) == 3
+
+
+def test_a_sender_killed_before_it_stowed_its_copy_loses_nothing(servers: tuple[RedisServer, RedisServer]) -> None:
+    """The publish leaves the copy in the backstop list (in the broker): a process SIGKILLed
+    right after it, before its stow, leaves it there, and the next run anywhere stows it."""
+    broker, semaphore = servers
+    code = f"""
+import os, signal
+from celery import Celery
+from celery_semaphore._celery.wake_queues import wake_aware
+app = Celery("due_copies_test", broker={broker.url!r}, set_as_current=False)
+app.conf.semaphore_backend_url = {semaphore.url!r}
+wake_aware(app)
+app.signature("due_copies_test.work", args=("run-k",), queue={BACKSTOP_LIST!r},
+              headers={{{DUE_IN_HEADER!r}: 0.2, {COPY_ID_HEADER!r}: "run-k"}}).apply_async()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    finished = subprocess.run([sys.executable, "-c", code], timeout=60, env=dict(os.environ))
+    assert finished.returncode == -signal.SIGKILL
+    client = broker.client()
+    assert client.llen(BACKSTOP_LIST) == 1  # in the broker, not lost with the process
+    store = due_copies_for(_app(broker, semaphore))
+    assert store is not None
+    assert store.run(["celery"]).stowed == 1
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="the orphaned copy moved when due")
+    assert client.llen(WAKE_LIST) == 1
+
+
+def test_the_move_is_atomic_whoever_runs_it(servers: tuple[RedisServer, RedisServer]) -> None:
+    """Two processes moving at once never move a copy twice or drop one: 200 copies due now,
+    moved by two processes in a race, arrive exactly once each."""
+    broker, semaphore = servers
+    app = _app(broker, semaphore)
+    client = broker.client()
+    for index in range(200):
+        client.lpush(
+            BACKSTOP_LIST,
+            json.dumps(
+                {
+                    "body": "",
+                    "headers": {COPY_ID_HEADER: f"run-{index}", DUE_IN_HEADER: 0},
+                    "properties": {"delivery_info": {"exchange": "", "routing_key": BACKSTOP_LIST}},
+                }
+            ),
+        )
+    code = f"""
+from celery import Celery
+from celery_semaphore._celery.due_copies import due_copies_for
+app = Celery("due_copies_test", broker={broker.url!r}, set_as_current=False)
+app.conf.semaphore_backend_url = {semaphore.url!r}
+store = due_copies_for(app)
+for _ in range(50):
+    store.run(["celery"], most=7)
+"""
+    racers = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    for racer in racers:
+        assert racer.wait(timeout=60) == 0
+    store = due_copies_for(app)
+    assert store is not None
+    while store.run(["celery"]).moved:
+        pass
+    moved = [json.loads(message)["headers"][COPY_ID_HEADER] for message in client.lrange(WAKE_LIST, 0, -1)]
+    assert sorted(moved) == sorted(f"run-{index}" for index in range(200))
+    assert client.llen(BACKSTOP_LIST) == 0 and client.zcard(DUE_KEY) == 0
