@@ -315,3 +315,39 @@ def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Red
     assert scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
     assert redis_client.hget(keys[1], "w") == b"older"
     assert redis_client.pttl(keys[0]) > 0, "the put-back record's keys expire"
+
+
+def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record of a woken wait is leased, not dropped: its wake copy lost in flight (on the
+    Redis broker, popped by the pending BRPOP of a worker being killed; played here by popping
+    it) is sent again by a sweep once the lease is up, and again after that, until a copy of
+    its run is granted; then the record is dropped and nothing more is sent. The lease is
+    shortened to 1 s (default 10 s) to keep the test short."""
+    import celery_semaphore._celery.parking as parking_module
+
+    monkeypatch.setattr(parking_module, "WOKEN_LEASE_S", 1.0)
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-lease"
+    queue = "q-lease.semaphore-wake"
+    semaphore = FairSemaphore(redis_client, "park-lease", 1, prefix=prefix)
+    holder = semaphore.acquire(timeout=5)
+    assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+    parked = Parking()
+    wake_copy = app.signature("parking.job", queue=queue)
+    semaphore._leave("t1", 300, parked.park(semaphore, "t1", wake_copy, away_for=300, run="t1#0"))
+    sweeper = Parking()
+    sweeper.sweep(app, redis_client, prefix)
+    holder.release()
+    wait_until(lambda: _queued(redis_server, queue) == 1, timeout=10, what="the wake copy sent")
+    with redis_server.client(db=5) as broker:
+        for lost in (1, 2):
+            assert broker.rpop(queue) is not None  # lost in flight
+            wait_until(lambda: _queued(redis_server, queue) == 1, timeout=10, what=f"sent again after loss {lost}")
+        # a copy of the run is granted (the acquire script records it): the next sweep drops the
+        # record, and with it anything that could send the copy again
+        redis_client.hset(semaphore.keys.runs, "t1#0", "t1:a")
+    due_key, copies_key = parked_keys(prefix)[:2]
+    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=10, what="the record dropped once granted")
+    assert redis_client.hlen(copies_key) == 0

@@ -46,7 +46,7 @@ from typing import Any
 from .._core.multi import MultiSemaphore
 from .._core.scripts import SemaphoreKeys, scripts_for
 from .._core.semaphore import FairSemaphore, on_to_wake
-from .._core.storage import ParkedRecord, parked_line, read_parked_line
+from .._core.storage import WOKEN_COPY_MARK, ParkedRecord, parked_line, read_parked_line
 from .._core.wakeups import WakeHandle, wake_ups_for
 from .wake_copies import deserialized, serialized
 
@@ -69,6 +69,9 @@ SWEEP_EVERY_S = 1.0
 SWEEP_BATCH = 100
 # A wait whose place in line has not lapsed yet is looked at again this long after it would.
 LOOK_AGAIN_SLACK_S = 1.0
+# A wait whose wake copy was sent keeps its record this long (claim_parked_waiter.lua): should
+# no copy of it be granted by then, a sweep sends the wake copy again.
+WOKEN_LEASE_S = 10.0
 # Most lines one tick looks at (lines_to_tick.lua).
 TICK_BATCH = 100
 
@@ -273,10 +276,28 @@ class Parking:
             for record, copy in claimed:
                 try:
                     deadlines, runs, waiter, run, name = ParkedRecord.read(record)
+                    woken = copy.startswith(WOKEN_COPY_MARK.encode())
+                    copy = copy.removeprefix(WOKEN_COPY_MARK.encode())
                     if not copy:
                         continue
                     state = wait_state(target.client, deadlines, runs, waiter, run)
                     if state.granted:
+                        continue
+                    if woken:
+                        # its wake copy was sent a lease ago and no copy was granted since: lost
+                        # in flight (popped by a worker that died), or still waiting for a pool
+                        # process. Sent again, leased again; a second copy that arrives is
+                        # dropped by its run
+                        scripts_for(target.client).park(
+                            parked_keys(target.prefix),
+                            record=record,
+                            copy=WOKEN_COPY_MARK.encode() + copy,
+                            only_if_absent=True,
+                            look_in_ms=round(WOKEN_LEASE_S * 1000),
+                        )
+                        wake_copy = deserialized(copy, target.app)
+                        _sent_again(name)
+                        self._send(wake_copy, name)
                         continue
                     if state.left_ms is not None:  # still in line: look again once its place would lapse
                         scripts_for(target.client).park(
@@ -348,7 +369,9 @@ class Parking:
     def _wake(self, client: Any, prefix: str, deadlines_key: str, waiters: tuple[str, ...], app: Any) -> None:
         scripts = scripts_for(client)
         for waiter in waiters:
-            claimed = scripts.claim_parked_waiter(parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter)
+            claimed = scripts.claim_parked_waiter(
+                parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter, lease_ms=round(WOKEN_LEASE_S * 1000)
+            )
             if claimed is None:
                 # parked here only (its copy cannot be serialized), or not a parked task at all
                 # (a blocked caller asks again by itself), or another process took it
@@ -410,7 +433,10 @@ class Parking:
         semaphore = parked.semaphore
         try:
             taken = scripts_for(semaphore.client).claim_parked_waiter(
-                parked_keys(_prefix_of(semaphore)), deadlines_key=semaphore.keys.deadlines, waiter=parked.waiter
+                parked_keys(_prefix_of(semaphore)),
+                deadlines_key=semaphore.keys.deadlines,
+                waiter=parked.waiter,
+                lease_ms=round(WOKEN_LEASE_S * 1000),
             )
         except Exception as error:
             logger.debug("could not take the parked record of a wait of %r: %s", parked.name, error)

@@ -466,10 +466,15 @@ class Scripts:
         reply = self._scripts["claim_parked"](keys=keys[:3], args=[most])
         return [(as_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
 
-    def claim_parked_waiter(self, keys: list[bytes], *, deadlines_key: str, waiter: str) -> tuple[str, bytes] | None:
+    def claim_parked_waiter(
+        self, keys: list[bytes], *, deadlines_key: str, waiter: str, lease_ms: int
+    ) -> tuple[str, bytes] | None:
         """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
-        this caller alone; None when it has none (or another caller took it)."""
-        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter)])
+        this caller alone and leased for ``lease_ms`` (a sweep sends its copy again after that,
+        unless its run was granted); None when it has none (or another caller took it)."""
+        reply = self._scripts["claim_parked_waiter"](
+            keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter), _number(lease_ms)]
+        )
         return (as_text(reply[0]), bytes(reply[1])) if reply else None
 
     def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:

@@ -47,6 +47,9 @@ PARKED_MARK = ">"  # waiter_info: "<first ask ms>|><wake address>" is a parked w
 HOLD_FIELD = "hold"  # waiter_info: the moving average of hold times (ms)
 INFO_SEPARATOR = "|"  # between the parts of a holder_info or waiter_info value
 RECORD_SEPARATOR = "\n"  # the parked tasks' waiters hash: "<deadlines key>\n<waiter>" -> record
+# copies: "woken\n<copy>" is the copy of a wait whose wake copy was sent (claim_parked_waiter):
+# leased, not dropped, so that a sweep sends it again if that copy is lost before it is granted
+WOKEN_COPY_MARK = "woken\n"
 # A wake address is "<base>:wake:<listener id>". A mark in front of the listener id tells the
 # scripts how to publish on it (lua/_lib.lua, notify; in Lua the marks live inside patterns).
 SHARDED_MARK = "s."  # a sharded listener (SSUBSCRIBE): the scripts SPUBLISH, to one shard only
