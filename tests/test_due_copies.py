@@ -185,3 +185,29 @@ for _ in range(50):
     moved = [json.loads(message)["headers"][COPY_ID_HEADER] for message in client.lrange(WAKE_LIST, 0, -1)]
     assert sorted(moved) == sorted(f"run-{index}" for index in range(200))
     assert client.llen(BACKSTOP_LIST) == 0 and client.zcard(DUE_KEY) == 0
+
+
+def test_a_mover_sees_every_restart_of_the_semaphore_redis(servers: tuple[RedisServer, RedisServer]) -> None:
+    """The semaphore Redis restarted empty twice, the same mover writing its epoch both times:
+    each restart makes every stored copy due at once (a mover that wrote one value per life
+    saw only the first)."""
+    from celery_semaphore._celery.due_copies import Mover
+
+    broker, semaphore = servers
+    app = _app(broker, semaphore)
+    store = due_copies_for(app)
+    assert store is not None
+    mover = Mover(app, store)
+    mover.follow("celery")
+    client = broker.client()
+    mover.start()
+    try:
+        wait_until(lambda: semaphore.client().get("semaphore:epoch"), timeout=10, what="an epoch written")
+        for restart in (1, 2):
+            send_copy(app, _copy(app, f"run-r{restart}", 600))
+            semaphore.restart()
+            wait_until(
+                lambda n=restart: client.llen(WAKE_LIST) == n, timeout=10, what=f"every copy sent at restart {restart}"
+            )
+    finally:
+        mover.stop()

@@ -20,6 +20,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
+from celery_semaphore._celery.due_copies import due_copies_for
 from celery_semaphore._celery.tokens import task_key
 
 from .celery_stack import CeleryStack
@@ -188,13 +189,48 @@ def test_a_child_killed_mid_run_without_acks_late_never_runs_twice(proj: Any, wo
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(Exception, match=r"(?i)worker|lost|signal"):
         result.get(timeout=30)
-    # the backstop copy comes 4 s after the park, and is dropped as a finished run
-    wait_until(
-        lambda: any(f"{result.id}]: another copy of this wait has run" in worker.log() for worker in workers),
-        timeout=30,
-        what="the backstop copy dropped",
-    )
+    # the backstop copy was withdrawn as the run began (Celery runs it at most once): none is
+    # left in the broker to run the body again
+    assert not stored_copies_of(proj, result.id)
     assert [run[0] for run in runs(proj, key)] == [result.id]
+
+
+def stored_copies_of(proj: Any, task_id: str) -> list[bytes]:
+    """The runs of ``task_id`` with a copy kept in the broker's Redis (due_copies.py)."""
+    store = due_copies_for(proj.app)
+    assert store is not None
+    return [run for run in store.client.hkeys(store.keys[1]) if run.startswith(task_id.encode())]
+
+
+def test_a_whole_worker_killed_mid_run_without_acks_late_never_runs_twice(proj: Any, workers: list[Worker]) -> None:
+    """Issue 26: a task without acks_late that waited and is running when its whole worker is
+    SIGKILLed (an OOM kill of the main process, a lost node) ran again once its lease lapsed:
+    its backstop copy took the dead run over. Celery would run it at most once. Now the stored
+    copy is withdrawn as the run begins: the lease lapses, the slot comes back, and nothing is
+    left that could run the task again."""
+    key = "at_most_once_whole"
+    result = waited_then_started(proj, proj.at_most_once_whole, key, 60, workers=workers)
+    ((_, pid, _),) = runs(proj, key)
+    victim = worker_of(workers, pid)
+    assert not stored_copies_of(proj, result.id)
+    victim.kill()
+    survivors = [worker for worker in workers if worker is not victim]
+    try:
+        semaphore = semaphore_for(proj.app, "proj.at_most_once_whole")
+        # the lease (5 s) lapses: the slot is free, nobody of this task waits or is stored
+        wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="the dead run's slot back")
+        assert not any(waiter.waiter == task_key(result.id) for waiter in semaphore.status().waiters)
+        assert not stored_copies_of(proj, result.id)
+        # a task sent now gets the slot: had a copy of the killed task been anywhere, it would
+        # have come back (2 s backstop) in the time this takes
+        probe = proj.at_most_once_whole.apply_async((0.1, "at_most_once_whole_probe"), queue=QUEUE)
+        assert probe.get(timeout=30) == probe.id
+        assert [run[0] for run in runs(proj, key)] == [result.id]
+    finally:
+        workers[:] = [
+            *survivors,
+            victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency).start(),
+        ]
 
 
 def test_a_process_killed_after_the_body_and_before_the_outcome_loses_nothing(proj: Any, workers: list[Worker]) -> None:

@@ -220,7 +220,6 @@ class Mover:
         self.origins: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="celery-semaphore-due-copies", daemon=True)
-        self._epoch_token = uuid.uuid4().hex
         self._epoch = ""
         self._epoch_at = 0.0
         self.moved = 0
@@ -266,7 +265,8 @@ class Mover:
         client = client_for(config.backend)
         key = f"{config.prefix}:epoch"
         try:
-            client.set(key, self._epoch_token, nx=True)
+            # a fresh value each time: this worker may be the one to write it after every restart
+            client.set(key, uuid.uuid4().hex, nx=True)
             value = client.get(key)
         except Exception as error:  # the semaphore Redis down: nothing to compare this round
             logger.debug("could not read the semaphore Redis's epoch: %s", error)

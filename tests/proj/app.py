@@ -216,9 +216,11 @@ def handoff(self: Any, seconds: float, key: str = "proj.handoff") -> str:
     semaphore_countdown=1,
     name="proj.handoff_twin",
     bind=True,
+    acks_late=True,
 )
 def handoff_twin(self: Any, seconds: float, key: str = "proj.handoff_twin") -> str:
-    """Its backstop copy (1 s) arrives while its woken copy still runs."""
+    """Its backstop copy (1 s) arrives while its woken copy still runs (acks_late: without it,
+    the copy kept in the broker's Redis is withdrawn as the run begins)."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 
@@ -468,6 +470,22 @@ def long_acks_late(self: Any, seconds: float, key: str = "long_acks_late") -> st
 )
 def at_most_once(self: Any, seconds: float, key: str = "at_most_once") -> str:
     """No acks_late: Celery delivers it at most once; its waits are re-sent (4 s backstop)."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=2,
+    semaphore_lease=5,
+    name="proj.at_most_once_whole",
+    bind=True,
+)
+def at_most_once_whole(self: Any, seconds: float, key: str = "at_most_once_whole") -> str:
+    """No acks_late, a 5 s lease and a 2 s backstop: a whole worker killed mid-run must not
+    see it run again once the lease lapses."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 
