@@ -221,10 +221,12 @@ def test_a_whole_worker_killed_mid_run_without_acks_late_never_runs_twice(proj: 
         wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="the dead run's slot back")
         assert not any(waiter.waiter == task_key(result.id) for waiter in semaphore.status().waiters)
         assert not stored_copies_of(proj, result.id)
-        # a task sent now gets the slot: had a copy of the killed task been anywhere, it would
-        # have come back (2 s backstop) in the time this takes
-        probe = proj.at_most_once_whole.apply_async((0.1, "at_most_once_whole_probe"), queue=QUEUE)
-        assert probe.get(timeout=30) == probe.id
+        # Any copy left would start the body again by the time its twin's lease lapsed, plus its
+        # backstop (2 s), plus a dead holder's redelivery (visibility timeout and the restore
+        # sweep): watched that long (before, a backstop copy took the dead run over here)
+        watch = 5 + 2 + VISIBILITY_TIMEOUT + 10
+        with pytest.raises(AssertionError, match="timed out"):
+            wait_until(lambda: len(runs(proj, key)) > 1, timeout=watch, interval=0.1, what="a second start")
         assert [run[0] for run in runs(proj, key)] == [result.id]
     finally:
         workers[:] = [
