@@ -48,6 +48,7 @@ from .._core.scripts import SemaphoreKeys, scripts_for
 from .._core.semaphore import FairSemaphore, on_to_wake
 from .._core.storage import WOKEN_COPY_MARK, ParkedRecord, parked_line, read_parked_line
 from .._core.wakeups import WakeHandle, wake_ups_for
+from .wait_runs import WaitState, wait_state
 from .wake_copies import deserialized, serialized
 
 logger = logging.getLogger("celery_semaphore")
@@ -469,26 +470,6 @@ def _sent_again(name: str) -> None:
 
 
 _parking = Parking()
-
-
-@dataclass(frozen=True)
-class WaitState:
-    """Where a parked wait stands, for a sweep."""
-
-    granted: bool  # a copy of it was granted its slot (it runs or ran): nothing to send, ever
-    left_ms: int | None  # its place in line lasts this much longer (a copy asked, or it is still
-    # parked within its time); None: its place lapsed with no copy asking, so its copies are lost
-
-
-def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run: str) -> WaitState:
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    pipe.zscore(deadlines_key, waiter)
-    pipe.hexists(runs_key, run)
-    (seconds, micros), deadline_ms, granted = pipe.execute()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
-    return WaitState(granted=bool(granted), left_ms=left)
 
 
 def parking() -> Parking:

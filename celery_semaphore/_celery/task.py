@@ -211,9 +211,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds, sig=again)
 
     def _keeps_copies_apart(self) -> bool:
-        """Whether this task's due-later copies wait in the broker, apart from any worker: in the
-        broker's Redis, or in backstop queues held outside the prefetch window (RabbitMQ). Not
-        for a task whose queue cannot be told (its copies are Celery countdowns)."""
+        """Whether this task's due-later copies wait apart from any worker (``due_copies.py``,
+        ``backstop.py``); not where its queue cannot be told (its copies are Celery countdowns)."""
         origin = WaitHistory.of(self.request).origin or _queue_of(self.app, self.request)
         return origin is not None and (stores_copies(self.app) or holds_backstops(self.app))
 
@@ -321,9 +320,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
             if run is not None and not self._acks_late():
-                # Celery runs a task without acks_late at most once: from here no stored copy
-                # may run it again, whatever kills this worker (with acks_late the copy stays
-                # until the run finishes: it completes a run whose whole worker was killed)
+                # Celery runs it at most once: no stored copy may run it again, whatever kills
+                # this worker (with acks_late the copy stays until the run finishes, to finish it)
                 withdraw(self.app, run)
             metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
@@ -379,15 +377,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         kwargs: dict[str, Any],
         run: str,
     ) -> Any:
-        """A copy of this wait that is due in ``countdown`` seconds. On RabbitMQ it is sent at
-        once to the backstop queue of its queue, where a worker's main process holds it until it
-        is due and then sends it on (``backstop.py``): held as a Celery countdown instead, it
-        would fill the prefetch window of the worker that fetched it (a quorum queue's window
-        cannot grow). On the Redis broker, and for a task whose queue cannot be told (routed by
-        a topic exchange, say), it is a Celery countdown, as Celery routes it."""
+        """A copy of this wait that is due in ``countdown`` seconds, waiting in the broker and
+        never in a worker's prefetch window: on the Redis broker in the broker's Redis, under its
+        run (``due_copies.py``); on RabbitMQ in the backstop queue of its queue, held by a worker's
+        main process until due (``backstop.py``). For a task whose queue cannot be told (routed
+        by a topic exchange, say), a Celery countdown, as Celery routes it."""
         request = self.request
         if origin is not None and stores_copies(self.app):
-            # the Redis broker: kept in the broker's Redis until due, under its run (due_copies.py)
             return self.signature_from_request(
                 request,
                 args,
