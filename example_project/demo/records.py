@@ -162,15 +162,18 @@ def _task_failed(
         data().rpush(keys().errors, f"{name}[{task_id}]: {exception!r}")
 
 
-def _task_sent(sender: Any = None, **_: Any) -> None:
-    """A crawl task was sent (by the orchestrator, a task scheduling links, or a wait re-sending
-    itself): one more unit of crawl work, counted before the message leaves."""
-    if sender in CRAWL_TASKS:
+def _task_sent(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """A crawl task was sent (by the orchestrator, or a task scheduling links): one more unit of
+    crawl work, counted before the message leaves. A waiting task's copies (their headers carry
+    ``semaphore_waits``) are the same unit: some are withdrawn unsent-to-a-worker once their run
+    no longer needs them, so they are not counted."""
+    if sender in CRAWL_TASKS and not (headers or {}).get("semaphore_waits"):
         data().incr(keys().pending)
 
 
-def _task_ended(sender: Any = None, **_: Any) -> None:
-    """A crawl task's run ended, however (done, failed, or re-sent to wait for its slot, which
-    counted its successor first): one unit of crawl work less."""
-    if getattr(sender, "name", None) in CRAWL_TASKS:
+def _task_ended(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    """A crawl task's body ended (done or failed): one unit of crawl work less. A delivery
+    re-sent to wait for its slot (RETRY) or dropped as a copy of a run done (IGNORED) is not
+    the unit's end."""
+    if getattr(sender, "name", None) in CRAWL_TASKS and state in ("SUCCESS", "FAILURE"):
         data().decr(keys().pending)

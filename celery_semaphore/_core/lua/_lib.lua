@@ -95,6 +95,9 @@ local CLUSTER_ADDRESS_PATTERN = ':wake:c%.[^:]*$'
 -- keys outlive the last deadline they hold by this much, so a reader right at a deadline sees
 -- a consistent set instead of half-expired keys
 local GRACE_MS = 1000
+-- the parked-task records outlive their last due time by this much: a sweep that comes late (a
+-- busy process sweeps only when its sender thread idles) still finds them
+local SWEEP_GRACE_MS = 60000
 
 -- how long an offered waiter has to claim its slot before the slot goes on to the next one
 local CLAIM_MS = 2000

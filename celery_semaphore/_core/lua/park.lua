@@ -33,7 +33,7 @@ if copy == '' then
 end
 local now = now_ms()
 local due_at = now + tonumber(ARGV[2])
-local ttl_ms = tonumber(ARGV[2]) + GRACE_MS
+local ttl_ms = tonumber(ARGV[2]) + SWEEP_GRACE_MS
 if ARGV[4] == 'nx' then
   if redis.call('ZADD', KEYS[1], 'NX', due_at, record) == 0 then
     return 0
