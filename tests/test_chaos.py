@@ -19,6 +19,10 @@ The second test is issue 16's full run (see its docstring): workers of 4 process
 60 s lease, a result backend, ``Reject(requeue=True)`` on some first attempts, SIGKILLs of
 children and of two whole workers, a cold shutdown and a restart of the semaphore's Redis with
 data loss; one seed a run from ``CHAOS_SEEDS`` (one by default, so CI runs one).
+
+The third restarts the semaphore's Redis empty mid-run with no result backend (a 6 s lease,
+SIGKILLs of children and of a whole worker, with and without ``acks_late``): no task that had
+completed may run again. Seeds from ``CHAOS_SEEDS``, one fixed seed by default.
 """
 
 from __future__ import annotations
@@ -274,6 +278,7 @@ class Faults(Kills):
         self.timeline: list[tuple[float, str]] = []  # (time, what) of every fault but a child's
         self.redis_down_at: float | None = None
         self.redis_up_at: float | None = None
+        self.window_s = RESTART_WINDOW_S  # the restart window after Redis is back: a lease / 3
 
     def cold(self, worker: Worker) -> None:
         """A cold shutdown: SIGQUIT to the worker's main process, which cancels what runs (its pool
@@ -314,7 +319,7 @@ class Faults(Kills):
         """Whether ``at`` falls from the Redis restart until a lease / 3 after it came back."""
         if self.redis_down_at is None or self.redis_up_at is None:
             return False
-        return self.redis_down_at <= at < self.redis_up_at + RESTART_WINDOW_S
+        return self.redis_down_at <= at < self.redis_up_at + self.window_s
 
 
 def _dead(pid: int) -> bool:
@@ -538,3 +543,310 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
             timeout=DEFAULT_LEASE + 15,
             what=f"no slot held and nobody waiting ({summary})",
         )
+
+
+# --- the semaphore's Redis restarted empty, with no result backend -----------------------------
+
+RESTART_TASKS = 300
+RESTART_LIMIT = 3
+RESTART_LEASE = 6  # proj.chaos_restart's semaphore_lease
+# seeds to run: CHAOS_SEEDS, or one fixed seed (CI runs one)
+RESTART_SEEDS = FULL_SEEDS or [20261127]
+# workers with no result backend: a copy whose run record the Redis restart lost has nothing to
+# ask whether its task completed
+RESTART_CONF = {"result_backend": None, "broker_transport_options": CONF["broker_transport_options"]}
+# acks_late: a process killed this soon after its body recorded its end may have died before its
+# worker acknowledged the message, which Celery then delivers again (at-least-once)
+ACK_GRACE_S = 1.0
+# without acks_late, a task whose last delivery's process was killed under it never completes
+# (at most once): the run ends once those are all that is left and nothing was delivered for
+# longer than a stored copy's backstop (10 s) or a dead worker's prefetched messages take to
+# come back (visibility timeout, 10 s)
+SETTLE_S = 15
+# how long the run may go with nothing delivered and nothing ending before what is unfinished
+# counts as lost: a stranded slot comes back with its lease, then a backstop, the woken-record
+# sweep and a visibility timeout
+RESTART_QUIET_S = 45
+
+
+def _wake_and_backstop_lists(queue: str) -> list[str]:
+    from celery_semaphore._celery.parking import wake_queue
+    from celery_semaphore._celery.wake_queues import backstop_queue
+
+    return [queue, wake_queue(queue), backstop_queue(queue)]
+
+
+def _stored_copies(broker: Any, queue: str) -> int:
+    """Copies of ``queue``'s waiting tasks stored in the broker's Redis (``due_copies.py``)."""
+    from celery_semaphore._celery.due_copies import COPIES_KEY
+
+    lists = _wake_and_backstop_lists(queue)
+    return sum(value.split(b"\n", 1)[0].decode() in lists for value in broker.hvals(COPIES_KEY))
+
+
+def _copies_left(broker: Any, queue: str) -> int:
+    """Messages of ``queue`` still waiting: in its lists (its own, its wake queue, its backstop
+    list) or stored in the broker's Redis."""
+    return sum(int(broker.llen(name)) for name in _wake_and_backstop_lists(queue)) + _stored_copies(broker, queue)
+
+
+@pytest.mark.parametrize("acks_late", [False, True], ids=["at_most_once", "acks_late"])
+@pytest.mark.parametrize("seed", RESTART_SEEDS)
+def test_a_semaphore_redis_restarted_empty_runs_no_completed_task_again(
+    celery_stack: CeleryStack, seed: int, acks_late: bool
+) -> None:
+    """The semaphore's Redis restarted empty mid-run, with no result backend: nothing but the
+    withdrawal of a finished run's stored copy (``due_copies.py``) keeps that run from coming
+    back once the run records are gone. Before the copies were kept in the broker's Redis, 39-99
+    of 300 finished tasks ran again in such a run (their countdown copies were in flight).
+
+    300 tasks of ``proj.chaos_restart`` (limit 3, a 6 s lease, no in-process wait, a 10 s
+    backstop, ``ignore_result``; ``proj.chaos_restart_late`` adds ``acks_late`` and
+    ``reject_on_worker_lost``) on 3 prefork workers of 3 processes with no result backend, Redis
+    broker (10 s visibility timeout). On a seeded schedule: SIGKILLs of 8 pool children and of a
+    whole worker (restarted under the same name), and one restart of the semaphore's Redis with
+    data loss once a seeded 35-60 % of the tasks completed.
+
+    What must hold:
+
+    - no task whose body completed before the restart starts again after it (the target), nor
+      any completed body runs again at all. With ``acks_late`` a body whose process was killed
+      within ``ACK_GRACE_S`` after it recorded its end may have lost its acknowledgement, and
+      Celery delivers it again: counted apart;
+    - without ``acks_late`` (Celery's at most once) no body starts twice, and a task whose
+      process was killed under its run may never complete (counted apart as killed); with it, a
+      body may start again only after its process was killed mid-run. Either way, two runs of
+      one task at once only where the second started in the restart window (from the restart
+      until a lease / 3 after it, when the old holders' renewals have registered them again: the
+      documented cost of a data loss, docs/design.md, Failures);
+    - nothing lost: every task delivered to a worker completes (or, without ``acks_late``, was
+      killed under its run); at most 2 never delivered (the transport's own loss of a message
+      popped by the worker being killed);
+    - never more than 3 bodies at once, leaving out the starts in the restart window;
+    - at the end no slot is held, nobody waits and no copy of the queue's tasks is left.
+    """
+    import tests.proj.app as proj
+
+    task = proj.chaos_restart_late if acks_late else proj.chaos_restart
+    key = task.name.removeprefix("proj.")
+    queue = f"{key}_{seed}"  # a queue per seed and mode: nothing left over from another run
+    rng = random.Random(seed)
+    client = proj.probe(key).client
+    for name in ("starts", "ends", "deliveries"):
+        client.delete(f"probe:{key}:{name}")
+    with celery_stack.semaphore.client(db=1) as semaphore_redis:  # what an earlier test left
+        semaphore_redis.flushdb()
+    semaphore = semaphore_for(proj.app, task.name)
+    faults = Faults()
+    faults.window_s = RESTART_LEASE / 3
+    # seeded ids and durations, so a seed replays its schedule
+    ids = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(RESTART_TASKS)]
+    bursts = [ids[:100]] + [ids[i : i + 50] for i in range(100, RESTART_TASKS, 50)]
+    plan = ["child"] * 8 + ["whole"]
+    rng.shuffle(plan)
+    plan.insert(rng.randint(3, 6), "redis")  # after 250 tasks or more were sent
+    restart_after = rng.randint(int(0.35 * RESTART_TASKS), int(0.6 * RESTART_TASKS))
+    completed_at_restart = stored_at_restart = 0
+    sent_at = time.time()
+
+    with (
+        worker_group(
+            celery_stack.env,
+            queue=queue,
+            names=[f"restart{seed}-{n}" for n in (1, 2, 3)],
+            concurrency=3,
+            conf=RESTART_CONF,
+            kill_at_end=True,
+        ) as workers,
+        celery_stack.broker.client(db=0) as broker,
+    ):
+
+        def live() -> list[Worker]:
+            return [w for w in workers if w.process is not None and w.process.poll() is None]
+
+        def ended() -> set[str]:
+            return {task_id for task_id, _, _ in records(client, "ends", key)}
+
+        def send(burst: list[str]) -> None:
+            for task_id in burst:
+                task.apply_async((rng.uniform(0.1, 0.4),), queue=queue, task_id=task_id)
+
+        sent_at = time.time()
+        send(bursts.pop(0))
+        for fault in plan:
+            time.sleep(rng.uniform(0.5, 2.0))  # the schedule's own pacing
+            if fault == "child":
+                before = len(faults.at)
+                faults.child(rng.choice(live()), rng)
+                faults.count[fault] += len(faults.at) > before  # a worker still starting has no child
+            elif fault == "whole":
+                victim = rng.choice(live())
+                faults.timeline.append((time.time(), f"SIGKILL of {victim.name}"))
+                faults.whole(victim)
+                faults.count[fault] += 1
+                workers.append(Worker(victim.env, name=victim.name, concurrency=3).start())  # the same name
+            else:
+                wait_until(
+                    lambda: len(ended()) >= restart_after,
+                    timeout=180,
+                    interval=0.02,
+                    what=f"{restart_after} tasks completed before the Redis restart",
+                )
+                completed_at_restart = len(ended())
+                stored_at_restart = _stored_copies(broker, queue)
+                faults.timeline.append((time.time(), f"Redis restart ({completed_at_restart} completed)"))
+                faults.restart_redis(celery_stack.semaphore)
+                faults.count[fault] += 1
+            if bursts:
+                send(bursts.pop(0))
+        for burst in bursts:
+            send(burst)
+
+        def killed_under(task_id: str, deliveries: list[tuple[str, int, float]]) -> bool:
+            """Whether the last delivery of ``task_id`` was to a process killed while it had it:
+            killed after it, and before that process took any other delivery (a pool process
+            runs one at a time, so one it refused or ran to its end was done before the next)."""
+            last = max(((at, pid) for t, pid, at in deliveries if t == task_id), default=None)
+            if last is None or last[1] not in faults.at:
+                return False
+            (at, pid), killed_at = last, faults.at[last[1]]
+            return at <= killed_at and not any(p == pid and at < d < killed_at for _, p, d in deliveries)
+
+        # run until every task completed, or (without acks_late) what is left was killed under
+        # its run and nothing came for SETTLE_S, or nothing came for RESTART_QUIET_S
+        last_progress, last_change = (-1, -1), time.monotonic()
+        while True:
+            deliveries, done = records(client, "deliveries", key), ended()
+            unfinished = [task_id for task_id in ids if task_id not in done]
+            if not unfinished:
+                break
+            if (len(deliveries), len(done)) != last_progress:
+                last_progress, last_change = (len(deliveries), len(done)), time.monotonic()
+            quiet = time.monotonic() - last_change
+            if not acks_late and quiet > SETTLE_S and all(killed_under(t, deliveries) for t in unfinished):
+                break
+            if quiet > RESTART_QUIET_S:
+                break
+            time.sleep(0.5)
+
+        # a slot stranded by a worker killed late comes back with its lease; then no copy may be left
+        idle = wait_until(
+            lambda: (
+                semaphore.status().holder_count == 0
+                and not semaphore.status().waiters
+                and _copies_left(broker, queue) == 0
+            ),
+            timeout=RESTART_LEASE + 60,
+            interval=0.2,
+            what="no slot held, nobody waiting and no copy left",
+        )
+        assert idle
+
+        # read after everything settled: a late copy's run would be seen
+        starts, ends = records(client, "starts", key), records(client, "ends", key)
+        deliveries = records(client, "deliveries", key)
+        log = "".join(f"== {w.name} (pid {w.process.pid if w.process else '-'})\n{w.log()}" for w in workers)
+
+    down = faults.redis_down_at
+    assert down is not None
+    done = {task_id for task_id, _, _ in ends}
+    delivered = {task_id for task_id, _, _ in deliveries}
+    unfinished = [task_id for task_id in ids if task_id not in done]
+    never_delivered = [task_id for task_id in unfinished if task_id not in delivered]
+    killed = [task_id for task_id in unfinished if not acks_late and killed_under(task_id, deliveries)]
+    lost = [task_id for task_id in unfinished if task_id in delivered and task_id not in killed]
+
+    inf = float("inf")
+    end_records = set(ends)
+
+    def run_end(task_id: str, pid: int, started_at: float) -> float:
+        """When the run that began at ``started_at`` in ``pid`` ended: its end record, or its
+        process's death (``inf``: neither, which ``most_at_once`` reports)."""
+        later = [at for t, p, at in starts if t == task_id and p == pid and at > started_at]
+        ended_at = [at for t, p, at in ends if t == task_id and p == pid and started_at <= at < min(later, default=inf)]
+        return min(ended_at, default=faults.at.get(pid, inf))
+
+    def ack_maybe_lost(pid: int, ended_at: float) -> bool:
+        killed_at = faults.at.get(pid)
+        return acks_late and killed_at is not None and ended_at <= killed_at <= ended_at + ACK_GRACE_S
+
+    # each task under every case that one of its later starts falls in
+    again_after_restart: set[str] = set()  # the target: completed before the restart, started after it
+    again: set[str] = set()  # completed, then started again (any other time)
+    ack_lost: set[str] = set()  # acks_late: started again after a completion whose ack may be lost
+    twice: set[str] = set()  # started again after a run killed under it, without acks_late
+    at_once: set[str] = set()  # two runs at once, the second not in the restart window
+    at_once_in_window: set[str] = set()
+    after_a_killed_run: set[str] = set()  # of again_after_restart: an earlier run was killed under it
+    for task_id in ids:
+        runs = sorted((at, pid) for t, pid, at in starts if t == task_id)
+        for index, (started_at, _) in enumerate(runs[1:], start=1):
+            earlier = [(pid, run_end(task_id, pid, at)) for at, pid in runs[:index]]
+            completed = [(pid, end) for pid, end in earlier if end <= started_at and (task_id, pid, end) in end_records]
+            if completed:
+                if all(ack_maybe_lost(pid, end) for pid, end in completed):
+                    ack_lost.add(task_id)
+                elif any(end < down <= started_at for _, end in completed):
+                    again_after_restart.add(task_id)
+                    if any((task_id, pid, end) not in end_records for pid, end in earlier):
+                        # an earlier run was killed mid-run: with acks_late, its message comes
+                        # back (a whole worker's at its visibility timeout) after another copy of
+                        # its wait took the run over and completed it
+                        after_a_killed_run.add(task_id)
+                else:
+                    again.add(task_id)
+            elif any(end > started_at for _, end in earlier):
+                (at_once_in_window if faults.in_restart_window(started_at) else at_once).add(task_id)
+            elif not acks_late:
+                twice.add(task_id)
+
+    checked = [start for start in starts if not faults.in_restart_window(start[2])]
+    most = most_at_once(checked, ends, faults.at)
+    most_with_window = most_at_once(starts, ends, faults.at)
+    last_end = max((at for _, _, at in ends), default=sent_at)
+    mode = "acks_late" if acks_late else "at most once"
+    summary = (
+        f"seed {seed} ({mode}): {RESTART_TASKS} tasks, {len(done)} completed ({completed_at_restart} before the "
+        f"Redis restart, {stored_at_restart} copies stored then), {len(killed)} killed, {len(lost)} lost, "
+        f"{len(never_delivered)} never delivered; "
+        f"run again: {len(again_after_restart)} completed before the restart ({len(after_a_killed_run)} of them "
+        f"after a killed run), {len(again)} other, "
+        f"{len(ack_lost)} ack maybe lost, {len(twice)} twice after a kill, {len(at_once)} at once "
+        f"({len(at_once_in_window)} in the restart window); max concurrency {most} ({most_with_window} with the "
+        f"window); kills: {faults.count['child']} children, {faults.count['whole']} whole worker; "
+        f"{len(deliveries)} deliveries; makespan {last_end - sent_at:.1f} s"
+    )
+    print(f"\n{summary}")
+    print(
+        "  faults: "
+        + ", ".join(f"{what} at {at - sent_at:.1f} s" for at, what in faults.timeline)
+        + " (from the first send)"
+    )
+
+    def stories(task_ids: list[str] | set[str]) -> str:
+        return "\n".join(
+            story(task_id, deliveries, faults.at, log)
+            + "\n  runs: "
+            + ", ".join(
+                f"{pid} {at - sent_at:.3f}-{run_end(task_id, pid, at) - sent_at:.3f}"
+                for t, pid, at in starts
+                if t == task_id
+            )
+            for task_id in sorted(task_ids)[:5]
+        )
+
+    assert not again_after_restart, f"completed before the restart, run again ({summary}):\n" + stories(
+        again_after_restart
+    )
+    assert not again, f"completed, then run again ({summary}):\n" + stories(again)
+    assert not twice, f"run twice without acks_late ({summary}):\n" + stories(twice)
+    assert not at_once, f"run twice at once outside the restart window ({summary}):\n" + stories(at_once)
+    assert not lost, f"tasks lost ({summary}):\n" + stories(lost)
+    assert len(never_delivered) <= 2, f"{len(never_delivered)} never delivered ({summary})"
+    assert most <= RESTART_LIMIT, summary
+    assert "runs WITHOUT its semaphore" not in log
+    # the schedule did what it is for: tasks waited (re-sent), processes died under them, and the
+    # workers saw the semaphore's Redis come back empty (and sent the stored copies)
+    assert len(deliveries) > 1.5 * RESTART_TASKS, summary
+    assert faults.count["child"] >= 5 and faults.count["whole"] == 1 and faults.count["redis"] == 1, summary
+    assert "the semaphore's Redis came back empty" in log, summary

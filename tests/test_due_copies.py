@@ -25,6 +25,7 @@ from celery_semaphore._celery.due_copies import (
     COPY_ID_HEADER,
     DUE_IN_HEADER,
     DUE_KEY,
+    FINISHED_KEY,
     DueCopies,
     due_copies_for,
     send_copy,
@@ -211,3 +212,20 @@ def test_a_mover_sees_every_restart_of_the_semaphore_redis(servers: tuple[RedisS
             )
     finally:
         mover.stop()
+
+
+def test_a_finished_run_is_remembered_and_no_copy_of_it_is_stored_after(setup: Setup) -> None:
+    """A run that finished is withdrawn and remembered in the broker's Redis (which outlives a
+    semaphore Redis restarted empty): a copy of it stored later (its sender, refused as another
+    copy ran, sent it after that copy finished) is dropped, and has_finished says so until the
+    memory lapses."""
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-f", 60))
+    withdraw(app, "run-f", remember_s=0.5)
+    assert client.zcard(DUE_KEY) == 0
+    assert store.has_finished("run-f") and not store.has_finished("run-g")
+    send_copy(app, _copy(app, "run-f", 60))  # late: not stored
+    assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+    wait_until(lambda: store.run(["celery"]) and client.zcard(FINISHED_KEY) == 0, timeout=5, what="forgotten")
+    send_copy(app, _copy(app, "run-f", 60))  # forgotten: stored again
+    assert client.zcard(DUE_KEY) == 1

@@ -328,7 +328,7 @@ def test_a_redelivered_first_message_does_not_rerun_a_success_the_redis_forgot(
         assert result.get(timeout=30) == result.id, second.log()  # the copy of the wait ran the task
         # the only other message of the task is its first one (the wake copy went with the Redis)
         wait_until(
-            lambda: "the task has succeeded already" in second.log() or len(runs(proj, key, "ends")) > 1,
+            lambda: "the task has run already" in second.log() or len(runs(proj, key, "ends")) > 1,
             timeout=40,
             what="the first message delivered again, and dropped or run",
         )

@@ -60,6 +60,7 @@ COPY_ID_HEADER = "semaphore_backstop"
 DUE_KEY = "semaphore-backstops:due"
 COPIES_KEY = "semaphore-backstops:copies"
 EPOCH_KEY = "semaphore-backstops:epoch"
+FINISHED_KEY = "semaphore-backstops:finished"
 
 # Most copies one script run stows per list and moves.
 BATCH = 100
@@ -124,7 +125,7 @@ class DueCopies:
         config = config_for(app)
         # one epoch record per semaphore deployment: apps of several deployments share a broker
         epoch_of = f"{EPOCH_KEY}:{config.prefix}@{config.backend_display}"
-        self.keys = [self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of)]
+        self.keys = [self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of, FINISHED_KEY)]
         self._script: Any = self.client.register_script(_SCRIPT_TEXT)
 
     def run(self, origins: list[str] | tuple[str, ...], *, epoch: str = "", most: int = BATCH) -> Moved:
@@ -141,13 +142,20 @@ class DueCopies:
         next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
         return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
 
-    def withdraw(self, run: str) -> None:
-        """Forget the stored copy of ``run``: the run has started or finished, and no copy of it
-        may come back."""
+    def withdraw(self, run: str, *, remember_s: float = 0.0) -> None:
+        """Forget the stored copy of ``run``: the run has started (and Celery runs it at most
+        once) or finished, and no copy of it may come back. With ``remember_s``, the run
+        finished: for that long no copy of it is stored, and ``has_finished`` says so (this
+        survives a semaphore Redis restarted empty, which forgets its run records)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.zrem(self.keys[0], run)
         pipe.hdel(self.keys[1], run)
+        if remember_s > 0:  # until when, by this host's clock: its skew only shifts the forgetting
+            pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
         pipe.execute()
+
+    def has_finished(self, run: str) -> bool:
+        return self.client.zscore(self.keys[3], run) is not None
 
 
 _lock = threading.Lock()
@@ -198,17 +206,28 @@ def send_copy(app: Any, copy: Any) -> None:
         logger.warning("a waiting task's copy waits in %s until a worker stows it: %s", name, error)
 
 
-def withdraw(app: Any, run: str | None) -> None:
-    """Forget the stored copy of ``run`` (its run started without acks_late, or finished)."""
-    if run is None:
-        return
-    store = due_copies_for(app)
-    if store is None:
+def withdraw(app: Any, run: str | None, *, remember_s: float = 0.0) -> None:
+    """Forget the stored copy of ``run`` (its run started without acks_late, or finished:
+    then remembered as finished for ``remember_s``)."""
+    store = due_copies_for(app) if run is not None else None
+    if store is None or run is None:
         return
     try:
-        store.withdraw(run)
+        store.withdraw(run, remember_s=remember_s)
     except Exception as error:  # it comes back when due, and its run record drops it
         logger.debug("could not withdraw the stored copy of run %s: %s", run, error)
+
+
+def has_finished(app: Any, run: str | None) -> bool:
+    """Whether the broker's Redis remembers ``run`` finished (False where it cannot say)."""
+    store = due_copies_for(app) if run is not None else None
+    if store is None or run is None:
+        return False
+    try:
+        return store.has_finished(run)
+    except Exception as error:
+        logger.debug("could not ask the broker's Redis about run %s: %s", run, error)
+        return False
 
 
 class Mover:

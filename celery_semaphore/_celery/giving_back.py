@@ -80,7 +80,7 @@ def _give_back_pending(task: Any = None, **_: Any) -> None:
     if lease is not None:
         setattr(request, _PENDING_ATTRIBUTE, None)
         give_back(lease, finished=True)
-        withdraw(task.app, lease.run)  # no copy of a finished run comes back
+        withdraw(task.app, lease.run, remember_s=lease.remember_ms / 1000)  # no copy of it comes back
 
 
 signals.task_postrun.connect(_give_back_pending, weak=False)

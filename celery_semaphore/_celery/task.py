@@ -44,7 +44,7 @@ from . import policy
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
-from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, send_copy, stores_copies, withdraw
+from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, has_finished, send_copy, stores_copies, withdraw
 from .giving_back import give_back, give_back_at_end
 from .options import (
     FROM_SETTINGS,
@@ -309,13 +309,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 raise Ignore()
             self._wait_for_twin(semaphore, attempt, history, args, kwargs)
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        if isinstance(attempt, Granted) and (history.waits or redelivered) and self._succeeded_since(history.since()):
+        if isinstance(attempt, Granted) and (history.waits or redelivered) and self._ran_already(run, history):
             # the semaphore's Redis forgot the run (restarted empty, or the copy came after the
-            # run was forgotten), but the result backend remembers that the task succeeded
+            # run was forgotten), but the broker's Redis or the result backend remembers it
             attempt.lease.release()
-            logger.info(
-                "%s[%s]: the task has succeeded already (result backend); this copy is dropped", self.name, request.id
-            )
+            logger.info("%s[%s]: the task has run already; this copy is dropped", self.name, request.id)
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
@@ -412,6 +410,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         came_woken = origin is not None and _routing_key(self.request) == wake_queue(origin)
         headers = self._headers_of_copy(history, ticket, origin)
         return self._copy_due_in(due_in, origin, came_woken, headers, args, kwargs, history.run_id(self.request))
+
+    def _ran_already(self, run: str | None, history: WaitHistory) -> bool:
+        return has_finished(self.app, run) or self._succeeded_since(history.since())
 
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began

@@ -340,8 +340,9 @@ def _release_by_task_id(
         semaphore.leave(task_key(task_id))
         if finished_run is not None:
             config = config_for(task.app)
-            semaphore._release("", finished_run, to_ms(remember_for(wait_options(task, config), config)))
-            withdraw(task.app, finished_run)
+            remember = remember_for(wait_options(task, config), config)
+            semaphore._release("", finished_run, to_ms(remember))
+            withdraw(task.app, finished_run, remember_s=remember)
     except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
         return

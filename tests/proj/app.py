@@ -748,3 +748,53 @@ def gated(self: Any, gate: str) -> str:
     """No semaphore: keeps its pool process busy until ``gate`` opens."""
     _wait_for_gate(gate)
     return str(self.request.id)
+
+
+# --- chaos with the semaphore's Redis restarted empty and no result backend (tests/test_chaos.py) ---
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=3,
+    semaphore_inline_wait=0,
+    semaphore_countdown=(1, 10),
+    semaphore_lease=6,
+    name="proj.chaos_restart",
+    bind=True,
+    acks_late=False,
+    ignore_result=True,
+)
+def chaos_restart(self: Any, seconds: float, key: str = "chaos_restart") -> str:
+    """No result backend to ask (``ignore_result``, and the test's workers run with none): once
+    the semaphore's Redis lost the run records, only the withdrawal of a finished run's stored
+    copy keeps that run from coming back. Without acks_late: Celery runs it at most once."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=3,
+    semaphore_inline_wait=0,
+    semaphore_countdown=(1, 10),
+    semaphore_lease=6,
+    name="proj.chaos_restart_late",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+)
+def chaos_restart_late(self: Any, seconds: float, key: str = "chaos_restart_late") -> str:
+    """proj.chaos_restart with acks_late and reject_on_worker_lost: a body killed mid-run is
+    delivered again."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@signals.task_prerun.connect
+def _record_chaos_restart_delivery(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    """Every delivery of a proj.chaos_restart(_late) task, under its own probe key."""
+    name = getattr(task, "name", None)
+    if name in ("proj.chaos_restart", "proj.chaos_restart_late"):
+        key = name.removeprefix("proj.")
+        probe(key).client.rpush(f"probe:{key}:deliveries", f"{task_id} {os.getpid()} {time.time()}")

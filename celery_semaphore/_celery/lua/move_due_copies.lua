@@ -5,7 +5,9 @@
 --   KEYS[1] due     ZSET  copy id -> when it is due (this server's ms)
 --   KEYS[2] copies  HASH  copy id -> "<target list key>\n<message as kombu wrote it>"
 --   KEYS[3] epoch   STRING the semaphore Redis's epoch last seen here
---   KEYS[4..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
+--   KEYS[4] finished ZSET run id -> until when it is remembered as finished (finish, in
+--                   due_copies.py): a copy of a finished run is not stored
+--   KEYS[5..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
 --   ARGV[1] most    copies to stow per list, and to move, in this call
 --   ARGV[2] epoch   the semaphore Redis's epoch now, or "" (not looked at in this call)
 --   ARGV[3..] per pair: the backstop queue's name and the target queue's name, JSON-quoted
@@ -31,11 +33,14 @@ if ARGV[2] ~= '' then
 end
 
 -- 2. Stow what kombu published to the backstop lists: due its header's seconds from now, under
---    its id (a newer copy of one wait replaces the older), routed as its target queue's message.
+--    its id (a newer copy of one wait replaces the older), routed as its target queue's message;
+--    a copy of a run that finished meanwhile (its sender was refused as another copy ran) is
+--    dropped.
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local stowed = 0
-for i = 4, #KEYS, 2 do
+for i = 5, #KEYS, 2 do
   local source, target = KEYS[i], KEYS[i + 1]
-  local from_name, to_name = ARGV[i - 1], ARGV[i]
+  local from_name, to_name = ARGV[i - 2], ARGV[i - 1]
   for _ = 1, most do
     local message = redis.call('RPOP', source)
     if not message then
@@ -53,8 +58,10 @@ for i = 4, #KEYS, 2 do
       local cut = at + string.len('"routing_key": ') - 1
       message = string.sub(message, 1, cut) .. to_name .. string.sub(message, cut + string.len(from_name) + 1)
     end
-    redis.call('ZADD', KEYS[1], now + math.floor(due_in * 1000), id)
-    redis.call('HSET', KEYS[2], id, target .. '\n' .. message)
+    if not redis.call('ZSCORE', KEYS[4], id) then
+      redis.call('ZADD', KEYS[1], now + math.floor(due_in * 1000), id)
+      redis.call('HSET', KEYS[2], id, target .. '\n' .. message)
+    end
     stowed = stowed + 1
   end
 end
