@@ -150,9 +150,12 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert client.llen(WAKE_LIST) == 1
 
 
-def test_the_move_is_atomic_whoever_runs_it(servers: tuple[RedisServer, RedisServer]) -> None:
-    """Two processes moving at once never move a copy twice or drop one: 200 copies due now,
-    moved by two processes in a race, arrive exactly once each."""
+@pytest.mark.parametrize("killed", [False, True], ids=["two-racing", "one-sigkilled-mid-drain"])
+def test_the_move_is_atomic_whoever_runs_it(servers: tuple[RedisServer, RedisServer], killed: bool) -> None:
+    """Two processes moving at once never move a copy twice or drop one; nor does a mover
+    SIGKILLed in the middle of a drain (each script runs whole in Redis, whatever becomes of its
+    caller): 200 copies due now, stowed and moved one script at a time, arrive exactly once each
+    after another process finishes the drain."""
     broker, semaphore = servers
     app = _app(broker, semaphore)
     client = broker.client()
@@ -173,12 +176,20 @@ from celery_semaphore._celery.due_copies import due_copies_for
 app = Celery("due_copies_test", broker={broker.url!r}, set_as_current=False)
 app.conf.semaphore_backend_url = {semaphore.url!r}
 store = due_copies_for(app)
-for _ in range(50):
-    store.run(["celery"], most=7)
+import time
+for _ in range({400 if killed else 50}):
+    store.run(["celery"], most={1 if killed else 7})
+    time.sleep({0.005 if killed else 0})  # paced, so that the kill lands mid-drain
 """
-    racers = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
-    for racer in racers:
-        assert racer.wait(timeout=60) == 0
+    movers = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(1 if killed else 2)]
+    if killed:
+        wait_until(lambda: client.llen(WAKE_LIST) >= 50, timeout=60, what="the drain under way")
+        movers[0].send_signal(signal.SIGKILL)
+        assert movers[0].wait(timeout=60) == -signal.SIGKILL
+        assert client.llen(WAKE_LIST) < 200, "killed before the end of its drain"
+    else:
+        for mover in movers:
+            assert mover.wait(timeout=60) == 0
     store = due_copies_for(app)
     assert store is not None
     while store.run(["celery"]).moved:
