@@ -102,7 +102,7 @@ def test_a_copy_is_stowed_at_once_and_moved_to_the_wake_queue_when_due(setup: Se
 
 
 def test_a_newer_copy_of_a_run_replaces_the_older_and_withdraw_forgets_it(setup: Setup) -> None:
-    app, client = setup.app, setup.client
+    app, client, store = setup.app, setup.client, setup.store
     send_copy(app, _copy(app, "run-b", 60))
     send_copy(app, _copy(app, "run-b", 120))
     send_copy(app, _copy(app, "run-c", 60))
@@ -110,6 +110,8 @@ def test_a_newer_copy_of_a_run_replaces_the_older_and_withdraw_forgets_it(setup:
     withdraw(app, "run-b")
     assert client.zrange(DUE_KEY, 0, -1) == [b"run-c"]
     assert client.hkeys(COPIES_KEY) == [b"run-c"]
+    assert not store.granted("run-c", withdraw=True)  # granted without acks_late: withdrawn too
+    assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
 
 
 def test_every_stored_copy_is_due_at_once_when_the_semaphore_redis_comes_back_empty(setup: Setup) -> None:
@@ -228,13 +230,13 @@ def test_a_mover_sees_every_restart_of_the_semaphore_redis(servers: tuple[RedisS
 def test_a_finished_run_is_remembered_and_no_copy_of_it_is_stored_after(setup: Setup) -> None:
     """A run that finished is withdrawn and remembered in the broker's Redis (which outlives a
     semaphore Redis restarted empty): a copy of it stored later (its sender, refused as another
-    copy ran, sent it after that copy finished) is dropped, and has_finished says so until the
+    copy ran, sent it after that copy finished) is dropped, and a granted copy learns it until the
     memory lapses."""
     app, client, store = setup.app, setup.client, setup.store
     send_copy(app, _copy(app, "run-f", 60))
     withdraw(app, "run-f", remember_s=0.5)
     assert client.zcard(DUE_KEY) == 0
-    assert store.has_finished("run-f") and not store.has_finished("run-g")
+    assert store.granted("run-f", withdraw=False) and not store.granted("run-g", withdraw=False)
     send_copy(app, _copy(app, "run-f", 60))  # late: not stored
     assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
     wait_until(lambda: store.run(["celery"]) and client.zcard(FINISHED_KEY) == 0, timeout=5, what="forgotten")

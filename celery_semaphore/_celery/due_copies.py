@@ -145,7 +145,7 @@ class DueCopies:
     def withdraw(self, run: str, *, remember_s: float = 0.0) -> None:
         """Forget the stored copy of ``run``: the run has started (and Celery runs it at most
         once) or finished, and no copy of it may come back. With ``remember_s``, the run
-        finished: for that long no copy of it is stored, and ``has_finished`` says so (this
+        finished: for that long no copy of it is stored, and ``granted`` says so (this
         survives a semaphore Redis restarted empty, which forgets its run records)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.zrem(self.keys[0], run)
@@ -154,8 +154,15 @@ class DueCopies:
             pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
         pipe.execute()
 
-    def has_finished(self, run: str) -> bool:
-        return self.client.zscore(self.keys[3], run) is not None
+    def granted(self, run: str, *, withdraw: bool) -> bool:
+        """A copy of ``run`` was granted its slot: whether the broker's Redis remembers the run
+        finished; with ``withdraw``, its stored copy is forgotten in the same round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(self.keys[3], run)
+        if withdraw:
+            pipe.zrem(self.keys[0], run)
+            pipe.hdel(self.keys[1], run)
+        return pipe.execute()[0] is not None
 
 
 _lock = threading.Lock()
@@ -218,14 +225,16 @@ def withdraw(app: Any, run: str | None, *, remember_s: float = 0.0) -> None:
         logger.debug("could not withdraw the stored copy of run %s: %s", run, error)
 
 
-def has_finished(app: Any, run: str | None) -> bool:
-    """Whether the broker's Redis remembers ``run`` finished (False where it cannot say)."""
+def granted(app: Any, run: str | None, *, withdraw: bool) -> bool:
+    """A copy of ``run`` was granted: whether the broker's Redis remembers the run finished
+    (False where it cannot say); with ``withdraw`` (no acks_late: Celery runs it at most once),
+    its stored copy is forgotten, so that nothing runs it again whatever kills this worker."""
     store = due_copies_for(app) if run is not None else None
     if store is None or run is None:
         return False
     try:
-        return store.has_finished(run)
-    except Exception as error:
+        return store.granted(run, withdraw=withdraw)
+    except Exception as error:  # a stored copy comes back when due, and its run record drops it
         logger.debug("could not ask the broker's Redis about run %s: %s", run, error)
         return False
 

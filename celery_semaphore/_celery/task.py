@@ -44,7 +44,7 @@ from . import policy
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
-from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, has_finished, send_copy, stores_copies, withdraw
+from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, granted, send_copy, stores_copies
 from .giving_back import give_back, give_back_at_end
 from .options import (
     FROM_SETTINGS,
@@ -317,10 +317,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
-            if run is not None and not self._acks_late():
-                # Celery runs it at most once: no stored copy may run it again, whatever kills
-                # this worker (with acks_late the copy stays until the run finishes, to finish it)
-                withdraw(self.app, run)
             metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
         metrics.refused(family)
@@ -412,7 +408,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         return self._copy_due_in(due_in, origin, came_woken, headers, args, kwargs, history.run_id(self.request))
 
     def _ran_already(self, run: str | None, history: WaitHistory) -> bool:
-        return has_finished(self.app, run) or self._succeeded_since(history.since())
+        """Asked of a granted copy: whether its run finished already. Without acks_late its
+        stored copy is withdrawn meanwhile (with it, the copy stays until the run finishes)."""
+        return granted(self.app, run, withdraw=not self._acks_late()) or self._succeeded_since(history.since())
 
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began
