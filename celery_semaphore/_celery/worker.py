@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from celery import bootsteps, signals
-from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
 from .. import metrics
@@ -473,3 +473,18 @@ def _on_failure(
 
 signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_semaphore.revoked")
 signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="celery_semaphore.failure")
+
+
+def _drop_frames(task: Any = None, retval: Any = None, **_: Any) -> None:
+    """A refused delivery (``Retry``, or ``Ignore`` for a dropped copy) leaves the pool process
+    through Celery's tracer, whose frame holds the exception and the ``ExceptionInfo`` built
+    from it, while the exception's traceback holds that frame: a cycle only the cyclic GC frees.
+    That ``ExceptionInfo`` copies the tracer's code positions (billiard, Python 3.11: about
+    0.3 MB a refusal), and hundreds piled up before a full collection, in every pool process:
+    +930 MB over 3 workers x 4 for 10,000 waiting tasks. Celery is done with the traceback once
+    ``task_postrun`` is sent: dropping it frees it all as the tracer returns."""
+    if isinstance(retval, (Retry, Ignore)) and is_semaphore_task(task):
+        retval.__traceback__ = None
+
+
+signals.task_postrun.connect(_drop_frames, weak=False, dispatch_uid="celery_semaphore.drop_frames")
