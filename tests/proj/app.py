@@ -798,3 +798,28 @@ def _record_chaos_restart_delivery(task_id: str | None = None, task: Any = None,
     if name in ("proj.chaos_restart", "proj.chaos_restart_late"):
         key = name.removeprefix("proj.")
         probe(key).client.rpush(f"probe:{key}:deliveries", f"{task_id} {os.getpid()} {time.time()}")
+
+
+# --- a refused delivery's memory (tests/test_refusal_memory.py) ----------------------------
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1000,
+    semaphore_rate="1/h",
+    semaphore_inline_wait=0,
+    name="proj.quota_refused",
+    bind=True,
+)
+def quota_refused(self: Any) -> str:
+    """One start an hour: every delivery after the first is refused, its start hours away."""
+    return str(self.request.id)
+
+
+@app.task(name="proj.exception_infos_alive")
+def exception_infos_alive() -> int:
+    """How many billiard ExceptionInfo objects this pool process keeps alive (each refused
+    delivery built one of about 0.3 MB)."""
+    import gc
+
+    return sum(1 for thing in gc.get_objects() if type(thing).__name__ == "ExceptionInfo")
