@@ -117,12 +117,11 @@ class DueCopies:
     """The store of one app's due-later copies in its broker's Redis."""
 
     def __init__(self, app: Any) -> None:
-        spec = config_for(app).broker_redis
-        if spec is None:
-            raise ValueError("the broker is not a Redis")
-        self.client = client_for(spec)
-        self.naming = _naming_of(app)
         config = config_for(app)
+        if config.broker_redis is None:
+            raise ValueError("the broker is not a Redis")
+        self.client = client_for(config.broker_redis)
+        self.naming = _naming_of(app)
         # one epoch record per semaphore deployment: apps of several deployments share a broker
         epoch_of = f"{EPOCH_KEY}:{config.prefix}@{config.backend_display}"
         self.keys = [self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of, FINISHED_KEY)]
