@@ -98,16 +98,3 @@ def test_a_backstop_kept_in_the_broker_comes_after_minutes_unless_the_countdown_
     assert backstop((1.0, 30.0), visibility_timeout=20, kept_apart=True) == KEPT_APART_BACKSTOP_S
     assert backstop((1.0, 30.0), visibility_timeout=20, kept_apart=True, bounds_given=True) == 30
     assert backstop((1.0, 4.0), kept_apart=True, bounds_given=True) == 4
-
-
-def test_only_a_brief_wait_may_take_a_workers_last_free_process() -> None:
-    """A wait expected to end within BRIEF_WAIT_S (a release of a 2 ms hold, a start a rate
-    reserved 10 ms ahead) may take the last free pool process; longer ones, or unknown ones,
-    may not."""
-    from celery_semaphore._celery.policy import BRIEF_WAIT_S, is_brief
-
-    assert is_brief(Waiting(position=8, free=0, limit=4, hold_time=0.002, turn=8))  # 3 rounds of 2 ms
-    assert not is_brief(Waiting(position=8, free=0, limit=4, hold_time=0.1, turn=8))
-    assert not is_brief(Waiting(position=8, free=0, limit=4, hold_time=None, turn=8))
-    assert is_brief(Waiting(position=0, free=0, limit=4, retry_after=BRIEF_WAIT_S / 2))
-    assert not is_brief(Waiting(position=0, free=0, limit=4, retry_after=BRIEF_WAIT_S * 2))

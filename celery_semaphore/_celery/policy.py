@@ -20,8 +20,6 @@ from .._core.attempts import Waiting
 EARLY = 0.8
 # Spread of the countdown, so waiters refused together do not all come back together.
 JITTER = 0.2
-# A wait this short may take a worker's last free pool process (is_brief).
-BRIEF_WAIT_S = 0.02
 # With no hold time observed yet, waiters this many rounds of releases from their turn wait in
 # the worker (see waits_in_process).
 UNKNOWN_HOLD_ROUNDS = 2
@@ -72,17 +70,6 @@ def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
         turn = waiting.position if waiting.turn is None else waiting.turn
         return turn < UNKNOWN_HOLD_ROUNDS * waiting.limit
     return expected <= inline_wait
-
-
-def is_brief(waiting: Waiting) -> bool:
-    """Whether the wait is short enough for a worker's last free pool process to take it: a
-    wake copy arriving meanwhile waits for that process no longer than the hand-off's own
-    budget. Sent away instead, the task costs a park, a wake copy and a second run (measured:
-    20,000 tasks of 2 ms at limit 4 on 3 workers x 4 ran 1.67 times per task)."""
-    if waiting.retry_after is not None:
-        return waiting.retry_after <= BRIEF_WAIT_S
-    expected = expected_wait(waiting, among_present=True)
-    return expected is not None and expected <= BRIEF_WAIT_S
 
 
 def countdown(

@@ -289,7 +289,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             if (
                 isinstance(attempt, Waiting)
                 and policy.waits_in_process(attempt, options.inline_wait)
-                and (pool_room.leaves_one_free() or policy.is_brief(attempt))
+                and pool_room.leaves_one_free()
             ):
                 attempt = semaphore._wait(
                     dataclasses.replace(ask, ticket=attempt.ticket, fresh=False), options.inline_wait
