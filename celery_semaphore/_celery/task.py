@@ -377,21 +377,14 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         main process until due (``backstop.py``). For a task whose queue cannot be told (routed
         by a topic exchange, say), a Celery countdown, as Celery routes it."""
         request = self.request
-        if origin is not None and stores_copies(self.app):
-            return self.signature_from_request(
-                request,
-                args,
-                kwargs,
-                queue=backstop_queue(origin),
-                headers={**headers, DUE_IN_HEADER: countdown, COPY_ID_HEADER: run},
+        if origin is not None and (stores_copies(self.app) or holds_backstops(self.app)):
+            due = (
+                {DUE_IN_HEADER: countdown, COPY_ID_HEADER: run}
+                if stores_copies(self.app)
+                else {DUE_HEADER: time.time() + countdown}
             )
-        if origin is not None and holds_backstops(self.app):
             return self.signature_from_request(
-                request,
-                args,
-                kwargs,
-                queue=backstop_queue(origin),
-                headers={**headers, DUE_HEADER: time.time() + countdown},
+                request, args, kwargs, queue=backstop_queue(origin), headers={**headers, **due}
             )
         return self.signature_from_request(
             request, args, kwargs, queue=origin if came_woken else None, countdown=countdown, headers=headers
