@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import redis
@@ -353,3 +354,24 @@ def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
     due_key, copies_key = parked_keys(prefix)[:2]
     wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=10, what="the record dropped once granted")
     assert redis_client.hlen(copies_key) == 0
+
+
+def test_a_busy_sender_still_sweeps(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """The sender thread's rounds (sweeps, ticks) come every second even while wake-ups keep it
+    busy without a quiet second: a deployment that sends wake copies all the time must still send
+    a lost wait's copy again. Played by handing the thread a wake-up (of nobody) every 0.2 s."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, "park-busy", 1, prefix=PREFIX)
+    holder = semaphore.acquire(timeout=5)
+    parking = Parking()
+    assert isinstance(semaphore.try_acquire(token="busy:a", waiter="busy"), Waiting)
+    wake_copy = app.signature("parking.job", queue="q-busy.semaphore-wake")
+    semaphore._leave("busy", 0.5, parking.park(semaphore, "busy", wake_copy, away_for=0.5, run="busy#0"))
+
+    def swept_while_busy() -> bool:
+        parking.wake_offered(semaphore, (), later=True)
+        time.sleep(0.2)  # the pace of the wake-ups that keep the thread busy, not a wait on a race
+        return _queued(redis_server, "q-busy.semaphore-wake") == 1
+
+    wait_until(swept_while_busy, timeout=10, what="the lost wait sent again while the sender is busy")
+    holder.release()

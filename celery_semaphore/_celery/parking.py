@@ -400,13 +400,21 @@ class Parking:
             self._send(parked.wake_copy, parked.name)
 
     def _run(self) -> None:
+        # a round every SWEEP_EVERY_S, quiet or not: a busy deployment has no quiet second, and
+        # lost wake copies would never be sent again, nor lines ticked
+        next_round = time.monotonic() + SWEEP_EVERY_S
         while True:
             try:
-                parked = self._to_send.get(timeout=SWEEP_EVERY_S)
+                parked: _Parked | _Offered | None = self._to_send.get(timeout=max(0.0, next_round - time.monotonic()))
+                got = True
             except queue.Empty:
+                parked, got = None, False
+            if time.monotonic() >= next_round:
                 self._sweep_here()
                 self._sweep_records()
                 self._tick_lines()
+                next_round = time.monotonic() + SWEEP_EVERY_S
+            if not got:
                 continue
             if parked is None:
                 return
@@ -450,7 +458,7 @@ class Parking:
             wake_copy.apply_async()
         except Exception as error:  # the backstop copy still comes, at its countdown
             logger.warning(
-                "could not send the wake copy of a task waiting for %r (its backstop copy still comes): %s", name, error
+                "could not send the wake copy of a task waiting for %r (its backstop comes): %s", name, error
             )
 
     def parked_count(self) -> int:
@@ -464,9 +472,7 @@ def _record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str)
 
 
 def _sent_again(name: str) -> None:
-    logger.warning(
-        "no copy of a task waiting for %r asked in time (its backstop copy was lost?): sending it again", name
-    )
+    logger.warning("no copy of a task waiting for %r asked in time (backstop copy lost?): sending it again", name)
 
 
 _parking = Parking()
