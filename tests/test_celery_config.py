@@ -108,6 +108,8 @@ def test_a_bad_key_rule_names_the_setting_and_the_part(entry: dict[str, Any]) ->
         ("semaphore_max_wait", -1),
         ("semaphore_fail_open", "yes"),
         ("semaphore_inline_wait", -1),
+        ("semaphore_broker_consumer_timeout", 0),
+        ("semaphore_broker_consumer_timeout", "30m"),
     ],
 )
 def test_each_bad_setting_is_a_configuration_error_naming_it(setting: str, value: Any) -> None:

@@ -114,3 +114,37 @@ def test_hand_off_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str,
     finally:
         for worker in workers:
             worker.stop()
+
+
+@pytest.mark.rabbitmq
+def test_a_copy_due_later_than_the_consumer_timeout_goes_back_to_the_broker(
+    celery_stack: CeleryStack, amqp_url: str, amqp_queue: str
+) -> None:
+    """RabbitMQ closes a consumer's channel (and the worker exits) when it holds a message
+    unacknowledged past its consumer timeout (30 min by default): a rate of "500/h" holds a
+    start's copy for up to an hour. With ``semaphore_broker_consumer_timeout`` at 2 s (the broker
+    here keeps its default: its real timeout cannot be shortened for one test's consumer), a
+    copy due 8 s later is handed back to its backstop queue at least every second, so no hold
+    comes near the timeout; it still starts when due, and once."""
+    import tests.proj.app as proj
+
+    key = f"handed-back-{uuid.uuid4().hex[:6]}"
+    limits = {**proj.app.conf.semaphore_limits, "proj.rated": {"rate": [1, 8]}}
+    conf = {"semaphore_broker_consumer_timeout": 2, "semaphore_limits": limits}
+    env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
+    worker = Worker(env, name="amqp-handed-back", concurrency=2, conf=conf).start()
+    try:
+        sender = Celery("sender", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+        results = [sender.send_task("proj.rated", (0.1, key), queue=amqp_queue) for _ in range(2)]
+        for result in results:
+            result.get(timeout=60)
+        records = proj.probe(key).client
+        granted = sorted(int(entry.split()[1]) for entry in records.lrange(f"probe:{key}:granted", 0, -1))
+        assert len(granted) == 2  # each once
+        assert granted[1] - granted[0] >= 8000  # the rate kept through the hand-backs
+        handed_back = sorted(int(count) for count in records.lrange(f"probe:{key}:handed_back", 0, -1))
+        assert handed_back[0] == 0  # the first started at once
+        assert handed_back[1] >= 4, handed_back  # held 1 s at most each time, for about 8 s
+        assert worker.process is not None and worker.process.poll() is None  # its channel was never closed
+    finally:
+        worker.stop()

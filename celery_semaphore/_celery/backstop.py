@@ -8,7 +8,7 @@ some worker and held there, unacknowledged, until it is due, and it fills that w
 prefetch window: with ``worker_eta_task_limit`` once the limit is reached, with RabbitMQ quorum
 queues (whose prefetch count cannot grow) at once. A worker whose window is full of copies that
 are not due fetches nothing else, the wake copies included, and the line stalls until the
-backstops fall due (issue 17: 2 tasks every 30 s).
+backstops fall due (2 tasks every 30 s).
 
 So a copy that is due later is sent, at once and without an ETA, to
 ``<queue>.semaphore-backstop`` (declared like its queue, ``wake_queues.py``), carrying when it
@@ -33,6 +33,7 @@ from typing import Any
 from celery import bootsteps
 from kombu.messaging import Consumer
 
+from .config import config_for
 from .due_copies import Mover, due_copies_for
 from .wake_queues import (
     backstop_queue,
@@ -53,6 +54,8 @@ DUE_HEADER = "semaphore_due"
 HOLD_AT_MOST = 1000
 # A copy that could not be published when due is tried again this much later (still held).
 REPUBLISH_PAUSE_S = 1.0
+# How many times a copy due later than a worker may hold it was handed back to the broker.
+HANDED_BACK_HEADER = "semaphore_handed_back"
 # Headers a copy does not carry on to its queue: when it was due, and what a broker added to the
 # held message (a redelivery flag would make the task take itself for a redelivered first message).
 _DROPPED_HEADERS = frozenset({DUE_HEADER, "redelivered", "x-delivery-count"})
@@ -72,6 +75,10 @@ class BackstopHolder:
 
     def __init__(self, consumer: Any) -> None:
         self.app = consumer.app
+        # RabbitMQ closes the channel of a consumer that holds a message unacknowledged past its
+        # consumer timeout (and the worker exits): a copy due later than half of it is handed
+        # back to its backstop queue before, and held again by whoever takes it
+        self.hold_at_most_s = config_for(self.app).broker_consumer_timeout / 2
         self.timer = consumer.timer
         self.connection = consumer.connection
         self.channel = consumer.connection.channel()
@@ -84,6 +91,7 @@ class BackstopHolder:
         )
         self.origins: dict[str, str] = {}  # backstop queue name -> the queue it serves
         self.targets: dict[str, Any] = {}  # the queue served -> where its copies go when due
+        self.backstop_queues: dict[str, Any] = {}  # the queue served -> its backstop queue
         self.timers: dict[int, Any] = {}  # id of a held message -> its timer entry
         self.closed = False
 
@@ -95,6 +103,7 @@ class BackstopHolder:
         if not declarable(self.connection, queue):
             return
         self.origins[queue.name] = origin
+        self.backstop_queues[origin] = queue
         # a copy that is due goes to the wake queue, so that it does not queue up again behind
         # a backlog of fresh tasks (a countdown message did not); to the queue itself if its
         # wake queue cannot be declared here
@@ -126,14 +135,29 @@ class BackstopHolder:
         if self.closed:  # held unacknowledged until the connection closes (see close)
             return
         delay = due_in(message.headers, time.time())
-        self.timers[id(message)] = self.timer.call_after(delay, self._publish, (message,))
+        if delay > self.hold_at_most_s:
+            self.timers[id(message)] = self.timer.call_after(self.hold_at_most_s, self._publish, (message, True))
+        else:
+            self.timers[id(message)] = self.timer.call_after(delay, self._publish, (message,))
 
-    def _publish(self, message: Any) -> None:
+    def _publish(self, message: Any, hand_back: bool = False) -> None:
+        """Send a held copy on to its wake queue, now that it is due; or, ``hand_back``, to its
+        backstop queue again (due as it was), since it would be held past the consumer timeout."""
         self.timers.pop(id(message), None)
         if self.closed:
             return
         origin = self._origin_of(message)
-        queue = self.targets.get(origin) or origin_declaration(wake_aware(self.app), origin)
+        headers = {
+            name: value
+            for name, value in (message.headers or {}).items()
+            if name not in _DROPPED_HEADERS and not name.startswith("x-")
+        }
+        if hand_back:
+            queue = self.backstop_queues.get(origin) or backstop_queue_for(self.app, origin)
+            headers[DUE_HEADER] = message.headers[DUE_HEADER]
+            headers[HANDED_BACK_HEADER] = int(headers.get(HANDED_BACK_HEADER) or 0) + 1
+        else:
+            queue = self.targets.get(origin) or origin_declaration(wake_aware(self.app), origin)
         properties = message.properties or {}
         try:
             with self.app.producer_or_acquire() as producer:
@@ -142,11 +166,7 @@ class BackstopHolder:
                     exchange=queue.exchange,
                     routing_key=queue.routing_key,
                     declare=[queue],
-                    headers={
-                        name: value
-                        for name, value in (message.headers or {}).items()
-                        if name not in _DROPPED_HEADERS and not name.startswith("x-")
-                    },
+                    headers=headers,
                     content_type=message.content_type,
                     content_encoding=message.content_encoding,
                     **{
@@ -163,7 +183,7 @@ class BackstopHolder:
                 error,
             )
             if not self.closed:
-                self.timers[id(message)] = self.timer.call_after(REPUBLISH_PAUSE_S, self._publish, (message,))
+                self.timers[id(message)] = self.timer.call_after(REPUBLISH_PAUSE_S, self._publish, (message, hand_back))
             return
         try:
             message.ack()

@@ -25,6 +25,8 @@ DEFAULT_PREFIX = "semaphore"
 DEFAULT_LEASE = 60.0
 DEFAULT_COUNTDOWN = (1.0, 30.0)
 DEFAULT_INLINE_WAIT = 2.0
+# RabbitMQ's default consumer_timeout (30 min)
+DEFAULT_BROKER_CONSUMER_TIMEOUT = 1800.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class SemaphoreConfig:
     # the broker's Redis (plain or Sentinel), where waiting tasks' due-later copies are kept
     # (due_copies.py); None for other brokers
     broker_redis: _urls.BackendSpec | None = None
+    # how long the broker lets a consumer hold a message unacknowledged (RabbitMQ's
+    # consumer_timeout): a worker holds a waiting task's copy half as long at most (backstop.py)
+    broker_consumer_timeout: float = DEFAULT_BROKER_CONSUMER_TIMEOUT
     # one Redis Cluster hash tag for every semaphore of the app (tasks with several keys need it
     # on a cluster); None: each semaphore in the slot of its own key
     hash_tag: str | None = None
@@ -212,6 +217,10 @@ def parse_config(app: Any) -> SemaphoreConfig:
         glob_limits=globs,
         visibility_timeout=visibility_timeout,
         broker_redis=broker,
+        broker_consumer_timeout=check_seconds(
+            "semaphore_broker_consumer_timeout",
+            conf.get("semaphore_broker_consumer_timeout", DEFAULT_BROKER_CONSUMER_TIMEOUT),
+        ),
         hash_tag=_hash_tag(conf.get("semaphore_hash_tag")),
     )
 

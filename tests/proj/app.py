@@ -693,6 +693,8 @@ def _record_grant(task: Any, key: str) -> None:
 def rated(self: Any, seconds: float, key: str = "rated") -> str:
     """At most 5 starts in any second, no concurrency limit."""
     _record_grant(self, key)
+    # how often its copy, due later than a worker may hold it, went back to the broker
+    probe(key).client.rpush(f"probe:{key}:handed_back", int(getattr(self.request, "semaphore_handed_back", 0) or 0))
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 
