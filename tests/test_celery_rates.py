@@ -92,6 +92,32 @@ def test_a_429_pauses_the_key_on_every_worker_and_the_paused_task_goes_first(
     print(f"paused {resumed_at - paused_at} ms (1500 asked)")
 
 
+def test_a_task_that_waited_then_pauses_runs_after_the_pause(proj: Any, celery_stack: CeleryStack) -> None:
+    """A task without acks_late that waited for its slot, then hears "429, Retry-After" and
+    pauses the key: its run counts as begun at most once from its grant (no other copy of its
+    wait may take it over), yet the copy sent for the end of the pause is that same run going
+    on, and runs the body again once the pause ends."""
+    from celery_semaphore import semaphore_for
+
+    from .waiting import wait_until
+
+    key = "throttled_after_wait"
+    semaphore = semaphore_for(proj.app, "proj.throttled_api")
+    # no waiting in the worker: the task leaves it and comes back as a copy of its wait
+    no_inline_wait = {"semaphore_inline_wait": 0}
+    with worker_group(
+        celery_stack.env, queue="throttled-w", names=("throttled-w",), concurrency=2, conf=no_inline_wait
+    ):
+        holders = [semaphore.acquire(timeout=5) for _ in range(2)]
+        waited = proj.throttled_api.apply_async((0.1, 1.0, key), queue="throttled-w")
+        wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the task waiting")
+        for holder in holders:
+            holder.release()
+        assert waited.get(timeout=30) == waited.id
+    told = [entry for entry in grants(proj, key) if entry[0] == waited.id]
+    assert len(told) == 2, told  # the run that heard 429, and the same run after the pause
+
+
 @pytest.mark.rabbitmq
 def test_a_rate_and_a_spacing_hold_on_a_rabbitmq_broker(celery_stack: CeleryStack) -> None:
     """The same rules over RabbitMQ (2 workers x 4): a reserved start's copy waits in the

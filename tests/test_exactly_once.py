@@ -171,6 +171,38 @@ def test_a_whole_worker_killed_mid_run_loses_nothing_on_rabbitmq(
 
 
 @pytest.mark.rabbitmq
+def test_a_whole_worker_killed_mid_run_without_acks_late_never_runs_twice_on_rabbitmq(
+    proj: Any,
+    amqp_workers: tuple[list[Worker], Any, str],
+) -> None:
+    """On RabbitMQ a waited task's backstop copy is held by some worker's main process until it
+    is due, and cannot be withdrawn there: without acks_late, once the dead run's lease lapsed,
+    that copy took the run over and ran the task a second time. Celery runs it at most once;
+    the run is marked finished as it begins, so any later copy of the wait is dropped."""
+    workers, sender, queue = amqp_workers
+    key = "at_most_once_whole_amqp"
+    result = waited_then_started(
+        proj, proj.at_most_once_whole, key, 60, key, workers=workers, sender=sender, queue=queue
+    )
+    ((_, pid, _),) = runs(proj, key)
+    victim = worker_of(workers, pid)
+    victim.kill()
+    survivors = [worker for worker in workers if worker is not victim]
+    try:
+        semaphore = semaphore_for(proj.app, "proj.at_most_once_whole")
+        wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="the dead run's slot back")
+        # a held copy is due 2 s after its twin's lease (5 s) lapsed: watched well past that
+        with pytest.raises(AssertionError, match="timed out"):
+            wait_until(lambda: len(runs(proj, key)) > 1, timeout=15, interval=0.1, what="a second start")
+        assert [run[0] for run in runs(proj, key)] == [result.id]
+    finally:
+        workers[:] = [
+            *survivors,
+            victim.__class__(victim.env, name=victim.name, concurrency=victim.concurrency).start(),
+        ]
+
+
+@pytest.mark.rabbitmq
 def test_a_body_that_rejects_with_requeue_runs_again_on_rabbitmq(
     proj: Any,
     amqp_workers: tuple[list[Worker], Any, str],

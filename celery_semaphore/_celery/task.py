@@ -67,7 +67,7 @@ from .wait_headers import (
     WaitHistory,
     without_broker_headers,
 )
-from .wait_runs import AWAY_SLACK, continued_wait, remember_for, remember_wait
+from .wait_runs import AWAY_SLACK, begin_at_most_once, continued_wait, remember_for, remember_wait, reopen_run
 from .wake_queues import backstop_queue
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
@@ -201,8 +201,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             for member in members(semaphore):
                 member.pause(seconds)
             raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds)
-        history = WaitHistory.of(request).checked(TicketSigner.of(config_for(self.app)), request)
+        config = config_for(self.app)
+        history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
         self._note_first_wait(semaphore, history)
+        if history.waits and not self._acks_late():
+            reopen_run(
+                semaphore, history.run_id(request), lease.token, remember_for(wait_options(self, config), config)
+            )
         ticket = pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
         args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
         again = self._copy_of_wait(history, ticket, seconds, args, kwargs)
@@ -317,6 +322,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
+            if run is not None and not self._acks_late():
+                begin_at_most_once(semaphore, run, remember)
             metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
         metrics.refused(family)

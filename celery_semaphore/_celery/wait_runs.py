@@ -56,6 +56,24 @@ def remember_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, wait_
         )
 
 
+def begin_at_most_once(semaphore: FairSemaphore | MultiSemaphore, run: str, remember: float) -> None:
+    """A copy of ``run`` was granted and its task has no acks_late: Celery runs it at most once,
+    so the run counts as finished from now on, and no other copy of its wait may take it over,
+    not even once this worker is dead and its lease has lapsed (a copy held by another worker
+    on RabbitMQ, a wake copy in flight, a redelivery). One more round trip, at a waited grant."""
+    try:
+        semaphore._release("", run, to_ms(remember))
+    except Exception as error:  # Redis down just after the grant: as before, a lapsed lease lets a copy in
+        logger.warning("could not mark run %s as begun at most once: %s", run, error)
+
+
+def reopen_run(semaphore: FairSemaphore | MultiSemaphore, run: str, token: str, remember: float) -> None:
+    """The body of ``run``, begun at most once, paused its key and sends its wait on: the copy
+    for the end of the pause runs it, so the run is no longer finished (``begin_at_most_once``)."""
+    home = runs_home(semaphore)
+    scripts_for(home.client).remember_wait(home.keys, first_delivery=run, wait_id=token, remember_ms=to_ms(remember))
+
+
 def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, history: WaitHistory) -> WaitHistory:
     """A redelivered first delivery whose first try began a wait (its worker died before the
     ack): that wait, so this delivery asks under its run (dropped if it ran, waiting while it
