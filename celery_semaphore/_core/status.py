@@ -36,7 +36,7 @@ class WaiterInfo:
     ticket: int
     waited: float  # seconds since the waiter first asked
     must_ask_within: float  # seconds before it loses its place unless it asks again
-    present: bool  # asking now (True) or away on a countdown (False)
+    present: bool  # asking now or parked (True), or away with no wake-up (False)
     offered: bool = False  # a slot is offered to it and waits for its claim (counts as taken)
 
 
