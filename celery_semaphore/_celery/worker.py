@@ -420,7 +420,10 @@ class SemaphoreRequest(Request):  # type: ignore[misc]
     a time limit not acked) Celery requeues the message at once, and that delivery should find
     the slot free. Where Celery will not deliver the message again (no ``acks_late``, and the
     rest of Celery's rules in ``delivers_again``), the run is also marked finished, so that no
-    other copy of the task's wait (its backstop or wake copy) runs the body a second time."""
+    other copy of the task's wait (its backstop or wake copy) runs the body a second time.
+
+    ``SemaphoreTask`` uses it. A task class that sets a ``Request`` of its own must derive it
+    from this class, or a lost process's slot comes back only when its lease runs out."""
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exception = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback
