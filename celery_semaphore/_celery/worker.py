@@ -2,7 +2,7 @@
 
 * At start (a bootstep): parse the settings and check that every semaphore task has a limit
   somewhere. A bad setting or a task with no limit stops the worker before it takes any task,
-  naming the setting or the task: a silent unlimited run is the one outcome we never allow.
+  naming the setting or the task: a silent unlimited run is the one outcome never allowed.
   Also warn where countdowns could outlast the Redis broker's visibility timeout (the broker
   would then deliver a waiting task twice) and where Redis may evict lease keys.
 * At warm shutdown, once the worker stopped consuming: hand back the wake copies it received
