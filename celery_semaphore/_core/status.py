@@ -71,9 +71,3 @@ def gate_status(gate: GateState) -> dict[str, Any]:
         "starts_in_window": gate.starts_in_window,
         "rules_source": "override" if gate.override else "default",
     }
-
-
-def _paused_for(paused_ms: int) -> float | None:
-    if not paused_ms:
-        return None
-    return math.inf if paused_ms >= LONG_PAUSE_MS else paused_ms / 1000
