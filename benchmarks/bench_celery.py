@@ -1136,10 +1136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(LEGEND)
     verdicts = judge(outcomes, targets(specs))
     if verdicts:
-        print(
-            "\nissue 8 and 17 targets: median (min-max) over the rounds; judged on the median, max concurrency on "
-            "the worst round"
-        )
+        print("\ntargets: median (min-max) over the rounds; judged on the median, max concurrency on the worst round")
         rows = [["scenario", "case", "figure", "measured", "naive", "target", "met"]]
         rows += [
             [v["scenario"], v["case"], v["figure"], v["measured"], v["naive"], v["target"], "yes" if v["met"] else "NO"]

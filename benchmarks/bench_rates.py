@@ -756,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"  FAILED {error.splitlines()[0]}")
     found = verdicts(outcomes, settings)
     if found:
-        print("\nissue 19 targets")
+        print("\ntargets")
         print(table([["scenario", "figure", "measured", "target", "met"], *found], left=2))
     if args.json:
         with open(args.json, "w") as out:

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from ._celery.catalogue import semaphore_for
     from ._celery.decorators import limit_concurrency
     from ._celery.task import SemaphoreTask
+    from ._celery.worker import SemaphoreRequest
     from ._core.attempts import Granted, Waiting
     from ._core.lease import Lease
+    from ._core.masking import mask_url
     from ._core.multi import MultiSemaphore
     from ._core.rules import Rate
     from ._core.semaphore import FairSemaphore
@@ -38,11 +40,13 @@ _HOMES = {
     "Rate": "._core.rules",
     "RedisUnavailable": ".errors",
     "SemaphoreError": ".errors",
+    "SemaphoreRequest": "._celery.worker",
     "SemaphoreStatus": "._core.status",
     "SemaphoreTask": "._celery.task",
     "SemaphoreUnavailable": ".errors",
     "Waiting": "._core.attempts",
     "limit_concurrency": "._celery.decorators",
+    "mask_url": "._core.masking",
     "semaphore_for": "._celery.catalogue",
 }
 
@@ -56,11 +60,13 @@ __all__ = [
     "Rate",
     "RedisUnavailable",
     "SemaphoreError",
+    "SemaphoreRequest",
     "SemaphoreStatus",
     "SemaphoreTask",
     "SemaphoreUnavailable",
     "Waiting",
     "limit_concurrency",
+    "mask_url",
     "semaphore_for",
 ]
 

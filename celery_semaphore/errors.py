@@ -44,17 +44,31 @@ class ConfigurationError(SemaphoreError, ValueError):
 
 
 class SemaphoreUnavailable(SemaphoreError):
-    """No slot was granted within the time the caller allowed."""
+    """No slot was granted within the time the caller allowed: the ``timeout`` of an
+    ``acquire``, or, for a Celery task, its ``semaphore_max_wait`` (then in ``max_wait``)."""
 
-    def __init__(self, key: str, limit: int, waited: float) -> None:
-        Exception.__init__(self, key, limit, waited)
+    def __init__(self, key: str, limit: int, waited: float, max_wait: float | None = None) -> None:
+        Exception.__init__(self, key, limit, waited, max_wait)
         self.key = key
         self.limit = limit
         self.waited = waited
+        self.max_wait = max_wait
 
     def __str__(self) -> str:
         limit = "no concurrency limit" if self.limit >= NO_LIMIT else f"limit {self.limit}"
-        return f"semaphore {self.key!r} ({limit}) granted no slot within {self.waited:.3f} s"
+        head = f"semaphore {self.key!r} ({limit}) granted no slot within {self.waited:.3f} s"
+        if self.max_wait is None:
+            return (
+                f"{head}, the acquire's timeout: pass a longer timeout, raise the limit, or look for "
+                "holders that do not give their slots back (status())"
+            )
+        # the operator's remedies, in the order they are usually right
+        return (
+            f"{head}, the task's semaphore_max_wait of {self.max_wait:g} s: set a longer "
+            "semaphore_max_wait (on the task or as a setting), give the key more slots "
+            f"(semaphore_limits, or celery semaphore set-limit), or look for holders that do not "
+            f"give their slots back (celery semaphore status {self.key})"
+        )
 
 
 # The limit of a semaphore that has a rate or a spacing and no concurrency limit (_core.rules

@@ -262,7 +262,7 @@ class RedisClusterSet:
         return self
 
     def _new_node(self, taken: set[int], extra: list[str]) -> RedisServer:
-        """A node on ports outside ``taken``, not started yet: a subclass's hook (our tests: TLS,
+        """A node on ports outside ``taken``, not started yet: a subclass's hook (the project's own tests: TLS,
         crashes)."""
         return RedisServer(self.binary, port=_free_port(taken, bus=True), password=self.password, extra=extra)
 
@@ -385,7 +385,7 @@ class RedisSentinelSet:
         return f"redis+sentinel://{auth}{hosts}/{self.service_name}{query}"
 
     def _new_server(self, extra: list[str]) -> RedisServer:
-        """A master or replica, not started yet: a subclass's hook (our tests: TLS, crashes)."""
+        """A master or replica, not started yet: a subclass's hook (the project's own tests: TLS, crashes)."""
         return RedisServer(self.binary, password=self.password, extra=extra)
 
     def _new_sentinel(self, config: str) -> RedisServer:

@@ -12,7 +12,8 @@ Story 2, a polite crawler: ``crawl(host, path)`` holds a slot of ``crawl:{host}`
 per host. Each site says in its robots.txt how many concurrent requests it accepts
 (``Crawl-concurrency``) and how long to wait between two (``Crawl-delay``): ``fetch_robots``
 reads both before the first page of a host and stores them as the runtime limit and spacing of
-that one key, which every worker obeys from then on. Until then (and for a site that states
+that one key, which every worker obeys from then on; they lapse after ``ROBOTS_TTL``, and the
+host's robots.txt is read again before they do. Until then (and for a site that states
 nothing) the glob ``crawl:*`` in ``semaphore_limits`` gives each host the safe default of one
 page at a time, one a second.
 
@@ -41,7 +42,8 @@ API_QUOTA = (20, 10.0)  # and so are calls beyond 20 in any 10 s ("1000/m" in re
 RETRY_AFTER = 5.0  # how long to pause on a 429 whose Retry-After says no number of seconds
 SAFE_CRAWL_LIMIT = 1  # a host whose robots.txt is not read (or states nothing): one page at a time,
 SAFE_CRAWL_DELAY = 1.0  # and one a second
-ROBOTS_TTL = 600.0  # a robots.txt is trusted this long; then crawl:* applies until it is read again
+ROBOTS_TTL = 600.0  # a robots.txt is trusted this long: what was read from it lapses then,
+ROBOTS_REREAD = 540.0  # so a host's next page after this long reads it again, before the lapse
 HTTP_TIMEOUT = 15.0
 
 app = Celery("example_project")
@@ -108,12 +110,16 @@ def frontier() -> redis.Redis:
 
 
 def schedule(host: str, path: str) -> bool:
-    """Crawl ``host``/``path`` unless it was scheduled before; a host seen for the first time
-    gets its robots.txt read first. True if something was scheduled."""
+    """Crawl ``host``/``path`` unless it was scheduled before; a host seen for the first time,
+    or not read for ``ROBOTS_REREAD`` seconds, gets its robots.txt read first. True if something
+    was scheduled."""
     prefix = app.conf.crawl_frontier_prefix
     if not frontier().sadd(f"{prefix}:seen", f"{host}{path}"):
         return False
-    if frontier().sadd(f"{prefix}:hosts", host):
+    # The limit and spacing read from robots.txt lapse after ROBOTS_TTL (a site may change them):
+    # this mark lapses a minute sooner, so the host's next page reads robots.txt again and renews
+    # them before the safe default of crawl:* takes over.
+    if frontier().set(f"{prefix}:robots-read:{host}", 1, nx=True, px=round(ROBOTS_REREAD * 1000)):
         fetch_robots.delay(host, path)
     else:
         crawl.delay(host, path)

@@ -91,6 +91,16 @@ def test_a_bad_key_rule_names_the_setting_and_the_part(entry: dict[str, Any]) ->
     assert caught.value.setting.startswith("semaphore_limits['api']")
 
 
+@pytest.mark.parametrize(("key", "shown"), [(5, "semaphore_limits[5]"), ("", "semaphore_limits['']")])
+def test_a_bad_key_of_semaphore_limits_names_that_entry_and_its_value(key: Any, shown: str) -> None:
+    """A key that is no task name or semaphore key is reported as that one entry, with the
+    entry's value, not as if the key were the whole setting."""
+    with pytest.raises(ConfigurationError) as caught:
+        parse_config(make_app(semaphore_limits={"api": 3, key: {"limit": 7}}))
+    assert (caught.value.setting, caught.value.value) == (shown, {"limit": 7})
+    assert str(caught.value).startswith(f"{shown}={{'limit': 7}}: "), str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [

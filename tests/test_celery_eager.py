@@ -54,7 +54,25 @@ def test_an_eager_task_past_its_max_wait_raises_semaphore_unavailable(redis_serv
     with semaphore.acquire(timeout=0), pytest.raises(SemaphoreUnavailable) as caught:
         blocked.delay()
     assert caught.value.key == "eager.blocked"
+    assert caught.value.max_wait == 0.3
+    assert "semaphore_max_wait" in str(caught.value), "names the setting that ran out"
     assert blocked.delay().get(disable_sync_subtasks=False) == "ran"
+
+
+def test_semaphore_unavailable_says_which_bound_ran_out_and_what_to_do() -> None:
+    """The message of a task past its max wait names ``semaphore_max_wait`` and the remedies (a
+    longer max wait, more slots, a look at the holders); that of a timed-out ``acquire`` names
+    the timeout. The attributes stay, and the error rebuilds from its args, as Celery does."""
+    from celery_semaphore import SemaphoreUnavailable
+
+    task_error = SemaphoreUnavailable("api", 5, 612.25, 600)
+    message = str(task_error)
+    for expected in ("'api'", "limit 5", "612.250 s", "semaphore_max_wait of 600 s", "set-limit", "status api"):
+        assert expected in message, message
+    assert (task_error.key, task_error.limit, task_error.waited, task_error.max_wait) == ("api", 5, 612.25, 600)
+    assert str(SemaphoreUnavailable(*task_error.args)) == message
+    timed_out = str(SemaphoreUnavailable("reports", 2, 10.0))
+    assert "timeout" in timed_out and "semaphore_max_wait" not in timed_out, timed_out
 
 
 def test_a_nested_eager_call_of_a_key_its_caller_holds_fails_at_once(redis_server: RedisServer) -> None:

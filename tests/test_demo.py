@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -344,6 +345,40 @@ def test_the_example_uses_public_names_only() -> None:
             assert module in ("celery_semaphore", "celery_semaphore.testing"), f"{path}: imports {module}"
             if module == "celery_semaphore":
                 assert name in celery_semaphore.__all__, f"{path}: imports {name}, not a public name"
+
+
+def test_the_crawler_reads_robots_txt_again_before_what_it_read_lapses(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host's Crawl-delay is a runtime override that lapses after ``ROBOTS_TTL``: the crawler
+    reads the host's robots.txt again before that (on a page scheduled once ``ROBOTS_REREAD``
+    has passed), so a long crawl keeps each host's own delay instead of falling back, for good,
+    to the default of ``crawl:*``."""
+    from example_project import tasks
+
+    assert getattr(tasks, "ROBOTS_REREAD", tasks.ROBOTS_TTL) < tasks.ROBOTS_TTL, "read again before the lapse"
+    robots_read: list[tuple[str, str]] = []
+    crawled: list[tuple[str, str]] = []
+    monkeypatch.setattr(tasks, "fetch_robots", SimpleNamespace(delay=lambda *call: robots_read.append(call)))
+    monkeypatch.setattr(tasks, "crawl", SimpleNamespace(delay=lambda *call: crawled.append(call)))
+    monkeypatch.setattr(tasks, "ROBOTS_REREAD", 0.3, raising=False)  # seconds, for the test only
+    monkeypatch.setitem(tasks.app.conf, "crawl_frontier_url", own_redis.url)
+    tasks.frontier.cache_clear()
+    try:
+        pages = (f"/page/{i}" for i in range(1_000_000))
+        assert tasks.schedule("a.test", next(pages))
+        assert tasks.schedule("a.test", next(pages))
+        assert tasks.schedule("b.test", next(pages))
+        assert [host for host, _ in robots_read] == ["a.test", "b.test"], "robots.txt first, once"
+        assert [host for host, _ in crawled] == ["a.test"]
+        wait_until(
+            lambda: tasks.schedule("a.test", next(pages)) and len(robots_read) == 3,
+            timeout=5,
+            what="robots.txt of a.test read again",
+        )
+        assert robots_read[2][0] == "a.test"
+    finally:
+        tasks.frontier.cache_clear()
 
 
 def test_the_tasks_module_loads_none_of_the_demo_harness() -> None:

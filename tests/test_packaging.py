@@ -101,6 +101,22 @@ def test_every_public_name_resolves() -> None:
         celery_semaphore.not_a_public_name  # noqa: B018
 
 
+def test_what_the_user_docs_recommend_is_public() -> None:
+    """The URL masking and the request class the docs tell users to reuse load from the facade,
+    and are the very objects the package itself uses."""
+    from celery.utils.imports import symbol_by_name
+
+    import celery_semaphore
+    from celery_semaphore import SemaphoreRequest, SemaphoreTask, mask_url
+    from celery_semaphore._celery.worker import SemaphoreRequest as private_request
+    from celery_semaphore._core.masking import mask_url as private_mask_url
+
+    assert {"SemaphoreRequest", "mask_url"} <= set(celery_semaphore.__all__)
+    assert mask_url is private_mask_url
+    assert mask_url("redis://user:s3cret@h:6379/0") == "redis://user:***@h:6379/0"
+    assert SemaphoreRequest is private_request is symbol_by_name(SemaphoreTask.Request)
+
+
 @pytest.mark.slow
 def test_a_bare_install_runs_a_worker_on_a_redis_broker(wheel: zipfile.ZipFile, tmp_path: Path) -> None:
     """A venv with nothing but the wheel and its declared dependencies (what ``pip install

@@ -133,7 +133,10 @@ def parse_limits(value: Any) -> tuple[dict[str, KeyRules], tuple[tuple[str, KeyR
     globs: list[tuple[str, KeyRules]] = []
     for name, rules in value.items():
         if not isinstance(name, str) or not name:
-            raise ConfigurationError("semaphore_limits", name, "keys are task names or semaphore keys")
+            # the entry is what is wrong, not the whole setting: name it, and show its value
+            raise ConfigurationError(
+                f"semaphore_limits[{name!r}]", rules, "the key must be a task name or a semaphore key (a non-empty str)"
+            )
         entry = parse_key_rules(f"semaphore_limits[{name!r}]", rules)
         if any(char in name for char in "*?["):
             globs.append((name, entry))

@@ -5,7 +5,8 @@ rather than leave the worker. But a worker whose every process is taken, by bodi
 waits, cannot start a task that may run now: a parked task woken for its turn (its wake copy),
 or one coming back for a start a rate reserved for it, waits in the worker's buffer until some
 wait ends, up to ``semaphore_inline_wait`` later, while its slot idles. Those were the slow
-hand-offs of issue 17's rolling-restart benchmark (p99 79 ms against a 60 ms target, restarts or
+hand-offs of the rolling-restart benchmark (``python -m benchmarks.bench_celery --only
+rolling``: p99 79 ms against a 60 ms target, restarts or
 none). So a task may wait in-process only while another process of its worker is free.
 
 The pool processes of a prefork worker share one flag each, in memory the worker's main process

@@ -248,7 +248,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                         f"{getattr(attempt, 'limit', semaphore.limit)})",
                         key=semaphore.name,
                     )
-                lease = semaphore.acquire(timeout=max_wait, label=self._label())
+                try:
+                    lease = semaphore.acquire(timeout=max_wait, label=self._label())
+                except SemaphoreUnavailable as error:  # the bound that ran out is the task's max wait
+                    raise SemaphoreUnavailable(semaphore.name, error.limit, error.waited, max_wait) from None
         except RedisUnavailable as error:
             if config.fail_open:
                 logger.warning(
@@ -331,7 +334,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             _leave_quietly(semaphore, waiter)
             if run is not None:  # this wait parked before: no wake-up or sweep may bring it back
                 parking().unpark(semaphore, waiter, run)
-            raise SemaphoreUnavailable(semaphore.name, attempt.limit, waited)
+            raise SemaphoreUnavailable(semaphore.name, attempt.limit, waited, options.max_wait)
         if attempt.retry_after is not None:
             # a start reserved for this task at a known moment: come back exactly then
             due_in = attempt.retry_after

@@ -5,7 +5,8 @@ and the slot idles until the copy asks. But a prefork worker that received more 
 has free processes keeps them in line, first in, first out: under a backlog of contended tasks
 that line holds up to ``worker_prefetch_multiplier`` x concurrency fresh deliveries, each
 refused and parked in turn (a few ms of Redis and broker work each) before the wake copy that
-arrived behind them reaches a process. Measured in issue 17's rolling-restart benchmark (two
+arrived behind them reaches a process. Measured with the rolling-restart benchmark
+(``python -m benchmarks.bench_celery --only rolling``: two
 workers of 4, limit 1, 200 tasks of 0.1 s): the wake copy reached the worker 20-60 ms after the
 release, then waited behind 30-40 fresh deliveries, and those were every slow hand-off: p99
 290 ms against a 60 ms target.

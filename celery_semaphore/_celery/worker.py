@@ -2,7 +2,7 @@
 
 * At start (a bootstep): parse the settings and check that every semaphore task has a limit
   somewhere. A bad setting or a task with no limit stops the worker before it takes any task,
-  naming the setting or the task: a silent unlimited run is the one outcome we never allow.
+  naming the setting or the task: a silent unlimited run is the one outcome never allowed.
   Also warn where countdowns could outlast the Redis broker's visibility timeout (the broker
   would then deliver a waiting task twice) and where Redis may evict lease keys.
 * At warm shutdown, once the worker stopped consuming: hand back the wake copies it received
@@ -420,7 +420,10 @@ class SemaphoreRequest(Request):  # type: ignore[misc]
     a time limit not acked) Celery requeues the message at once, and that delivery should find
     the slot free. Where Celery will not deliver the message again (no ``acks_late``, and the
     rest of Celery's rules in ``delivers_again``), the run is also marked finished, so that no
-    other copy of the task's wait (its backstop or wake copy) runs the body a second time."""
+    other copy of the task's wait (its backstop or wake copy) runs the body a second time.
+
+    ``SemaphoreTask`` uses it. A task class that sets a ``Request`` of its own must derive it
+    from this class, or a lost process's slot comes back only when its lease runs out."""
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exception = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback

@@ -245,7 +245,7 @@ def detail_lines(r: Report) -> list[str]:
     else:
         lines.append("holders: none")
     if r.waiters:
-        # "away": re-sent with a countdown, so it keeps its place but holds up nobody until it asks again
+        # "asking" includes parked tasks (woken when offered); "away" keeps its place, holds up nobody
         rows = [
             [
                 str(w.position),

@@ -22,7 +22,7 @@ _PASSWORD_OPTION = re.compile(r"(?i)((?:^|[?&;])[^=&;]*password=)([^&;#]*)")
 def mask_url(url: str) -> str:
     """``url`` with every password replaced by ``***``: safe for logs and error messages.
 
-    Works on every scheme of :mod:`.urls`, on kombu's ``;``-joined broker lists, on comma-separated host
+    Works on every scheme ``semaphore_backend_url`` takes, on kombu's ``;``-joined broker lists, on comma-separated host
     lists, and on strings that are not valid URLs at all (a malformed URL is exactly the one
     that ends up in an error message). Both the ``user:password@`` part and any
     ``...password=`` query option are masked, and so is any other place the password text

@@ -36,7 +36,7 @@ class WaiterInfo:
     ticket: int
     waited: float  # seconds since the waiter first asked
     must_ask_within: float  # seconds before it loses its place unless it asks again
-    present: bool  # asking now (True) or away on a countdown (False)
+    present: bool  # asking now or parked (True), or away with no wake-up (False)
     offered: bool = False  # a slot is offered to it and waits for its claim (counts as taken)
 
 
@@ -71,9 +71,3 @@ def gate_status(gate: GateState) -> dict[str, Any]:
         "starts_in_window": gate.starts_in_window,
         "rules_source": "override" if gate.override else "default",
     }
-
-
-def _paused_for(paused_ms: int) -> float | None:
-    if not paused_ms:
-        return None
-    return math.inf if paused_ms >= LONG_PAUSE_MS else paused_ms / 1000
