@@ -204,10 +204,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         config = config_for(self.app)
         history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
         self._note_first_wait(semaphore, history)
-        if history.waits and not self._acks_late():
-            reopen_run(
-                semaphore, history.run_id(request), lease.token, remember_for(wait_options(self, config), config)
-            )
+        reopen_run(self, semaphore, history, lease.token)
         ticket = pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
         args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
         again = self._copy_of_wait(history, ticket, seconds, args, kwargs)

@@ -14,8 +14,8 @@ from .._core.multi import MultiSemaphore
 from .._core.scripts import scripts_for
 from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
-from .config import SemaphoreConfig
-from .options import WaitOptions
+from .config import SemaphoreConfig, config_for
+from .options import WaitOptions, wait_options
 from .policy import KEPT_APART_BACKSTOP_S
 from .wait_headers import WaitHistory
 
@@ -67,11 +67,20 @@ def begin_at_most_once(semaphore: FairSemaphore | MultiSemaphore, run: str, reme
         logger.warning("could not mark run %s as begun at most once: %s", run, error)
 
 
-def reopen_run(semaphore: FairSemaphore | MultiSemaphore, run: str, token: str, remember: float) -> None:
-    """The body of ``run``, begun at most once, paused its key and sends its wait on: the copy
-    for the end of the pause runs it, so the run is no longer finished (``begin_at_most_once``)."""
+def reopen_run(task: Any, semaphore: FairSemaphore | MultiSemaphore, history: WaitHistory, token: str) -> None:
+    """The body of a waited ``task`` without acks_late, its run begun at most once, paused its
+    key and sends its wait on: the copy for the end of the pause is that run going on, so the
+    run is no longer finished (``begin_at_most_once``). ``token``: its slot's."""
+    if not history.waits or task._acks_late():
+        return
+    config = config_for(task.app)
     home = runs_home(semaphore)
-    scripts_for(home.client).remember_wait(home.keys, first_delivery=run, wait_id=token, remember_ms=to_ms(remember))
+    scripts_for(home.client).remember_wait(
+        home.keys,
+        first_delivery=history.run_id(task.request),
+        wait_id=token,
+        remember_ms=to_ms(remember_for(wait_options(task, config), config)),
+    )
 
 
 def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, history: WaitHistory) -> WaitHistory:
