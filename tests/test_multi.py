@@ -238,7 +238,7 @@ def test_renewal_and_reclaim_cover_every_slot(redis_client: redis.Redis) -> None
     assert len(after) == 2 and all(after[member] >= before[member] + 100 for member in before)
     a.reset()
     b.reset()
-    assert multi._renew_many([(lease.token, "x")], reclaim=True) == [2]
+    assert multi._renew_many([(lease.token, "x", "")], reclaim=True) == [2]
     assert (a.status().holder_count, b.status().holder_count) == (2, 2)
     # the background renewer keeps it held past its 2 s lease
     time.sleep(2.5)

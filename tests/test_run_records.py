@@ -1,0 +1,105 @@
+"""A waited task's run record says whether a copy of the wait may run the body: these tests
+break it the ways operations do (a body longer than the record is remembered, a task id used
+again, a body that rejects, a copy past its retries, a copy ignored after a failure), with real
+workers on the Redis broker and, where the broker matters, on RabbitMQ.
+
+Their workers remember a run for its copies' longest time away only (``PROJ_SHORT_RUN_MEMORY``
+in the test app: 17 s here, not one or two hours), so that a body can outlive its record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_semaphore import semaphore_for
+
+from .celery_stack import CeleryStack
+from .test_exactly_once import amqp_worker_group, parked, runs
+from .waiting import wait_until
+from .workers import Worker, worker_group
+
+pytestmark = pytest.mark.workers
+
+QUEUE = "run_records"
+VISIBILITY_TIMEOUT = 4
+# how long the workers remember a run past its grant: a 2 s backstop plus 15 s away (wait_runs)
+REMEMBERED_S = 17.0
+SHORT_MEMORY = {"PROJ_SHORT_RUN_MEMORY": "1"}
+
+Brokers = tuple[list[Worker], Any, str]
+
+
+@pytest.fixture(scope="module")
+def redis_workers(celery_stack: CeleryStack) -> Iterator[Brokers]:
+    conf = {"broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT}}
+    env = {**celery_stack.env, **SHORT_MEMORY}
+    with worker_group(env, queue=QUEUE, names=("records1",), concurrency=3, conf=conf, kill_at_end=True) as group:
+        yield group, None, QUEUE
+
+
+@pytest.fixture(scope="module")
+def rabbitmq_workers(celery_stack: CeleryStack) -> Iterator[Brokers]:
+    with amqp_worker_group(celery_stack, names=("records-amqp1",), concurrency=3, env=SHORT_MEMORY) as workers:
+        yield workers
+
+
+@pytest.fixture(params=["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+def brokers(request: pytest.FixtureRequest) -> Brokers:
+    """The workers, the app to send with (None: the test app) and the queue, on each broker."""
+    workers: Brokers = request.getfixturevalue(f"{request.param}_workers")
+    return workers
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def send(proj: Any, task: Any, args: tuple[Any, ...], brokers: Brokers, **options: Any) -> AsyncResult:
+    _, sender, queue = brokers
+    if sender is None:
+        return task.apply_async(args, queue=queue, **options)
+    return sender.send_task(task.name, args, queue=queue, **options)
+
+
+def starts_of(proj: Any, key: str, task_id: str, which: str = "starts") -> list[float]:
+    return [at for run_id, _, at in runs(proj, key, which) if run_id == task_id]
+
+
+def logged_at(workers: list[Worker], text: str) -> list[float]:
+    """When the workers logged a line containing ``text`` (epoch seconds, to the second)."""
+    stamps = []
+    for worker in workers:
+        for line in worker.log().splitlines():
+            if text in line and line.startswith("["):
+                stamps.append(time.mktime(time.strptime(line[1:20], "%Y-%m-%d %H:%M:%S")))
+    return stamps
+
+
+def test_a_run_longer_than_its_record_is_remembered_runs_once(proj: Any, brokers: Brokers) -> None:
+    """A waited body that runs past the time its run's record is remembered from the grant,
+    while its backstop copy keeps coming back beside it and a slot is free: the copy is told the
+    run is still running every time, and the body runs once. (Before, the record lapsed and the
+    copy ran the body a second time beside the first.)"""
+    workers = brokers[0]
+    key, task = "outlives_its_record", proj.outlives_its_record
+    semaphore = semaphore_for(proj.app, task.name)
+    holders = [semaphore.acquire(timeout=5) for _ in range(2)]
+    body = REMEMBERED_S + 10
+    result = send(proj, task, (body, key), brokers)
+    wait_until(lambda: parked(proj, task.name, result.id), timeout=30, what="the task parked")
+    holders[0].release()  # the wake copy takes this slot and runs the body
+    wait_until(lambda: starts_of(proj, key, result.id), timeout=30, what="its body started")
+    holders[1].release()  # a free slot for a copy the run's record no longer stops
+    assert result.get(timeout=body + 30) == result.id
+    started = starts_of(proj, key, result.id)[0]
+    looks = logged_at(workers, f"[{result.id}]: another copy of this wait holds the slot")
+    assert max(looks, default=0.0) > started + REMEMBERED_S + 1, "a copy came back after the record's first lapse"
+    assert len(starts_of(proj, key, result.id)) == 1
