@@ -103,3 +103,63 @@ def test_a_run_longer_than_its_record_is_remembered_runs_once(proj: Any, brokers
     looks = logged_at(workers, f"[{result.id}]: another copy of this wait holds the slot")
     assert max(looks, default=0.0) > started + REMEMBERED_S + 1, "a copy came back after the record's first lapse"
     assert len(starts_of(proj, key, result.id)) == 1
+
+
+@pytest.fixture(params=["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+def empty_queue(request: pytest.FixtureRequest, celery_stack: CeleryStack) -> Iterator[tuple[dict[str, str], Any, str]]:
+    """A queue no worker consumes yet, on each broker: the env that starts workers on it, the app
+    to send with (None: the test app) and its name."""
+    if request.param == "redis":
+        queue = f"run_records_{time.time_ns()}"
+        yield {**celery_stack.env, "PROJ_QUEUE": queue}, None, queue
+        return
+    with amqp_worker_group(celery_stack, names=()) as (_, sender, queue):
+        yield {**celery_stack.env, "PROJ_BROKER_URL": sender.conf.broker_url, "PROJ_QUEUE": queue}, sender, queue
+
+
+def test_a_reused_id_whose_first_message_is_redelivered_runs(
+    proj: Any, empty_queue: tuple[dict[str, str], Any, str]
+) -> None:
+    """A fixed task id used again after a first invocation that waited and ran: the second
+    invocation's first message is prefetched, handed back by a warm shutdown and delivered again.
+    It runs. (Before, its redelivery took the note of the first invocation's wait for its own and
+    was dropped as having run.)"""
+    env, sender, queue = empty_queue
+    key, task_id = "recycled", f"nightly-{time.time_ns()}"
+    brokers: Brokers = ([], sender, queue)
+    # one pool process and two prefetched messages: a second message waits, reserved, behind a first
+    first_worker = Worker(env, name="reused1", concurrency=1, conf={"worker_prefetch_multiplier": 2}).start()
+    second_worker = None
+    try:
+        holder = semaphore_for(proj.app, proj.recycled.name).acquire(timeout=5)
+        earlier = send(proj, proj.recycled, (0.1, key), brokers, task_id=task_id)
+        wait_until(lambda: parked(proj, proj.recycled.name, task_id), timeout=30, what="the first invocation parked")
+        holder.release()
+        assert earlier.get(timeout=30) == task_id
+        wait_until(lambda: starts_of(proj, key, task_id, "ends"), timeout=10, what="the first invocation ended")
+        blocker = f"reused_blocker_{time.time_ns()}"
+        send(proj, proj.unlimited, (3, blocker), brokers)  # takes the only pool process
+        wait_until(lambda: proj.probe(blocker).client.llen(f"probe:{blocker}:starts"), timeout=30, what="blocked")
+        send(proj, proj.recycled, (0.1, key), brokers, task_id=task_id)
+        control = (sender or proj.app).control
+        wait_until(
+            lambda: task_id in str(control.inspect(destination=["reused1@127.0.0.1"], timeout=1).reserved()),
+            timeout=30,
+            what="the second invocation prefetched",
+        )
+        # a rolling restart: a new worker, then a warm shutdown of the old one, whose running task
+        # ends and whose prefetched message goes back to the broker, flagged redelivered
+        second_worker = Worker(env, name="reused2", concurrency=1).start()
+        first_worker.stop(timeout=60)
+        wait_until(
+            lambda: len(starts_of(proj, key, task_id, "ends")) > 1 or "is dropped" in second_worker.log(),
+            timeout=60,
+            what="the second invocation run or dropped",
+        )
+        assert "is dropped" not in second_worker.log()
+        assert len(starts_of(proj, key, task_id, "ends")) == 2
+        assert runs(proj, key, "ends")[-1][1] in second_worker.children()
+    finally:
+        for worker in (first_worker, second_worker):
+            if worker is not None:
+                worker.kill()

@@ -41,6 +41,7 @@ from .._core.semaphore import FairSemaphore
 from .._core.validation import check_seconds
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import policy
+from . import stamping as _stamping  # noqa: F401  (stamps every message sent: before_task_publish)
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
@@ -62,7 +63,6 @@ from .pool_room import pool_room
 from .tokens import process_token, task_key
 from .wait_headers import (
     QUEUE_HEADER,
-    SENT_HEADER,
     TicketSigner,
     WaitHistory,
     without_broker_headers,
@@ -112,25 +112,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
         install(app)
         return bound
-
-    def apply_async(
-        self,
-        args: Any = None,
-        kwargs: Any = None,
-        task_id: str | None = None,
-        producer: Any = None,
-        link: Any = None,
-        link_error: Any = None,
-        shadow: str | None = None,
-        **options: Any,
-    ) -> Any:
-        """Stamps the message with its send time (kept by every copy of its waits): a copy that
-        finds the task's success in the result backend can tell this invocation's success from
-        that of an earlier one that used the same id."""
-        headers = options.get("headers") or {}
-        if SENT_HEADER not in headers:
-            options["headers"] = {**headers, SENT_HEADER: time.time()}
-        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
