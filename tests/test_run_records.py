@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 from celery_semaphore import semaphore_for
 
 from .celery_stack import CeleryStack
-from .test_exactly_once import amqp_worker_group, parked, runs
+from .test_exactly_once import amqp_worker_group, parked, runs, stored_copies_of
 from .waiting import wait_until
 from .workers import Worker, worker_group
 
@@ -163,3 +163,40 @@ def test_a_reused_id_whose_first_message_is_redelivered_runs(
         for worker in (first_worker, second_worker):
             if worker is not None:
                 worker.kill()
+
+
+def finished_run(proj: Any, task: Any, task_id: str) -> bool | None:
+    """Whether the run of ``task_id``'s first wait is marked finished (None: no record of it)."""
+    records = semaphore_for(proj.app, task.name)
+    prefix = f"{task_id}#0#"
+    for field, value in records.client.hgetall(records.keys.runs).items():
+        run_part = field.decode()[len(prefix) :]
+        if field.decode().startswith(prefix) and run_part and "#" not in run_part:
+            return bool(value == b"")
+    return None
+
+
+def test_a_requeue_rejected_without_acks_late_finishes_the_run(proj: Any, brokers: Brokers) -> None:
+    """A waited task without acks_late raises Reject(requeue=True): Celery acked the message
+    before the body, so the reject hands nothing back and Celery would not run it again. The run
+    is marked finished, and the wait's backstop copy (RabbitMQ keeps it; the Redis broker
+    withdrew it as the run began) does not run the body again. (Before, the run was left
+    unfinished and the backstop copy ran the body a second time.)"""
+    workers = brokers[0]
+    key, task = "rejects_after_its_ack", proj.rejects_after_its_ack
+    holder = semaphore_for(proj.app, task.name).acquire(timeout=5)
+    result = send(proj, task, (0.1, key), brokers)
+    wait_until(lambda: parked(proj, task.name, result.id), timeout=30, what="the task parked")
+    holder.release()
+    wait_until(lambda: starts_of(proj, key, result.id, "ends"), timeout=30, what="its body ended, rejecting")
+    wait_until(lambda: finished_run(proj, task, result.id), timeout=15, what="its run marked finished")
+    if brokers[1] is None:
+        assert not stored_copies_of(proj, result.id), "no copy left in the broker's Redis"
+    else:  # RabbitMQ: the backstop copy, due 2 s after the wait began, comes and is dropped
+        dropped = f"[{result.id}]: another copy of this wait has run; this copy is dropped"
+        wait_until(
+            lambda: any(dropped in worker.log() for worker in workers) or len(starts_of(proj, key, result.id)) > 1,
+            timeout=30,
+            what="the backstop copy dropped, or run",
+        )
+    assert len(starts_of(proj, key, result.id)) == 1

@@ -150,7 +150,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             return super().__call__(*args, **kwargs)
         except Reject as error:
-            finished = not error.requeue  # requeued: Celery delivers it again, and that copy must run
+            # Requeued with acks_late: Celery delivers the message again, and that copy must run.
+            # Without acks_late Celery acked it before the body and the requeue hands nothing back:
+            # the run is over, and no copy of it may run it again.
+            finished = not (error.requeue and self._acks_late())
             raise
         except SemaphorePaused:
             finished = False  # its copy, sent for the end of the pause, runs it

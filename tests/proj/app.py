@@ -849,3 +849,18 @@ def outlives_its_record(self: Any, seconds: float, key: str = "outlives_its_reco
     remembered, while its backstop copy keeps coming back (every lease + 1 s) beside it."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=2,
+    name="proj.rejects_after_its_ack",
+    bind=True,
+)
+def rejects_after_its_ack(self: Any, seconds: float, key: str = "rejects_after_its_ack") -> str:
+    """No acks_late: Celery acked its message before the body, so its Reject(requeue=True) hands
+    nothing back, and Celery never runs it again. Its wait's backstop copy is due 2 s after."""
+    _held_by_process(key, seconds, self.request.id)
+    raise Reject("not now", requeue=True)
