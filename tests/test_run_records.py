@@ -9,6 +9,8 @@ in the test app: 17 s here, not one or two hours), so that a body can outlive it
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -182,21 +184,51 @@ def test_a_requeue_rejected_without_acks_late_finishes_the_run(proj: Any, broker
     is marked finished, and the wait's backstop copy (RabbitMQ keeps it; the Redis broker
     withdrew it as the run began) does not run the body again. (Before, the run was left
     unfinished and the backstop copy ran the body a second time.)"""
-    workers = brokers[0]
     key, task = "rejects_after_its_ack", proj.rejects_after_its_ack
     holder = semaphore_for(proj.app, task.name).acquire(timeout=5)
     result = send(proj, task, (0.1, key), brokers)
     wait_until(lambda: parked(proj, task.name, result.id), timeout=30, what="the task parked")
     holder.release()
     wait_until(lambda: starts_of(proj, key, result.id, "ends"), timeout=30, what="its body ended, rejecting")
-    wait_until(lambda: finished_run(proj, task, result.id), timeout=15, what="its run marked finished")
+    finished_then_no_copy_runs(proj, brokers, task, key, result.id)
+
+
+def finished_then_no_copy_runs(proj: Any, brokers: Brokers, task: Any, key: str, task_id: str) -> None:
+    """The run of ``task_id``'s wait is marked finished, and its backstop copy does not run the body
+    again: on RabbitMQ it comes (2 s after the wait began, or a lease + 1 s after it last found
+    the run running) and is dropped; the Redis broker withdraws it (as the run began, without
+    acks_late, or as it was marked finished), or one moved already comes and is dropped."""
+    wait_until(lambda: finished_run(proj, task, task_id), timeout=15, what="its run marked finished")
     if brokers[1] is None:
-        assert not stored_copies_of(proj, result.id), "no copy left in the broker's Redis"
-    else:  # RabbitMQ: the backstop copy, due 2 s after the wait began, comes and is dropped
-        dropped = f"[{result.id}]: another copy of this wait has run; this copy is dropped"
+        wait_until(lambda: not stored_copies_of(proj, task_id), timeout=10, what="no copy left in the broker's Redis")
+        # a copy moved before the withdrawal would start the body within its lease (5 s) + 1 s,
+        # plus the mover's second: watched that long
+        with pytest.raises(AssertionError, match="timed out"):
+            wait_until(lambda: len(starts_of(proj, key, task_id)) > 1, timeout=8, interval=0.1, what="a second start")
+    else:
+        dropped = f"[{task_id}]: another copy of this wait has run; this copy is dropped"
         wait_until(
-            lambda: any(dropped in worker.log() for worker in workers) or len(starts_of(proj, key, result.id)) > 1,
+            lambda: any(dropped in worker.log() for worker in brokers[0]) or len(starts_of(proj, key, task_id)) > 1,
             timeout=30,
             what="the backstop copy dropped, or run",
         )
-    assert len(starts_of(proj, key, result.id)) == 1
+    assert len(starts_of(proj, key, task_id)) == 1
+
+
+def test_a_child_lost_past_its_retries_is_not_run_again(proj: Any, brokers: Brokers) -> None:
+    """A waited task with acks_late, reject_on_worker_lost and retry_on_worker_lost but no retry
+    left (max_retries 0) whose pool process is SIGKILLed mid-run: Celery records the failure and
+    acks, requeuing nothing. Its run is marked finished, and no copy of its wait runs the body
+    again. (Before, the run was left unfinished as if Celery requeued the message, and the
+    backstop copy ran the body a second time.)"""
+    key, task = "lost_past_its_retries", proj.lost_past_its_retries
+    holder = semaphore_for(proj.app, task.name).acquire(timeout=5)
+    result = send(proj, task, (30, key), brokers)
+    wait_until(lambda: parked(proj, task.name, result.id), timeout=30, what="the task parked")
+    holder.release()
+    wait_until(lambda: starts_of(proj, key, result.id), timeout=30, what="its body started")
+    ((_, pid, _),) = [run for run in runs(proj, key) if run[0] == result.id]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(Exception, match=r"(?i)worker|lost|signal"):
+        result.get(timeout=30)
+    finished_then_no_copy_runs(proj, brokers, task, key, result.id)

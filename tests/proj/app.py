@@ -834,16 +834,16 @@ def exception_infos_alive() -> int:
     return sum(1 for thing in gc.get_objects() if type(thing).__name__ == "ExceptionInfo")
 
 
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=2,
-    semaphore_inline_wait=0,
-    semaphore_countdown=2,
-    semaphore_lease=2,
-    name="proj.outlives_its_record",
-    bind=True,
-    acks_late=True,
-)
+# The tasks of test_run_records: each waits outside the worker, its backstop copy due in 2 s.
+_BACKSTOP_IN_2_S: dict[str, Any] = {
+    "base": SemaphoreTask,
+    "semaphore_inline_wait": 0,
+    "semaphore_countdown": 2,
+    "bind": True,
+}
+
+
+@app.task(**_BACKSTOP_IN_2_S, semaphore_limit=2, semaphore_lease=2, acks_late=True, name="proj.outlives_its_record")
 def outlives_its_record(self: Any, seconds: float, key: str = "outlives_its_record") -> str:
     """A 2 s lease and a 2 s backstop: a body of ``seconds`` outlives its run's record as first
     remembered, while its backstop copy keeps coming back (every lease + 1 s) beside it."""
@@ -851,16 +851,27 @@ def outlives_its_record(self: Any, seconds: float, key: str = "outlives_its_reco
     return str(self.request.id)
 
 
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=1,
-    semaphore_inline_wait=0,
-    semaphore_countdown=2,
-    name="proj.rejects_after_its_ack",
-    bind=True,
-)
+@app.task(**_BACKSTOP_IN_2_S, semaphore_limit=1, name="proj.rejects_after_its_ack")
 def rejects_after_its_ack(self: Any, seconds: float, key: str = "rejects_after_its_ack") -> str:
     """No acks_late: Celery acked its message before the body, so its Reject(requeue=True) hands
     nothing back, and Celery never runs it again. Its wait's backstop copy is due 2 s after."""
     _held_by_process(key, seconds, self.request.id)
     raise Reject("not now", requeue=True)
+
+
+@app.task(
+    **_BACKSTOP_IN_2_S,
+    semaphore_limit=1,
+    semaphore_lease=5,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    retry_on_worker_lost=True,
+    max_retries=0,
+    name="proj.lost_past_its_retries",
+)
+def lost_past_its_retries(self: Any, seconds: float, key: str = "lost_past_its_retries") -> str:
+    """A lost worker's task is retried while retries are left, then fails (retry_on_worker_lost
+    takes precedence over reject_on_worker_lost): with no retry left, a pool process killed mid-run
+    ends it, and Celery requeues nothing. Its wait's backstop copy is due 2 s after."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
