@@ -232,3 +232,36 @@ def test_a_child_lost_past_its_retries_is_not_run_again(proj: Any, brokers: Brok
     with pytest.raises(Exception, match=r"(?i)worker|lost|signal"):
         result.get(timeout=30)
     finished_then_no_copy_runs(proj, brokers, task, key, result.id)
+
+
+def test_a_failed_task_stays_failed_when_a_later_copy_is_dropped(proj: Any, brokers: Brokers) -> None:
+    """Under track_started, a waited task fails, and a later copy of its run (the message,
+    delivered again after its pool process died past the outcome) is dropped as having run: the
+    task stays FAILURE. (Before, Celery's tracer stored STARTED for the dropped copy, over the
+    FAILURE, for good.)"""
+    key, task = "fails_then_lost", proj.fails_then_lost
+    holder = semaphore_for(proj.app, task.name).acquire(timeout=5)
+    result = send(proj, task, (0.1, key), brokers)
+    wait_until(lambda: parked(proj, task.name, result.id), timeout=30, what="the task parked")
+    holder.release()
+    dropped = f"[{result.id}]: another copy of this wait has run; this copy is dropped"
+    wait_until(
+        lambda: any(dropped in worker.log() for worker in brokers[0]),
+        timeout=30,
+        what="the message delivered again and dropped",
+    )
+    assert result.state == "FAILURE"
+    assert len(starts_of(proj, key, result.id)) == 1
+
+
+def test_a_tracked_task_is_started_while_its_body_runs(proj: Any, redis_workers: Brokers) -> None:
+    """Under track_started the task stores STARTED itself as its body begins (the tracer no
+    longer does, for every delivery): a running body reads STARTED, with its process id."""
+    key, task = "fails_then_lost", proj.fails_then_lost
+    result = send(proj, task, (5, key), redis_workers)
+    wait_until(lambda: starts_of(proj, key, result.id), timeout=30, what="its body started")
+    ((_, pid, _),) = [run for run in runs(proj, key) if run[0] == result.id]
+    assert result.state == "STARTED"
+    assert result.info["pid"] == pid
+    # it did not wait, so it names no run: killed past its outcome, it runs again, and fails again
+    wait_until(lambda: len(starts_of(proj, key, result.id, "ends")) > 1, timeout=30, what="its second end")

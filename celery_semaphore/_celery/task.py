@@ -60,6 +60,7 @@ from .outages import outages
 from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from .pausing import SemaphorePaused, members, pause_and_stand_first
 from .pool_room import pool_room
+from .started import store_started, take_over_started
 from .tokens import process_token, task_key
 from .wait_headers import (
     QUEUE_HEADER,
@@ -108,6 +109,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     @classmethod
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
+        take_over_started(cls)  # STARTED once the body runs, not as each copy arrives
         from .worker import install  # the task class installs its worker hooks when bound
 
         install(app)
@@ -148,6 +150,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request.semaphore_lease = lease
         finished = True
         try:
+            store_started(self)
             return super().__call__(*args, **kwargs)
         except Reject as error:
             # Requeued with acks_late: Celery delivers the message again, and that copy must run.

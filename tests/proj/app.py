@@ -875,3 +875,29 @@ def lost_past_its_retries(self: Any, seconds: float, key: str = "lost_past_its_r
     ends it, and Celery requeues nothing. Its wait's backstop copy is due 2 s after."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+@app.task(
+    **_BACKSTOP_IN_2_S,
+    semaphore_limit=1,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    track_started=True,
+    name="proj.fails_then_lost",
+)
+def fails_then_lost(self: Any, seconds: float, key: str = "fails_then_lost") -> str:
+    """Tracked (STARTED) and failing; the pool process of its first run is SIGKILLed (below) once
+    Celery stored the FAILURE and the run was marked finished, before the ack: the message comes
+    back (reject_on_worker_lost) as a copy of a run that finished, to be dropped."""
+    _held_by_process(key, seconds, self.request.id)
+    raise RuntimeError("the body failed")
+
+
+@signals.task_postrun.connect
+def _kill_after_the_outcome(task: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """Fault injection: the first run of each proj.fails_then_lost dies after its outcome (this
+    receiver runs after celery_semaphore's, which marks the run finished) and before its ack."""
+    import signal
+
+    if getattr(task, "name", None) == "proj.fails_then_lost" and _first_run_of("fails_then_lost:killed", str(task_id)):
+        os.kill(os.getpid(), signal.SIGKILL)
