@@ -10,6 +10,7 @@ run twice).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -142,6 +143,16 @@ def rejected_then_requeued(proj: Any, workers: list[Worker], sender: Any = None,
 def amqp_workers(celery_stack: CeleryStack) -> Iterator[tuple[list[Worker], Any, str]]:
     """Two workers on RabbitMQ (which redelivers a dead worker's unacked messages at once), the
     app to send with, and their queue (deleted at the end)."""
+    with amqp_worker_group(celery_stack, names=("once-amqp1", "once-amqp2")) as workers:
+        yield workers
+
+
+@contextlib.contextmanager
+def amqp_worker_group(
+    celery_stack: CeleryStack, *, names: tuple[str, ...], concurrency: int = 2, env: dict[str, str] | None = None
+) -> Iterator[tuple[list[Worker], Any, str]]:
+    """Workers of the test app on RabbitMQ (skipped where none answers), the app to send with, and
+    their queue (deleted at the end)."""
     from celery import Celery
     from kombu import Connection
 
@@ -149,9 +160,9 @@ def amqp_workers(celery_stack: CeleryStack) -> Iterator[tuple[list[Worker], Any,
 
     url = amqp_url_or_skip()
     queue = f"celery-semaphore-once-{time.time_ns()}"
-    env = {**celery_stack.env, "PROJ_BROKER_URL": url}
+    env = {**celery_stack.env, **(env or {}), "PROJ_BROKER_URL": url}
     sender = Celery("sender", broker=url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
-    with worker_group(env, queue=queue, names=("once-amqp1", "once-amqp2"), concurrency=2, kill_at_end=True) as group:
+    with worker_group(env, queue=queue, names=names, concurrency=concurrency, kill_at_end=True) as group:
         yield group, sender, queue
     with Connection(url) as connection:
         channel = connection.channel()

@@ -238,7 +238,7 @@ def test_renewal_and_reclaim_cover_every_slot(redis_client: redis.Redis) -> None
     assert len(after) == 2 and all(after[member] >= before[member] + 100 for member in before)
     a.reset()
     b.reset()
-    assert multi._renew_many([(lease.token, "x")], reclaim=True) == [2]
+    assert multi._renew_many([(lease.token, "x", "")], reclaim=True) == [2]
     assert (a.status().holder_count, b.status().holder_count) == (2, 2)
     # the background renewer keeps it held past its 2 s lease
     time.sleep(2.5)
@@ -330,6 +330,26 @@ def test_copies_of_one_run_take_the_slots_once(redis_client: redis.Redis) -> Non
     first.lease.release()
     assert multi._try(Ask(token="t1:z", waiter="t1", run="t1#0", remember=30)) == Duplicate(running=False)
     assert (a.status().holder_count, b.status().holder_count) == (0, 0)
+
+
+def test_a_renewed_multi_run_outlives_the_time_its_record_is_remembered(redis_client: redis.Redis) -> None:
+    """The run record of a multi grant (on its first semaphore) lives as long as the lease each
+    renewal extends: a copy asking after the remembered time is told the run is still running."""
+    multi = MultiSemaphore([FairSemaphore(redis_client, "ra", 2), FairSemaphore(redis_client, "rb", 2)])
+    seconds, micros = redis_client.time()
+    asked_at_ms = seconds * 1000 + micros / 1000
+    first = multi._try(Ask(token="t2:x", waiter="t2", run="t2#0", remember=0.2))
+    assert isinstance(first, Granted)
+    first.lease.renew()  # the record now lives as long as the lease (60 s)
+
+    def server_ms() -> float:
+        seconds, micros = redis_client.time()
+        return seconds * 1000 + micros / 1000
+
+    wait_until(lambda: server_ms() > asked_at_ms + 500, timeout=5, what="the 0.2 s remembered gone by")
+    late = multi._try(Ask(token="t2:y", waiter="t2", run="t2#0", remember=0.2))
+    assert isinstance(late, Duplicate) and late.running
+    first.lease.release()
 
 
 def test_a_parked_multi_waiter_keeps_heading_its_lines(redis_client: redis.Redis) -> None:

@@ -11,6 +11,8 @@ import redis
 from celery_semaphore import FairSemaphore, Granted
 from celery_semaphore._core.attempts import Ask, Duplicate
 
+from .waiting import wait_until
+
 
 def test_a_second_copy_is_told_running_then_done(redis_client: redis.Redis) -> None:
     """While one copy of a run holds the slot, another is told it is running; once the first
@@ -89,3 +91,23 @@ def test_a_run_marked_finished_from_outside_drops_every_later_copy(redis_client:
     late = semaphore._try(Ask(token="t6:b", waiter="t6", run="t6#0#cd", remember=60))
     assert late == Duplicate(running=False)
     first.lease.released = True
+
+
+def test_a_renewed_run_outlives_the_time_its_record_is_remembered(redis_client: redis.Redis) -> None:
+    """A body that runs longer than its run record is remembered from the grant: each renewal of
+    its lease keeps the record, so a copy asking later is still told running, never granted."""
+    semaphore = FairSemaphore(redis_client, "runs-renewed", 2)
+    asked_at = _server_ms(redis_client)
+    first = semaphore._try(Ask(token="t9:a", waiter="t9", run="t9#0", remember=0.2))
+    assert isinstance(first, Granted)
+    first.lease.renew()  # the record now lives as long as the lease (60 s)
+    wait_until(lambda: _server_ms(redis_client) > asked_at + 500, timeout=5, what="the 0.2 s remembered gone by")
+    late = semaphore._try(Ask(token="t9:b", waiter="t9", run="t9#0", remember=0.2))
+    assert isinstance(late, Duplicate) and late.running
+    first.lease.release()
+    assert semaphore._try(Ask(token="t9:c", waiter="t9", run="t9#0", remember=60)) == Duplicate(running=False)
+
+
+def _server_ms(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds * 1000 + micros / 1000

@@ -41,6 +41,7 @@ from .._core.semaphore import FairSemaphore
 from .._core.validation import check_seconds
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import policy
+from . import stamping as _stamping  # noqa: F401  (stamps every message sent: before_task_publish)
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
@@ -59,10 +60,10 @@ from .outages import outages
 from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from .pausing import SemaphorePaused, members, pause_and_stand_first
 from .pool_room import pool_room
+from .started import store_started, take_over_started
 from .tokens import process_token, task_key
 from .wait_headers import (
     QUEUE_HEADER,
-    SENT_HEADER,
     TicketSigner,
     WaitHistory,
     without_broker_headers,
@@ -108,29 +109,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     @classmethod
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
+        take_over_started(cls)  # STARTED once the body runs, not as each copy arrives
         from .worker import install  # the task class installs its worker hooks when bound
 
         install(app)
         return bound
-
-    def apply_async(
-        self,
-        args: Any = None,
-        kwargs: Any = None,
-        task_id: str | None = None,
-        producer: Any = None,
-        link: Any = None,
-        link_error: Any = None,
-        shadow: str | None = None,
-        **options: Any,
-    ) -> Any:
-        """Stamps the message with its send time (kept by every copy of its waits): a copy that
-        finds the task's success in the result backend can tell this invocation's success from
-        that of an earlier one that used the same id."""
-        headers = options.get("headers") or {}
-        if SENT_HEADER not in headers:
-            options["headers"] = {**headers, SENT_HEADER: time.time()}
-        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -167,9 +150,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         request.semaphore_lease = lease
         finished = True
         try:
+            store_started(self)
             return super().__call__(*args, **kwargs)
         except Reject as error:
-            finished = not error.requeue  # requeued: Celery delivers it again, and that copy must run
+            # Requeued with acks_late: Celery delivers the message again, and that copy must run.
+            # Without acks_late Celery acked it before the body and the requeue hands nothing back:
+            # the run is over, and no copy of it may run it again.
+            finished = not (error.requeue and self._acks_late())
             raise
         except SemaphorePaused:
             finished = False  # its copy, sent for the end of the pause, runs it

@@ -48,6 +48,10 @@ PROTOCOL = 2
 # result backend recorded since then belongs to this invocation, even for a redelivered message
 # whose wait the semaphore's Redis forgot
 SENT_HEADER = "semaphore_sent"
+# a random nonce naming the task's message, stamped as it is first sent (stamping.py) and kept by a
+# broker's redelivery: the note of the wait a first delivery began names it (wait_runs.py), so a
+# later invocation that reuses the task id never continues the earlier invocation's wait
+MESSAGE_HEADER = "semaphore_message"
 # Headers a broker adds to a message it dead-lettered or redelivered: a re-sent copy is a new
 # message, and RabbitMQ quorum queues or delayed delivery may drop one that carries them (Celery
 # strips them from its own retries for the same reason).
@@ -252,6 +256,13 @@ def _sent_at(request: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return sent if sent is not None and math.isfinite(sent) else None
+
+
+def message_nonce(request: Any) -> str | None:
+    """The nonce its sender stamped on the request's message; None where none was stamped (a
+    producer without this package) or the header is not one this package wrote."""
+    value = _header(request, MESSAGE_HEADER)
+    return value if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{1,32}", value) else None
 
 
 def _header(request: Any, name: str) -> Any:

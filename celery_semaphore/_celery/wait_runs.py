@@ -17,7 +17,7 @@ from .._core.validation import to_ms
 from .config import SemaphoreConfig, config_for
 from .options import WaitOptions, wait_options
 from .policy import KEPT_APART_BACKSTOP_S
-from .wait_headers import WaitHistory
+from .wait_headers import WaitHistory, message_nonce
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -33,7 +33,13 @@ AWAY_SLACK = 15.0
 
 
 def _first_delivery_note(request: Any) -> str:
-    return f"{request.id}#{request.retries or 0}#"
+    """The field of the note, in the run records, of the wait a first delivery began: never a run
+    id (a run id has no empty part). It names the message by its nonce, so that a later invocation
+    reusing the task id, its first message redelivered, does not take the earlier invocation's
+    wait for its own (and is not dropped as having run). A message without one (sent by a
+    producer without this package) is noted by task id and retry only."""
+    nonce = message_nonce(request)
+    return f"{request.id}#{request.retries or 0}#" + (f"#{nonce}" if nonce else "")
 
 
 def runs_home(semaphore: FairSemaphore | MultiSemaphore) -> FairSemaphore:

@@ -351,7 +351,7 @@ def _release_by_task_id(
         logger.info("released %d slot(s) of %s[%s] for a killed child", released, task.name, task_id)
 
 
-def delivers_again(task: Any, exception: BaseException, retries: int) -> bool:
+def delivers_again(task: Any, exception: BaseException) -> bool:
     """Whether Celery delivers a task's message again after the pool process running it was lost
     (``exception``: WorkerLostError) or killed by its hard time limit (TimeLimitExceeded), as
     ``celery.worker.request.Request.on_failure`` decides it."""
@@ -363,9 +363,10 @@ def delivers_again(task: Any, exception: BaseException, retries: int) -> bool:
             acks = getattr(task, "acks_on_failure_or_timeout", True)
         return not acks
     if getattr(task, "retry_on_worker_lost", False):
-        max_retries = task.max_retries
-        if max_retries is None or retries < max_retries:
-            return False  # sent again as the task's own retry: a new run
+        # Sent again as the task's own retry (a new run) while retries are left; once they are
+        # exhausted (``request.retries`` >= ``max_retries``) Celery records the failure and acks:
+        # no requeue, whatever ``reject_on_worker_lost`` says. Either way this run is over.
+        return False
     return bool(task.reject_on_worker_lost)
 
 
@@ -432,7 +433,7 @@ class SemaphoreRequest(Request):  # type: ignore[misc]
         if lost and not cancelled and is_semaphore_task(self.task):
             as_lost = exception if isinstance(exception, TimeLimitExceeded) else WorkerLostError()
             try:
-                run = None if delivers_again(self.task, as_lost, self._context.retries or 0) else run_of(self)
+                run = None if delivers_again(self.task, as_lost) else run_of(self)
             except Exception as error:  # never in the way of Celery's own handling
                 logger.warning("could not tell the run of %s[%s]: %s", self.task.name, self.id, error)
                 run = None

@@ -16,6 +16,8 @@ import redis.cluster
 
 from ..errors import LeaseLost
 from . import renewer
+from .replies import Holder
+from .storage import RENEW_LOST
 
 
 class SlotOwner(Protocol):
@@ -33,7 +35,7 @@ class SlotOwner(Protocol):
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool: ...
 
-    def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]: ...
+    def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]: ...
 
 
 class Lease:
@@ -75,7 +77,7 @@ class Lease:
 
     def renew(self) -> None:
         """Extend the lease now; raises LeaseLost if the slot is no longer held."""
-        if not self.semaphore.renew(self.token):
+        if self.semaphore._renew_many([(self.token, self.label, self.run or "")], reclaim=False)[0] == RENEW_LOST:
             self.lost = True
             raise LeaseLost(self.semaphore.name, self.token)
         self.renew_due = time.monotonic() + self.semaphore.lease / 3

@@ -40,6 +40,7 @@ from . import renewer
 from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
 from .lease import Lease
 from .redis_errors import RedisErrors
+from .replies import Holder
 from .rules import Rules
 from .scripts import SemaphoreKeys, scripts_for
 from .semaphore import FairSemaphore, tell_to_wake
@@ -209,7 +210,7 @@ class MultiSemaphore:
         return self._release(token, None, 0)
 
     def renew(self, token: str) -> bool:
-        return self._renew_many([(token, "")], reclaim=False)[0] != RENEW_LOST
+        return self._renew_many([(token, "", "")], reclaim=False)[0] != RENEW_LOST
 
     # -- the private protocol (the Celery glue, the renewer and the wait) -------------------
 
@@ -292,7 +293,7 @@ class MultiSemaphore:
         ``FairSemaphore._release_holders_with_prefix``); how many slot entries were released."""
         return sum(semaphore._release_holders_with_prefix(prefix, rest) for semaphore in self.semaphores)
 
-    def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
+    def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):
             reply = self._scripts.renew_many(
                 self.all_keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders

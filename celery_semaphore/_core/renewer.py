@@ -179,7 +179,9 @@ class _Renewer:
     def _renew_group(self, semaphore: SlotOwner, group: list[Lease]) -> None:
         started = time.monotonic()
         try:
-            codes = semaphore._renew_many([(lease.token, lease.label) for lease in group], reclaim=True)
+            codes = semaphore._renew_many(
+                [(lease.token, lease.label, lease.run or "") for lease in group], reclaim=True
+            )
         except Exception as error:
             # SemaphoreError (RedisUnavailable: unreachable, timed out) above all; but anything
             # else too (a closed client's pool raises OSError or ValueError): the thread must

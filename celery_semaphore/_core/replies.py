@@ -1,11 +1,15 @@
 """What the scripts answer, named: each reply as a frozen dataclass, so that nobody outside
-``scripts.py`` unpacks a script's reply by position."""
+``scripts.py`` unpacks a script's reply by position; and the holder a renewal is asked for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .storage import CLAIMED, GRANTED, RAN
+
+# A holder to renew: (token, label, run), run "" unless the slot was granted for a run (whose
+# record a renewal keeps as long as the lease, so that no copy takes a long run over).
+Holder = tuple[str, str, str]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from .replies import (
     GateReply,
     GateState,
     HandOffReply,
+    Holder,
     ListedHolder,
     ListedWaiter,
     ManyReply,
@@ -284,12 +285,11 @@ class Scripts:
         return _hand_off_reply(reply)
 
     def renew(
-        self, keys: SemaphoreKeys, *, lease_ms: int, rules: Rules, reclaim: bool, holders: list[tuple[str, str]]
+        self, keys: SemaphoreKeys, *, lease_ms: int, rules: Rules, reclaim: bool, holders: list[Holder]
     ) -> RenewReply:
-        args: list[Any] = [lease_ms, rules.arg, int(reclaim)]
-        for token, label in holders:
-            args += [token, label]
-        return _renew_reply(self._scripts["renew"](keys=keys.line_keys, args=args), len(holders))
+        args: list[Any] = [lease_ms, rules.arg, int(reclaim), *(part for holder in holders for part in holder)]
+        named = keys.encoded if any(run for _, _, run in holders) else keys.line_keys  # runs: their records too
+        return _renew_reply(self._scripts["renew"](keys=named, args=args), len(holders))
 
     def leave(
         self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, rules: Rules, wake: str = ""
@@ -410,12 +410,12 @@ class Scripts:
         lease_ms: int,
         rules: list[Rules],
         reclaim: bool,
-        holders: list[tuple[str, str]],
+        holders: list[Holder],
     ) -> RenewReply:
         args: list[Any] = [lease_ms, int(reclaim), len(keys), *(each.arg for each in rules)]
-        for token, label in holders:
-            args += [token, label]
-        return _renew_reply(self._scripts["renew_many"](keys=_many_keys(keys), args=args), len(holders))
+        args += [part for holder in holders for part in holder]
+        named = _many_keys(keys, with_runs=any(run for _, _, run in holders))
+        return _renew_reply(self._scripts["renew_many"](keys=named, args=args), len(holders))
 
     def leave_many(
         self,

@@ -35,6 +35,7 @@ from . import renewer
 from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
+from .replies import Holder
 from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
 from .scripts import Scripts, SemaphoreKeys, scripts_for
 from .status import STATUS_LISTING_LIMIT, HolderInfo, SemaphoreStatus, WaiterInfo, gate_status
@@ -227,7 +228,7 @@ class FairSemaphore:
 
     def renew(self, token: str) -> bool:
         """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""
-        return self._renew_many([(token, "")], reclaim=False)[0] != RENEW_LOST
+        return self._renew_many([(token, "", "")], reclaim=False)[0] != RENEW_LOST
 
     # -- the private protocol (the Celery glue, the renewer and the wait) -------------------
 
@@ -362,8 +363,8 @@ class FairSemaphore:
             if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix) :]))
         )
 
-    def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
-        """Renew several (token, label) holders in one round trip; one RENEW_* code each.
+    def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
+        """Renew several (token, label, run) holders in one round trip; one RENEW_* code each.
 
         With ``reclaim``, a token that Redis no longer has (restarted empty, or the lease ran out
         during a stall) is registered again if a slot is free: it is still running, so it

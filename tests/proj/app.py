@@ -43,6 +43,15 @@ app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
 if str(app.conf.broker_url).startswith(("redis", "sentinel")):
     app.conf.broker_transport_options = {"unacked_mutex_expire": 5, **(app.conf.broker_transport_options or {})}
 
+# A run's record is remembered an hour or two past its grant (wait_runs.remember_for): too long
+# for a test of what outlives it. Workers started with PROJ_SHORT_RUN_MEMORY remember a run for
+# its copies' longest time away only (a 2 s backstop: 17 s), or the visibility timeout if longer.
+if os.environ.get("PROJ_SHORT_RUN_MEMORY"):
+    from celery_semaphore._celery import wait_runs
+
+    wait_runs.REMEMBER_SLACK = 0.0
+    wait_runs.KEPT_APART_BACKSTOP_S = 0.0
+
 _probe_client: redis.Redis | None = None
 
 
@@ -825,3 +834,72 @@ def exception_infos_alive() -> int:
     import gc
 
     return sum(1 for thing in gc.get_objects() if type(thing).__name__ == "ExceptionInfo")
+
+
+# The tasks of test_run_records: each waits outside the worker, its backstop copy due in 2 s.
+_BACKSTOP_IN_2_S: dict[str, Any] = {
+    "base": SemaphoreTask,
+    "semaphore_inline_wait": 0,
+    "semaphore_countdown": 2,
+    "bind": True,
+}
+
+
+@app.task(**_BACKSTOP_IN_2_S, semaphore_limit=2, semaphore_lease=2, acks_late=True, name="proj.outlives_its_record")
+def outlives_its_record(self: Any, seconds: float, key: str = "outlives_its_record") -> str:
+    """A 2 s lease and a 2 s backstop: a body of ``seconds`` outlives its run's record as first
+    remembered, while its backstop copy keeps coming back (every lease + 1 s) beside it."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(**_BACKSTOP_IN_2_S, semaphore_limit=1, name="proj.rejects_after_its_ack")
+def rejects_after_its_ack(self: Any, seconds: float, key: str = "rejects_after_its_ack") -> str:
+    """No acks_late: Celery acked its message before the body, so its Reject(requeue=True) hands
+    nothing back, and Celery never runs it again. Its wait's backstop copy is due 2 s after."""
+    _held_by_process(key, seconds, self.request.id)
+    raise Reject("not now", requeue=True)
+
+
+@app.task(
+    **_BACKSTOP_IN_2_S,
+    semaphore_limit=1,
+    semaphore_lease=5,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    retry_on_worker_lost=True,
+    max_retries=0,
+    name="proj.lost_past_its_retries",
+)
+def lost_past_its_retries(self: Any, seconds: float, key: str = "lost_past_its_retries") -> str:
+    """A lost worker's task is retried while retries are left, then fails (retry_on_worker_lost
+    takes precedence over reject_on_worker_lost): with no retry left, a pool process killed mid-run
+    ends it, and Celery requeues nothing. Its wait's backstop copy is due 2 s after."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    **_BACKSTOP_IN_2_S,
+    semaphore_limit=1,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    track_started=True,
+    name="proj.fails_then_lost",
+)
+def fails_then_lost(self: Any, seconds: float, key: str = "fails_then_lost") -> str:
+    """Tracked (STARTED) and failing; the pool process of its first run is SIGKILLed (below) once
+    Celery stored the FAILURE and the run was marked finished, before the ack: the message comes
+    back (reject_on_worker_lost) as a copy of a run that finished, to be dropped."""
+    _held_by_process(key, seconds, self.request.id)
+    raise RuntimeError("the body failed")
+
+
+@signals.task_postrun.connect
+def _kill_after_the_outcome(task: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """Fault injection: the first run of each proj.fails_then_lost dies after its outcome (this
+    receiver runs after celery_semaphore's, which marks the run finished) and before its ack."""
+    import signal
+
+    if getattr(task, "name", None) == "proj.fails_then_lost" and _first_run_of("fails_then_lost:killed", str(task_id)):
+        os.kill(os.getpid(), signal.SIGKILL)

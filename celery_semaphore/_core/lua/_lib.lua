@@ -6,8 +6,8 @@
 -- (measured: about 1 us of Redis time per script run).
 --
 -- Key schema (the same KEYS positions in every script; KEYS[11] and KEYS[12] are passed only to
--- the scripts that touch them: acquire with a run id, and reset. All keys of one semaphore share
--- one Redis Cluster hash tag, "{prefix}:{<key>}:..."):
+-- the scripts that touch them: acquire, release and renew with a run id, and reset. All keys of
+-- one semaphore share one Redis Cluster hash tag, "{prefix}:{<key>}:..."):
 --   KEYS[1] holders      ZSET   holder token -> lease deadline (server ms), and offers:
 --                               "!<waiter>" -> minus its claim deadline (server ms). An offer
 --                               is a slot handed to a waiter that has not claimed it yet; it
@@ -40,7 +40,8 @@
 --                               whose twin's lease is gone without that release (its process was
 --                               killed) takes the run over
 --   KEYS[12] run_expiry  ZSET   run id -> when its record is forgotten (server ms), counted from
---                               its grant and again from its release
+--                               its grant, pushed on by each renewal of its lease, and counted
+--                               again from its release
 -- No ARGV is shared: each script documents its own.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.
@@ -268,6 +269,24 @@ local function record_run(run, value, now, remember_ms)
   redis.call('ZADD', K_RUN_EXPIRY, now + remember_ms, run)
   extend(K_RUNS, remember_ms + GRACE_MS, false)
   extend(K_RUN_EXPIRY, remember_ms + GRACE_MS, false)
+end
+
+-- A renewal of the lease "token" holds for "run": the run's record lives at least as long as
+-- the lease (GT never shortens it), so that a copy of a run longer than the time a record is
+-- remembered is still told 'running', never handed the run a second time. A record that names
+-- another token (a copy took the run over) or says the run finished is left alone; one that is
+-- gone (Redis restarted empty) is written again, as the slot itself is reclaimed.
+local function keep_run(run, token, now, ttl_ms)
+  local previous = redis.call('HGET', K_RUNS, run)
+  if previous and previous ~= token then
+    return
+  end
+  if not previous then
+    redis.call('HSET', K_RUNS, run, token)
+  end
+  redis.call('ZADD', K_RUN_EXPIRY, 'GT', now + ttl_ms, run)
+  extend(K_RUNS, ttl_ms + GRACE_MS, false)
+  extend(K_RUN_EXPIRY, ttl_ms + GRACE_MS, false)
 end
 
 -- The waiters offered a slot whom the script's caller wakes: parked, or nobody heard (see notify).

@@ -4,7 +4,8 @@
 -- wait (a second run) of the same task. Flagged redelivered by the broker, it looks this note
 -- up (HGET of ARGV[1]) and continues the first wait instead (see task.py).
 --   KEYS    the semaphore keys (see _lib.lua), KEYS[11] and KEYS[12] included
---   ARGV[1] "<task id>#<retries>#": never a run id (a run id's last part is never empty)
+--   ARGV[1] "<task id>#<retries>##<message nonce>" ("<task id>#<retries>#" for a message sent
+--           without one): never a run id (no part of a run id after the task id is empty)
 --   ARGV[2] the wait id
 --   ARGV[3] remember_ms
 -- Returns 1.

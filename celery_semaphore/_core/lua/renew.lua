@@ -5,7 +5,9 @@
 --   ARGV[3] reclaim   "1": a token found missing (Redis restarted empty, or the lease ran out
 --                     during a stall while the holder kept running) is registered again if a
 --                     slot is free; "0": never
---   ARGV[4], ARGV[5], ... pairs of (token, label)
+--   ARGV[4], ARGV[5], ... triples of (token, label, run): run is "" or the run id the token was
+--                     granted for (see acquire); a renewed token's run record lives as long as
+--                     its lease (see keep_run). KEYS[11..12] are passed only if some run is not ""
 -- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN, or RENEW_LOST (no
 -- free slot); then the waiters offered a slot whose wake-up nobody heard (see notify in _lib.lua).
 -- A token still in KEYS[1] counts as held even if its deadline passed and no purge removed it
@@ -20,20 +22,24 @@ local limit = r.limit
 local was_empty = redis.call('ZCARD', K_HOLDERS) == 0
 local codes = {}
 local changed = false
-for i = 4, #ARGV, 2 do
-  local token = ARGV[i]
+for i = 4, #ARGV, 3 do
+  local token, run = ARGV[i], ARGV[i + 2]
+  local code = RENEW_LOST
   if redis.call('ZSCORE', K_HOLDERS, token) then
     redis.call('ZADD', K_HOLDERS, 'GT', now + lease_ms, token)
-    codes[#codes + 1] = RENEW_RENEWED
-    changed = true
+    code = RENEW_RENEWED
   elseif reclaim and redis.call('ZCARD', K_HOLDERS) < limit then
     redis.call('ZADD', K_HOLDERS, now + lease_ms, token)
     redis.call('HSET', K_HOLDER_INFO, HOLDER_FIELD .. token, now .. INFO_SEPARATOR .. ARGV[i + 1])
-    codes[#codes + 1] = RENEW_REGISTERED_AGAIN
-    changed = true
-  else
-    codes[#codes + 1] = RENEW_LOST
+    code = RENEW_REGISTERED_AGAIN
   end
+  if code ~= RENEW_LOST then
+    changed = true
+    if run ~= '' then
+      keep_run(run, token, now, lease_ms)
+    end
+  end
+  codes[#codes + 1] = code
 end
 if changed then
   extend(K_HOLDERS, lease_ms + GRACE_MS, was_empty)

@@ -6,7 +6,9 @@
 --                     room for its weight; "0": never
 --   ARGV[3] n         the number of semaphores
 --   ARGV[4..3+n]      each semaphore's rules where no runtime override is stored
---   then pairs of (token, label)
+--   then triples of (token, label, run): run is "" or the run id the token was granted for (see
+--   acquire_many); a renewed token's run record lives as long as its lease (see keep_run). Only
+--   if some run is not "": KEYS[10n+1] and KEYS[10n+2], the first semaphore's run records
 -- Returns one code per token, in order: RENEW_RENEWED, RENEW_REGISTERED_AGAIN or RENEW_LOST;
 -- then the waiters offered a slot whose wake-up nobody heard (see notify in _lib.lua).
 
@@ -20,9 +22,12 @@ for i = 1, n do
   purge(now)
   limits[i] = rules_in_force(ARGV[3 + i], now)
 end
+if #KEYS > 10 * n then
+  K_RUNS, K_RUN_EXPIRY = KEYS[10 * n + 1], KEYS[10 * n + 2]
+end
 local codes = {}
-for p = 4 + n, #ARGV, 2 do
-  local token, label = ARGV[p], ARGV[p + 1]
+for p = 4 + n, #ARGV, 3 do
+  local token, label, run = ARGV[p], ARGV[p + 1], ARGV[p + 2]
   local members = slot_members(token)
   local held, room = true, true
   for i = 1, n do
@@ -55,6 +60,9 @@ for p = 4 + n, #ARGV, 2 do
       end
       extend(K_HOLDERS, lease_ms + GRACE_MS, false)
       extend(K_HOLDER_INFO, lease_ms + GRACE_MS, false)
+    end
+    if run ~= '' then
+      keep_run(run, token, now, lease_ms)
     end
   end
   codes[#codes + 1] = code
