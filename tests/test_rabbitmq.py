@@ -148,3 +148,35 @@ def test_a_copy_due_later_than_the_consumer_timeout_goes_back_to_the_broker(
         assert worker.process is not None and worker.process.poll() is None  # its channel was never closed
     finally:
         worker.stop()
+
+
+@pytest.mark.rabbitmq
+def test_a_worker_starts_on_a_queue_that_has_messages_waiting(celery_stack: CeleryStack, amqp_url: str) -> None:
+    """RabbitMQ delivers a queue's ready messages as soon as the worker consumes it. Consuming a
+    wake queue before Celery's event loop had set the consumer's callback let such a delivery
+    arrive with nothing to take it: kombu raised NotImplementedError ("Consumer does not have
+    any callbacks") and the worker died at start. A worker started on a queue with tasks in it
+    comes up and runs them."""
+    queue = f"celery-semaphore-ready-{uuid.uuid4().hex[:8]}"
+    env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": queue}
+    sender = Celery("sender", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+    try:
+        for attempt in range(3):  # a race at start: three fresh workers, each on a queue already full
+            results = [sender.send_task("proj.hold", (0.05, f"ready-{attempt}"), queue=queue) for _ in range(20)]
+            worker = Worker(env, name=f"amqp-ready{attempt}", concurrency=2).start()
+            try:
+                for result in results:
+                    result.get(timeout=60)
+                assert worker.process is not None and worker.process.poll() is None, worker.log()[-3000:]
+                # and it consumes the queue's wake queue, added before its event loop began
+                with Connection(amqp_url) as connection:
+                    declared = connection.channel().queue_declare(f"{queue}.semaphore-wake", passive=True)
+                assert declared.consumer_count == 1
+            finally:
+                worker.stop()
+            assert "does not have any callbacks" not in worker.log()
+    finally:
+        with Connection(amqp_url) as connection:
+            channel = connection.channel()
+            for name in (queue, f"{queue}.semaphore-wake", f"{queue}.semaphore-backstop"):
+                channel.queue_delete(name)

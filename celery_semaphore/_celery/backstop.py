@@ -240,7 +240,7 @@ class BackstopStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     label = "Semaphore backstop queues"
     # after the wake queues: a queue added later gets its backstop queue from the same hook
-    requires = ("celery_semaphore._celery.worker:WakeQueueStep",)
+    requires = ("celery_semaphore._celery.wake_consumer:WakeQueueStep",)
 
     def start(self, consumer: Any) -> None:
         if not holds_backstops(consumer.app):

@@ -75,3 +75,11 @@ class PoolRoom:
 
 
 pool_room = PoolRoom()
+
+
+def is_prefork(worker: Any) -> bool:
+    """Whether ``worker`` (a WorkController) runs a prefork pool."""
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    pool_cls = getattr(worker, "pool_cls", None)
+    return isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)

@@ -7,10 +7,7 @@
   would then deliver a waiting task twice) and where Redis may evict lease keys.
 * At warm shutdown, once the worker stopped consuming: hand back the wake copies it received
   and will not run (``handing_back.py``), so their turn does not wait for the pool to stop.
-* In the consumer: consume, next to each of the worker's queues, its wake queue, where a waiting
-  task is sent again the moment a release hands it a slot (so it does not queue behind a backlog
-  of fresh tasks in the queue it came from); also next to a queue added later (``add_consumer``).
-  Each wake queue is declared like its queue (``wake_queues.py``).
+* In the consumer: consume each queue's wake queue too (``wake_consumer.py``).
 * In the parent process: a child killed by ``revoke(terminate=True)``, a hard time limit or a
   crash runs no ``finally``; the parent gives its slot back by task id as a best effort (the lease
   is the guarantee). Celery may report such a failure twice, so this is idempotent.
@@ -38,18 +35,19 @@ from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
 from . import woken_first
-from .backstop import BackstopStep, follow_backstops, holds_backstops
+from .backstop import BackstopStep, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
 from .due_copies import stores_copies, withdraw
-from .handing_back import hand_back_before_close, read_pending_brpop
+from .handing_back import read_pending_brpop
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
-from .parking import parking, wake_queue
+from .parking import parking
 from .policy import VISIBILITY_MARGIN
-from .pool_room import pool_room
+from .pool_room import is_prefork, pool_room
 from .tokens import task_key, token_rest_of
 from .wait_headers import WaitHistory
-from .wake_queues import declarable, is_derived_queue, wake_aware, wake_queue_for
+from .wake_consumer import WakeQueueStep
+from .wake_queues import wake_aware
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -87,67 +85,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     @staticmethod
     def _prefork(worker: Any) -> bool:
-        from celery.concurrency.prefork import TaskPool as PreforkPool
-
-        pool_cls = getattr(worker, "pool_cls", None)
-        return isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
-
-
-class WakeQueueStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumes the wake queue of every queue the worker consumes, from its start or later."""
-
-    label = "Semaphore wake queues"
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def start(self, consumer: Any) -> None:
-        hand_back_before_close(consumer, prefork=SemaphoreStep._prefork(consumer.controller))
-        follow_queue_changes(consumer)
-        for queue in list(consumer.task_consumer.queues):
-            consume_wake_queue(consumer, queue.name)
-
-
-_FOLLOWED_FLAG = "_celery_semaphore_follows_queues"
-
-
-def consume_wake_queue(consumer: Any, name: str) -> None:
-    """Consume the wake queue of the queue ``name`` (declared like it) too."""
-    if is_derived_queue(name):
-        return
-    queue = wake_queue_for(consumer.app, name)
-    if declarable(consumer.connection, queue):
-        add_task_queue = getattr(consumer, _FOLLOWED_FLAG, None) or consumer.add_task_queue
-        add_task_queue(queue.name)
-    follow_backstops(consumer, name)
-
-
-def follow_queue_changes(consumer: Any) -> None:
-    """Make ``consumer`` consume a queue's wake queue whenever it starts to consume the queue, and
-    stop when it stops.
-
-    Queues change at run time through the consumer's ``add_task_queue`` and ``cancel_task_queue``
-    (the ``add_consumer`` and ``cancel_consumer`` control commands call them, as does any code
-    holding the consumer), and Celery has no signal for either: so the consumer's own methods are
-    wrapped, on this instance only. The consumer outlives a reconnection (its steps restart, this
-    one too), hence the flag: wrapped once, and the wrapper calls the methods it found."""
-    if getattr(consumer, _FOLLOWED_FLAG, None) is not None:
-        return
-    add_task_queue, cancel_task_queue = consumer.add_task_queue, consumer.cancel_task_queue
-    setattr(consumer, _FOLLOWED_FLAG, add_task_queue)
-
-    def add_with_wake_queue(queue: Any, *args: Any, **kwargs: Any) -> None:
-        add_task_queue(queue, *args, **kwargs)
-        name = getattr(queue, "name", queue)
-        if isinstance(name, str) and name:
-            consume_wake_queue(consumer, name)
-
-    def cancel_with_wake_queue(queue: Any, *args: Any, **kwargs: Any) -> None:
-        cancel_task_queue(queue, *args, **kwargs)
-        # a worker told to leave a queue stops running its woken tasks too
-        if isinstance(queue, str) and queue and not is_derived_queue(queue):
-            cancel_task_queue(wake_queue(queue))
-
-    consumer.add_task_queue = add_with_wake_queue
-    consumer.cancel_task_queue = cancel_with_wake_queue
+        return is_prefork(worker)
 
 
 def install(app: Any) -> None:
