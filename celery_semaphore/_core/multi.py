@@ -50,6 +50,7 @@ from .storage import (
     RUNNING,
     TOO_HEAVY,
     WAIT,
+    is_extra_slot,
     is_weighted_waiter,
     weighted_token,
     weighted_waiter,
@@ -287,10 +288,18 @@ class MultiSemaphore:
             )
 
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
-        """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
-        Celery child's task id), the remainder matching ``rest`` if given (see
-        ``FairSemaphore._release_holders_with_prefix``); how many slot entries were released."""
-        return sum(semaphore._release_holders_with_prefix(prefix, rest) for semaphore in self.semaphores)
+        """Release each grant whose token starts with ``prefix`` (a killed Celery child's task
+        id), the remainder matching ``rest`` if given (see
+        ``FairSemaphore._release_holders_with_prefix``): every slot of it on every semaphore, in
+        one release each, so that a weight-w grant gives back w slots at once, not one, and the
+        waiters they free are told; how many slot entries were released."""
+        tokens: dict[str, None] = {}
+        for semaphore in self.semaphores:
+            for token in semaphore._tokens_with_prefix(prefix, rest):
+                if not is_extra_slot(token):  # "<token>#k" goes with its token
+                    tokens.setdefault(token)
+        entries = len(self.semaphores) * self.weight
+        return sum(entries for token in tokens if self._release(token, None, 0))
 
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

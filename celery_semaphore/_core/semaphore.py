@@ -352,15 +352,17 @@ class FairSemaphore:
         random part of its token: ``rest`` keeps a task id that is the start of another one
         ("job:1" and "job:1:x") from releasing the other task's slots. Several round trips: for
         that rare path only."""
+        return sum(self._release(token, None, 0) for token in self._tokens_with_prefix(prefix, rest))
+
+    def _tokens_with_prefix(self, prefix: str, rest: re.Pattern[str] | None) -> list[str]:
+        """The holder tokens ``_release_holders_with_prefix`` gives back, scanned from Redis."""
         pattern = token_prefix_pattern(prefix)
         with RedisErrors(self.name, "release"):
             tokens = [as_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
-        return sum(
-            self._release(token, None, 0)
-            for token in tokens
-            if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix) :]))
-        )
+        return [
+            token for token in tokens if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix) :]))
+        ]
 
     def _renew_many(self, holders: list[tuple[str, str]], *, reclaim: bool) -> list[int]:
         """Renew several (token, label) holders in one round trip; one RENEW_* code each.

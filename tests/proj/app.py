@@ -823,3 +823,23 @@ def exception_infos_alive() -> int:
     import gc
 
     return sum(1 for thing in gc.get_objects() if type(thing).__name__ == "ExceptionInfo")
+
+
+# --- wake-ups the glue owes: a resume, a key list, a killed weighted holder (tests/test_prompt_wakes.py) ---
+
+
+@limit_concurrency(
+    4,
+    key="heavy",
+    app=app,
+    bind=True,
+    name="proj.heavy",
+    semaphore_weight=3,
+    semaphore_inline_wait=0,
+    semaphore_countdown=60,
+)
+def heavy(self: Any, seconds: float, key: str = "heavy") -> str:
+    """Takes 3 of 4 slots; a 60 s backstop and the default 60 s lease, so that only the release
+    of a killed holder's slots brings the next one in early."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
