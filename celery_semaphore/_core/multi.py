@@ -240,6 +240,7 @@ class MultiSemaphore:
                 remember_ms=remember_ms,
                 fresh=ask.fresh,
             )
+        tell_to_wake(self, reply.to_wake)
         if reply.outcome == GRANTED:
             lease = Lease(self, token, label=label, run=ask.run or None, remember_ms=remember_ms)
             renewer.track(lease)
@@ -278,14 +279,18 @@ class MultiSemaphore:
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
-            return self._scripts.leave_many(self.all_keys, waiter=waiter, rules=self.rules, away_ms=away_ms, wake=wake)
+            reply = self._scripts.leave_many(self.all_keys, waiter=waiter, rules=self.rules, away_ms=away_ms, wake=wake)
+        tell_to_wake(self, reply.to_wake)
+        return reply.done
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """Give back every slot of a grant, and mark its run, if any, finished."""
         with RedisErrors(self.name, "release"):
-            return self._scripts.release_many(
+            reply = self._scripts.release_many(
                 self.all_keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms
             )
+        tell_to_wake(self, reply.to_wake)
+        return reply.done
 
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
         """Release each grant whose token starts with ``prefix`` (a killed Celery child's task

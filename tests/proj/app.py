@@ -828,6 +828,32 @@ def exception_infos_alive() -> int:
 # --- wake-ups the glue owes: a resume, a key list, a killed weighted holder (tests/test_prompt_wakes.py) ---
 
 
+@signals.task_received.connect
+def _record_receipt(request: Any = None, **_: Any) -> None:
+    """When the worker's main process received each copy of proj.two_keys and proj.one_key
+    (before any pool process takes it: a recycled pool's respawns do not count)."""
+    name = getattr(request, "name", None)
+    if name in ("proj.two_keys", "proj.one_key"):
+        key = name.removeprefix("proj.")
+        probe(key).client.rpush(f"probe:{key}:received", f"{request.id} {time.time()}")
+
+
+@limit_concurrency(
+    1, key=["z:a", "z:b"], app=app, bind=True, name="proj.two_keys", semaphore_inline_wait=0, semaphore_countdown=30
+)
+def two_keys(self: Any, seconds: float, key: str = "two_keys") -> str:
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@limit_concurrency(
+    1, key="z:one", app=app, bind=True, name="proj.one_key", semaphore_inline_wait=0, semaphore_countdown=30
+)
+def one_key(self: Any, seconds: float, key: str = "one_key") -> str:
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
 @limit_concurrency(
     4,
     key="heavy",
