@@ -1,13 +1,16 @@
 """A waiter is brought back by the operation that frees its start, not by its backstop copy
-(real workers, Redis broker): the release of a task with a key list when the waiter's pool
-process is gone, and the worker's release of a killed weighted holder."""
+(real workers, Redis broker): an operator's resume, the release of a task with a key list when
+the waiter's pool process is gone, and the worker's release of a killed weighted holder."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -18,7 +21,7 @@ from celery_semaphore._celery.tokens import task_key
 
 from .celery_stack import CeleryStack
 from .waiting import wait_until
-from .workers import worker_group
+from .workers import ROOT, worker_group
 
 pytestmark = pytest.mark.workers
 
@@ -45,6 +48,48 @@ def pid_of(proj: Any, key: str, task_id: str) -> int | None:
         if fields[0] == task_id:
             return int(fields[1])
     return None
+
+
+def semaphore_cli(celery_stack: CeleryStack, *args: str) -> None:
+    """``celery semaphore ...`` in a process of its own, as an operator runs it."""
+    env = {**os.environ, **celery_stack.env, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "celery", "-A", "tests.proj.app", "semaphore", *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_resume_starts_the_head_of_the_line_at_once(proj: Any, celery_stack: CeleryStack) -> None:
+    """Limit 1, a 30 s backstop: the key is paused (``celery semaphore pause``) and its holder
+    ends meanwhile, so the waiter's wake copy is refused for a start after the pause; ``resume``
+    starts it within 2 s."""
+    key, probe = "proj.gated_slot", "paused-line"
+    gate = f"resume-{uuid.uuid4().hex[:8]}"
+    semaphore = semaphore_for(proj.app, key)
+    retries = proj.probe(key).client
+    with worker_group(celery_stack.env, queue="resume", names=("resume",), concurrency=2) as group:
+        holder = proj.gated_slot.apply_async((gate,), {"key": probe}, queue="resume")
+        wait_until(lambda: started_at(proj, probe, holder.id), timeout=30, what="the holder runs")
+        waiter = proj.gated_slot.apply_async(("",), {"key": probe}, queue="resume")
+        wait_until(
+            lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
+            timeout=30,
+            what="the waiter parked",
+        )
+        semaphore_cli(celery_stack, "pause", key)
+        proj.probe(gate).client.rpush(f"gate:{gate}", 1)
+        assert holder.get(timeout=30) == holder.id
+        wait_until(
+            lambda: retries.lrange(f"probe:{key}:retries", 0, -1).count(waiter.id.encode()) >= 2,
+            timeout=30,
+            what="the waiter's wake copy refused while paused",
+        )
+        semaphore_cli(celery_stack, "resume", key)
+        resumed_at = time.time()
+        assert waiter.get(timeout=120) == waiter.id, group[0].log()[-4000:]
+    started = started_at(proj, probe, waiter.id)
+    assert started is not None
+    print(f"the head of the line started {started - resumed_at:.2f} s after the resume")
+    assert started - resumed_at < 2
 
 
 def hand_offs(proj: Any, key: str, task_ids: set[str]) -> list[float]:

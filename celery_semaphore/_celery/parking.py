@@ -117,6 +117,8 @@ class Parking:
         self._to_send: queue.SimpleQueue[_Parked | _Offered | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._sweep_targets: dict[tuple[int, str], _SweepTarget] = {}
+        # deployments this process wakes parked tasks of, without sweeping them (wake_from)
+        self._wake_targets: dict[tuple[int, str], _SweepTarget] = {}
         # wake-ups heard here whose copy another process sent (it took the record first)
         self.sent_elsewhere = 0
 
@@ -185,6 +187,14 @@ class Parking:
         with self._lock:
             self._sweep_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
             self._start()
+
+    def wake_from(self, app: Any, client: Any, prefix: str) -> None:
+        """Send, from this process, the wake copies of the parked tasks that its scripts offer a
+        slot in the deployment at ``client`` and ``prefix``, as tasks of ``app``; sweep nothing.
+        For ``celery semaphore``: its resume may offer the start to a task whose own process is
+        gone (recycled), which nobody else would wake before its backstop."""
+        with self._lock:
+            self._wake_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
 
     def _record(
         self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any, away_for: float
@@ -334,10 +344,10 @@ class Parking:
         renewer, whose stall would let leases lapse while their bodies run).
 
         Only from a process that knows the deployment's app (a worker's processes: they sweep
-        it): a copy is sent through the app it is read back into, and Celery's current app, in
-        another process, may have another broker. Taken and then lost, the wait's record could
-        not be sent by its own process either. Elsewhere, the parked task's process sends it, or
-        a worker's tick once the offer lapses."""
+        it; ``celery semaphore``: ``wake_from``): a copy is sent through the app it is read back
+        into, and Celery's current app, in another process, may have another broker. Taken and
+        then lost, the wait's record could not be sent by its own process either. Elsewhere, the
+        parked task's process sends it, or a worker's tick once the offer lapses."""
         if later:
             with self._lock:
                 self._start()
@@ -346,7 +356,8 @@ class Parking:
         lines = members(semaphore)
         first = lines[0]
         with self._lock:
-            target = self._sweep_targets.get((id(first.client), first.prefix))
+            key = (id(first.client), first.prefix)
+            target = self._sweep_targets.get(key) or self._wake_targets.get(key)
         if target is not None:
             deadlines_keys = [line.keys.deadlines for line in lines]
             self._wake(first.client, first.prefix, deadlines_keys, waiters, target.app)

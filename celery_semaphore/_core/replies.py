@@ -107,6 +107,7 @@ class GateReply:
     rate_ms: int
     spacing_ms: int
     paused_ms: int
+    to_wake: tuple[str, ...] = ()  # waiters told they may start whom the caller wakes: parked, or unheard
 
 
 def waiters_of(items: list[Any]) -> tuple[str, ...]:

@@ -356,7 +356,8 @@ class Scripts(ManyScripts):
         "s" a spacing ``<ms>``, "p" a pause ``<ms>`` from now ("0": until resumed)."""
         args = [kind, value, "" if ttl_ms is None else ttl_ms, rules.arg]
         reply = self._scripts["set_gate"](keys=keys.line_keys, args=args)
-        return GateReply(*(int(value) for value in reply))
+        limit, rate_count, rate_ms, spacing_ms, paused_ms = (int(value) for value in reply[:5])
+        return GateReply(limit, rate_count, rate_ms, spacing_ms, paused_ms, to_wake=waiters_of(reply[5:]))
 
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too

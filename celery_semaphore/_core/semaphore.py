@@ -470,7 +470,8 @@ class FairSemaphore:
     def _set_gate(self, kind: str, value: str, ttl: float | None) -> None:
         ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
         with RedisErrors(self.name, "set_gate"):
-            self._scripts.set_gate(self.keys, kind=kind, value=value, ttl_ms=ttl_ms, rules=self.rules)
+            reply = self._scripts.set_gate(self.keys, kind=kind, value=value, ttl_ms=ttl_ms, rules=self.rules)
+        tell_to_wake(self, reply.to_wake)
 
     def reset(self) -> None:
         """Forget every holder and waiter (the limit override stays). For operators recovering

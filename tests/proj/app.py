@@ -828,6 +828,13 @@ def exception_infos_alive() -> int:
 # --- wake-ups the glue owes: a resume, a key list, a killed weighted holder (tests/test_prompt_wakes.py) ---
 
 
+@signals.task_retry.connect
+def _record_gated_slot_retry(request: Any = None, **_: Any) -> None:
+    """Every refusal of proj.gated_slot: a copy asked, was refused and left the worker."""
+    if getattr(request, "task", None) == "proj.gated_slot":
+        probe("proj.gated_slot").client.rpush("probe:proj.gated_slot:retries", str(request.id))
+
+
 @signals.task_received.connect
 def _record_receipt(request: Any = None, **_: Any) -> None:
     """When the worker's main process received each copy of proj.two_keys and proj.one_key
