@@ -28,6 +28,8 @@ from typing import Final, Literal
 import click
 
 from ._celery.catalogue import Catalogue
+from ._celery.parking import parking
+from ._celery.wake_queues import wake_aware
 from ._cli.reports import (
     detail_lines,
     duration,
@@ -38,6 +40,7 @@ from ._cli.reports import (
     spacing_text,
     summary_lines,
 )
+from ._core.clients import client_for
 from ._core.rules import Rate, check_rate, check_spacing
 from ._core.storage import glob_escape
 from ._core.validation import check_seconds
@@ -69,6 +72,16 @@ def _catalogue(ctx: click.Context) -> Catalogue:
     # those modules are imported, as `celery report` does
     app.loader.import_default_modules()
     return Catalogue(app)
+
+
+def _waking_parked_tasks(catalogue: Catalogue) -> Catalogue:
+    """``catalogue``, with this process set to send the wake copies of the parked tasks its
+    command offers a start to: a resume must not wait for a process that may be gone (a pool
+    process recycled after its task parked) to hear the offer."""
+    app, config = catalogue.app, catalogue.config
+    wake_aware(app)  # a wake copy goes to a wake queue declared like its origin, from here too
+    parking().wake_from(app, client_for(config.backend), config.prefix)
+    return catalogue
 
 
 def _check_limit(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -283,7 +296,7 @@ def pause(ctx: click.Context, key: str, seconds: float | None) -> None:
     again replaces the pause.
     """
     with _as_click_errors():
-        catalogue = _catalogue(ctx)
+        catalogue = _waking_parked_tasks(_catalogue(ctx))
         _note_unknown_key(ctx, catalogue, key, "pause")
         catalogue.semaphore(key, placeholder_limit=True).pause(seconds)
         r = report(catalogue, key)
@@ -300,7 +313,7 @@ def resume(ctx: click.Context, key: str) -> None:
     """End the pause of KEY now: the first in line may start at once, if a slot is free and the
     rate and spacing allow."""
     with _as_click_errors():
-        catalogue = _catalogue(ctx)
+        catalogue = _waking_parked_tasks(_catalogue(ctx))
         sem = catalogue.semaphore(key, placeholder_limit=True)
         was_paused = sem.status(listed=0).paused_for is not None
         sem.resume()

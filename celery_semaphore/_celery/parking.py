@@ -46,8 +46,10 @@ from typing import Any
 from .._core.multi import MultiSemaphore
 from .._core.scripts import SemaphoreKeys, scripts_for
 from .._core.semaphore import FairSemaphore, on_to_wake
-from .._core.storage import WOKEN_COPY_MARK, ParkedRecord, parked_line, read_parked_line
+from .._core.storage import WOKEN_COPY_MARK, ParkedRecord, read_parked_line
 from .._core.wakeups import WakeHandle, wake_ups_for
+from .parked_records import line_of, parked_keys, prefix_of, record_of
+from .pausing import members
 from .wait_runs import WaitState, wait_state
 from .wake_copies import deserialized, serialized
 
@@ -75,26 +77,6 @@ LOOK_AGAIN_SLACK_S = 1.0
 WOKEN_LEASE_S = 10.0
 # Most lines one tick looks at (lines_to_tick.lua).
 TICK_BATCH = 100
-
-
-def parked_keys(prefix: str) -> list[bytes]:
-    """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one
-    slot for all, which the scripts on them need): the records due, their copies, the record of
-    each waiter (park.lua), the lines with parked waiters, and who ticks them this round
-    (lines_to_tick.lua)."""
-    base = f"{prefix}:{{parked-tasks}}"
-    return [f"{base}:{name}".encode() for name in ("due", "copies", "waiters", "lines", "tick-round")]
-
-
-def _prefix_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
-    return semaphore.semaphores[0].prefix if isinstance(semaphore, MultiSemaphore) else semaphore.prefix
-
-
-def _line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
-    """The member naming a parked waiter's line for the ticks: its keys and the rules given in
-    code (a MultiSemaphore parks on its first semaphore)."""
-    first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
-    return parked_line(first.keys.base, first.rules.arg)
 
 
 @dataclass(frozen=True)
@@ -135,6 +117,8 @@ class Parking:
         self._to_send: queue.SimpleQueue[_Parked | _Offered | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._sweep_targets: dict[tuple[int, str], _SweepTarget] = {}
+        # deployments this process wakes parked tasks of, without sweeping them (wake_from)
+        self._wake_targets: dict[tuple[int, str], _SweepTarget] = {}
         # wake-ups heard here whose copy another process sent (it took the record first)
         self.sent_elsewhere = 0
 
@@ -186,7 +170,7 @@ class Parking:
             parked.handle.close()
         try:
             scripts_for(semaphore.client).park(
-                parked_keys(_prefix_of(semaphore)), record=_record_of(semaphore, waiter, run), look_in_ms=0, copy=b""
+                parked_keys(prefix_of(semaphore)), record=record_of(semaphore, waiter, run), look_in_ms=0, copy=b""
             )
         except Exception as error:  # Redis down, as it likely was for the send that failed
             logger.warning(
@@ -204,6 +188,14 @@ class Parking:
             self._sweep_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
             self._start()
 
+    def wake_from(self, app: Any, client: Any, prefix: str) -> None:
+        """Send, from this process, the wake copies of the parked tasks that its scripts offer a
+        slot in the deployment at ``client`` and ``prefix``, as tasks of ``app``; sweep nothing.
+        For ``celery semaphore``: its resume may offer the start to a task whose own process is
+        gone (recycled), which nobody else would wake before its backstop."""
+        with self._lock:
+            self._wake_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
+
     def _record(
         self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any, away_for: float
     ) -> bool:
@@ -211,13 +203,13 @@ class Parking:
         copy = serialized(wake_copy)
         if copy is None:
             return False
-        prefix = _prefix_of(semaphore)
+        prefix = prefix_of(semaphore)
         scripts_for(semaphore.client).park(
             parked_keys(prefix),
-            record=_record_of(semaphore, waiter, run),
+            record=record_of(semaphore, waiter, run),
             look_in_ms=round(away_for * 1000),
             copy=copy,
-            line=_line_of(semaphore),
+            line=line_of(semaphore),
         )
         with self._lock:
             self._sweep_targets.setdefault(
@@ -340,7 +332,7 @@ class Parking:
                     logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
                     continue
                 if to_wake:
-                    self._wake(target.client, target.prefix, keys.deadlines, to_wake, target.app)
+                    self._wake(target.client, target.prefix, [keys.deadlines], to_wake, target.app)
 
     def wake_offered(
         self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...], *, later: bool = False
@@ -352,31 +344,42 @@ class Parking:
         renewer, whose stall would let leases lapse while their bodies run).
 
         Only from a process that knows the deployment's app (a worker's processes: they sweep
-        it): a copy is sent through the app it is read back into, and Celery's current app, in
-        another process, may have another broker. Taken and then lost, the wait's record could
-        not be sent by its own process either. Elsewhere, the parked task's process sends it, or
-        a worker's tick once the offer lapses."""
+        it; ``celery semaphore``: ``wake_from``): a copy is sent through the app it is read back
+        into, and Celery's current app, in another process, may have another broker. Taken and
+        then lost, the wait's record could not be sent by its own process either. Elsewhere, the
+        parked task's process sends it, or a worker's tick once the offer lapses."""
         if later:
             with self._lock:
                 self._start()
             self._to_send.put(_Offered(semaphore, waiters))
             return
-        first = semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
+        lines = members(semaphore)
+        first = lines[0]
         with self._lock:
-            target = self._sweep_targets.get((id(first.client), first.prefix))
+            key = (id(first.client), first.prefix)
+            target = self._sweep_targets.get(key) or self._wake_targets.get(key)
         if target is not None:
-            self._wake(first.client, first.prefix, first.keys.deadlines, waiters, target.app)
+            deadlines_keys = [line.keys.deadlines for line in lines]
+            self._wake(first.client, first.prefix, deadlines_keys, waiters, target.app)
 
-    def _wake(self, client: Any, prefix: str, deadlines_key: str, waiters: tuple[str, ...], app: Any) -> None:
-        scripts = scripts_for(client)
+    def _wake(self, client: Any, prefix: str, deadlines_keys: list[str], waiters: tuple[str, ...], app: Any) -> None:
+        """Send the wake copies of ``waiters`` parked in the lines of ``deadlines_keys``. A script
+        over several semaphores reports the waiters of all of their lines, each parked under the
+        first line of its own task (a task with one of those keys, or with them in another
+        order): each line is looked in until one holds the waiter's record."""
+        scripts, lease_ms = scripts_for(client), round(WOKEN_LEASE_S * 1000)
         for waiter in waiters:
-            claimed = scripts.claim_parked_waiter(
-                parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter, lease_ms=round(WOKEN_LEASE_S * 1000)
-            )
+            claimed = None
+            for deadlines_key in deadlines_keys:
+                claimed = scripts.claim_parked_waiter(
+                    parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter, lease_ms=lease_ms
+                )
+                if claimed is not None:
+                    break
             if claimed is None:
                 # parked here only (its copy cannot be serialized), or not a parked task at all
                 # (a blocked caller asks again by itself), or another process took it
-                self._send_parked_here(deadlines_key, waiter)
+                self._send_parked_here(deadlines_keys, waiter)
                 continue
             record, copy = claimed
             try:
@@ -386,12 +389,12 @@ class Parking:
                 continue
             self._send(wake_copy, ParkedRecord.read(record).name)
 
-    def _send_parked_here(self, deadlines_key: str, waiter: str) -> None:
+    def _send_parked_here(self, deadlines_keys: list[str], waiter: str) -> None:
         with self._lock:
             found = [
                 (key, parked)
                 for key, parked in self._parked.items()
-                if parked.waiter == waiter and parked.semaphore.keys.deadlines == deadlines_key
+                if parked.waiter == waiter and parked.semaphore.keys.deadlines in deadlines_keys
             ]
             for key, _ in found:
                 del self._parked[key]
@@ -442,7 +445,7 @@ class Parking:
         semaphore = parked.semaphore
         try:
             taken = scripts_for(semaphore.client).claim_parked_waiter(
-                parked_keys(_prefix_of(semaphore)),
+                parked_keys(prefix_of(semaphore)),
                 deadlines_key=semaphore.keys.deadlines,
                 waiter=parked.waiter,
                 lease_ms=round(WOKEN_LEASE_S * 1000),
@@ -464,11 +467,6 @@ class Parking:
     def parked_count(self) -> int:
         with self._lock:
             return len(self._parked)
-
-
-def _record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> str:
-    """A wait's record name: all a sweep needs to tell whether some copy of it asked."""
-    return ParkedRecord(semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name).text()
 
 
 def _sent_again(name: str) -> None:

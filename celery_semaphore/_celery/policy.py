@@ -30,6 +30,10 @@ VISIBILITY_MARGIN = 0.5
 # Below RabbitMQ's default consumer_timeout (30 min), past which a copy a worker holds closes its
 # channel; long enough that a waiting task costs next to nothing.
 KEPT_APART_BACKSTOP_S = 300.0
+# A start a rate, a spacing or a pause reserves further off than this parks its task as well as
+# sending it for then: an operator's resume or looser rule may bring the start forward, and only
+# a wake-up reaches a task away for a day. A nearer one comes back by its copy alone.
+PARKED_START_AFTER_S = 2.0
 
 
 def expected_wait(waiting: Waiting, *, among_present: bool = False) -> float | None:

@@ -326,7 +326,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 due_in = min(due_in, max(0.0, options.max_wait - waited) + 0.5)
             if config.visibility_timeout is not None and not self._keeps_copies_apart():
                 due_in = min(due_in, config.visibility_timeout * policy.VISIBILITY_MARGIN)
-            self._wait_for_start(semaphore, attempt, history, args, kwargs, due_in)
+            if due_in <= policy.PARKED_START_AFTER_S:
+                self._wait_for_start(semaphore, attempt, history, args, kwargs, due_in)
+            # far off (a pause until resumed): parked too, so that a resume or a looser rule wakes it
+            self._wait_outside(semaphore, attempt, history, args, kwargs, due_in, due_in)
         countdown = policy.countdown(
             attempt, options.countdown, waits=history.waits, visibility_timeout=config.visibility_timeout
         )
@@ -504,8 +507,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         history: WaitHistory,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        countdown: int,
-        backstop_countdown: int,
+        countdown: float,
+        backstop_countdown: float,
     ) -> NoReturn:
         """Leave the worker: send the backstop copy (countdown) and park the wake copy, then
         raise Retry. While away the task holds up nobody who is present before its turn."""

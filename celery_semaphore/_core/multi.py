@@ -51,6 +51,7 @@ from .storage import (
     RUNNING,
     TOO_HEAVY,
     WAIT,
+    is_extra_slot,
     is_weighted_waiter,
     weighted_token,
     weighted_waiter,
@@ -240,6 +241,7 @@ class MultiSemaphore:
                 remember_ms=remember_ms,
                 fresh=ask.fresh,
             )
+        tell_to_wake(self, reply.to_wake)
         if reply.outcome == GRANTED:
             lease = Lease(self, token, label=label, run=ask.run or None, remember_ms=remember_ms)
             renewer.track(lease)
@@ -278,20 +280,32 @@ class MultiSemaphore:
             waiter = self.waiter_id(waiter)
         away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
         with RedisErrors(self.name, "leave"):
-            return self._scripts.leave_many(self.all_keys, waiter=waiter, rules=self.rules, away_ms=away_ms, wake=wake)
+            reply = self._scripts.leave_many(self.all_keys, waiter=waiter, rules=self.rules, away_ms=away_ms, wake=wake)
+        tell_to_wake(self, reply.to_wake)
+        return reply.done
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """Give back every slot of a grant, and mark its run, if any, finished."""
         with RedisErrors(self.name, "release"):
-            return self._scripts.release_many(
+            reply = self._scripts.release_many(
                 self.all_keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms
             )
+        tell_to_wake(self, reply.to_wake)
+        return reply.done
 
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
-        """Release, on every semaphore, each slot whose token starts with ``prefix`` (a killed
-        Celery child's task id), the remainder matching ``rest`` if given (see
-        ``FairSemaphore._release_holders_with_prefix``); how many slot entries were released."""
-        return sum(semaphore._release_holders_with_prefix(prefix, rest) for semaphore in self.semaphores)
+        """Release each grant whose token starts with ``prefix`` (a killed Celery child's task
+        id), the remainder matching ``rest`` if given (see
+        ``FairSemaphore._release_holders_with_prefix``): every slot of it on every semaphore, in
+        one release each, so that a weight-w grant gives back w slots at once, not one, and the
+        waiters they free are told; how many slot entries were released."""
+        tokens: dict[str, None] = {}
+        for semaphore in self.semaphores:
+            for token in semaphore._tokens_with_prefix(prefix, rest):
+                if not is_extra_slot(token):  # "<token>#k" goes with its token
+                    tokens.setdefault(token)
+        entries = len(self.semaphores) * self.weight
+        return sum(entries for token in tokens if self._release(token, None, 0))
 
     def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

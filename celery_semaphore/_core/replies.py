@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from .storage import CLAIMED, GRANTED, RAN
+from .storage import CLAIMED, GRANTED, RAN, as_text
 
 # A holder to renew: (token, label, run), run "" unless the slot was granted for a run (whose
 # record a renewal keeps as long as the lease, so that no copy takes a long run over).
@@ -49,6 +50,7 @@ class ManyReply:
     index: int  # WAIT: the first semaphore holding the try back; TOO_HEAVY: the one too small
     ticket: int | None
     retry_ms: int = 0  # WAIT at the head of every line: ms until a rate, spacing or pause allows it
+    to_wake: tuple[str, ...] = ()  # waiters told their turn whom the caller wakes: parked, or unheard
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,22 @@ class GateReply:
     rate_ms: int
     spacing_ms: int
     paused_ms: int
+    to_wake: tuple[str, ...] = ()  # waiters told they may start whom the caller wakes: parked, or unheard
+
+
+def waiters_of(items: list[Any]) -> tuple[str, ...]:
+    """The waiters at the end of a reply whom the caller must wake: offered a slot, or told
+    their turn, and parked or unheard (lua/_lib.lua, notify)."""
+    return tuple(as_text(waiter) for waiter in items)
+
+
+def renew_reply(reply: list[Any], holders: int) -> RenewReply:
+    """One code per holder, then the waiters the caller must wake."""
+    return RenewReply(codes=[int(code) for code in reply[:holders]], to_wake=waiters_of(reply[holders:]))
+
+
+def hand_off_reply(reply: Any) -> HandOffReply:
+    """A bare 1 or 0, or that code followed by the waiters the caller must wake."""
+    if isinstance(reply, list):
+        return HandOffReply(bool(int(reply[0])), waiters_of(reply[1:]))
+    return HandOffReply(bool(int(reply)))

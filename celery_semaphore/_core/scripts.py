@@ -34,17 +34,20 @@ from .replies import (
     Holder,
     ListedHolder,
     ListedWaiter,
-    ManyReply,
     RenewReply,
     StatusReply,
+    hand_off_reply,
+    renew_reply,
+    waiters_of,
 )
 from .rules import Rules
+from .script_args import number
+from .scripts_many import ManyScripts
 from .storage import (
     CLAIMED,
     GRANTED,
     INFO_SEPARATOR,
     RUNNING,
-    TOO_HEAVY,
     as_text,
     parked_waiter_entry,
     wake_address,
@@ -215,7 +218,7 @@ class _Script:
             return self._client.evalsha(self._sha, len(keys), *keys, *args)
 
 
-class Scripts:
+class Scripts(ManyScripts):
     """The registered scripts of one Redis client, one typed method per script."""
 
     def __init__(self, client: Any) -> None:
@@ -247,11 +250,11 @@ class Scripts:
         # trailing arguments that are empty are not sent (the script reads them as ""): the
         # uncontended acquire of a blocked caller or a one-shot try sends three
         if run:
-            args += [b"" if ticket is None else _number(int(ticket)), wake, run, _number(remember_ms)]
+            args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms)]
         elif wake:
-            args += [b"" if ticket is None else _number(int(ticket)), wake]
+            args += [b"" if ticket is None else number(int(ticket)), wake]
         elif ticket is not None:
-            args.append(_number(int(ticket)))
+            args.append(number(int(ticket)))
         reply = self._scripts["acquire"](keys=keys.encoded if run else keys.line_keys, args=args)
         if not isinstance(reply, list):
             return BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
@@ -259,7 +262,7 @@ class Scripts:
         if code == RUNNING:  # with the lease left of the copy that runs
             return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
         if code in (GRANTED, CLAIMED):  # a grant that handed slots to waiters its caller wakes
-            return AcquireReply(code, 0, 0, 0, -1, None, 0, to_wake=tuple(as_text(waiter) for waiter in reply[1:]))
+            return AcquireReply(code, 0, 0, 0, -1, None, 0, to_wake=waiters_of(reply[1:]))
         outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms, opens_ms = reply[:9]
         text = as_text(ticket_text)
         return AcquireReply(
@@ -270,7 +273,7 @@ class Scripts:
             hold_ms=int(hold_ms),
             ticket=int(float(text)) if text else None,
             turn=int(turn),
-            to_wake=tuple(as_text(waiter) for waiter in reply[9:]),
+            to_wake=waiters_of(reply[9:]),
             retry_ms=int(retry_ms),
             opens_ms=int(opens_ms),
         )
@@ -279,23 +282,23 @@ class Scripts:
         self, keys: SemaphoreKeys, *, token: str, rules: Rules, run: str = "", remember_ms: int = 0
     ) -> HandOffReply:
         if run:
-            reply = self._scripts["release"](keys=keys.encoded, args=[token, rules.arg, run, _number(remember_ms)])
+            reply = self._scripts["release"](keys=keys.encoded, args=[token, rules.arg, run, number(remember_ms)])
         else:
             reply = self._scripts["release"](keys=keys.line_keys, args=[token, rules.arg])
-        return _hand_off_reply(reply)
+        return hand_off_reply(reply)
 
     def renew(
         self, keys: SemaphoreKeys, *, lease_ms: int, rules: Rules, reclaim: bool, holders: list[Holder]
     ) -> RenewReply:
         args: list[Any] = [lease_ms, rules.arg, int(reclaim), *(part for holder in holders for part in holder)]
         named = keys.encoded if any(run for _, _, run in holders) else keys.line_keys  # runs: their records too
-        return _renew_reply(self._scripts["renew"](keys=named, args=args), len(holders))
+        return renew_reply(self._scripts["renew"](keys=named, args=args), len(holders))
 
     def leave(
         self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, rules: Rules, wake: str = ""
     ) -> HandOffReply:
         args = [waiter, "" if away_ms is None else away_ms, rules.arg, wake]
-        return _hand_off_reply(self._scripts["leave"](keys=keys.line_keys, args=args))
+        return hand_off_reply(self._scripts["leave"](keys=keys.line_keys, args=args))
 
     def status(self, keys: SemaphoreKeys, *, listed: int, rules: Rules) -> StatusReply:
         now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters, gate = self._scripts["status"](
@@ -344,93 +347,6 @@ class Scripts:
             ),
         )
 
-    # -- several semaphores in one script (10 keys each; one hash slot on a cluster) ----------
-
-    def acquire_many(
-        self,
-        keys: list[SemaphoreKeys],
-        *,
-        token: str,
-        waiter: str,
-        rules: list[Rules],
-        lease_ms: int,
-        patience_ms: int,
-        enqueue: bool,
-        label: str,
-        ticket: int | None,
-        wake: str,
-        run: str = "",
-        remember_ms: int = 0,
-        fresh: bool = False,
-    ) -> ManyReply:
-        mode = (b"2" if fresh else b"1") if enqueue else b"0"
-        args: list[Any] = [
-            token,
-            waiter,
-            _number(lease_ms),
-            _number(patience_ms),
-            mode,
-            label,
-            b"" if ticket is None else _number(int(ticket)),
-            wake,
-            _number(len(keys)),
-            *(each.arg for each in rules),
-        ]
-        if run:
-            args += [run, _number(remember_ms)]
-        reply = self._scripts["acquire_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args)
-        if not isinstance(reply, list):
-            return ManyReply(int(reply), 0, 0, 0, 0, None)
-        if int(reply[0]) == TOO_HEAVY:
-            return ManyReply(TOO_HEAVY, 0, 0, int(reply[2]), int(reply[1]), None)
-        outcome, position, free, limit, index, ticket_text, retry_ms = reply
-        text = as_text(ticket_text)
-        return ManyReply(
-            int(outcome),
-            int(position),
-            int(free),
-            int(limit),
-            int(index),
-            int(float(text)) if text else None,
-            retry_ms=int(retry_ms),
-        )
-
-    def release_many(
-        self, keys: list[SemaphoreKeys], *, token: str, rules: list[Rules], run: str = "", remember_ms: int = 0
-    ) -> bool:
-        args: list[Any] = [token, _number(len(keys)), *(each.arg for each in rules)]
-        if run:
-            args += [run, _number(remember_ms)]
-        return bool(self._scripts["release_many"](keys=_many_keys(keys, with_runs=bool(run)), args=args))
-
-    def renew_many(
-        self,
-        keys: list[SemaphoreKeys],
-        *,
-        lease_ms: int,
-        rules: list[Rules],
-        reclaim: bool,
-        holders: list[Holder],
-    ) -> RenewReply:
-        args: list[Any] = [lease_ms, int(reclaim), len(keys), *(each.arg for each in rules)]
-        args += [part for holder in holders for part in holder]
-        named = _many_keys(keys, with_runs=any(run for _, _, run in holders))
-        return _renew_reply(self._scripts["renew_many"](keys=named, args=args), len(holders))
-
-    def leave_many(
-        self,
-        keys: list[SemaphoreKeys],
-        *,
-        waiter: str,
-        rules: list[Rules],
-        away_ms: int | None = None,
-        wake: str = "",
-    ) -> bool:
-        args: list[Any] = [waiter, _number(len(keys)), *(each.arg for each in rules)]
-        if away_ms is not None:
-            args += [_number(away_ms), wake]
-        return bool(self._scripts["leave_many"](keys=_many_keys(keys), args=args))
-
     def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, rules: Rules) -> int:
         args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, rules.arg]
         return int(self._scripts["set_limit"](keys=keys.line_keys, args=args))
@@ -440,7 +356,8 @@ class Scripts:
         "s" a spacing ``<ms>``, "p" a pause ``<ms>`` from now ("0": until resumed)."""
         args = [kind, value, "" if ttl_ms is None else ttl_ms, rules.arg]
         reply = self._scripts["set_gate"](keys=keys.line_keys, args=args)
-        return GateReply(*(int(value) for value in reply))
+        limit, rate_count, rate_ms, spacing_ms, paused_ms = (int(value) for value in reply[:5])
+        return GateReply(limit, rate_count, rate_ms, spacing_ms, paused_ms, to_wake=waiters_of(reply[5:]))
 
     def reset(self, keys: SemaphoreKeys) -> int:
         return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
@@ -473,7 +390,7 @@ class Scripts:
         this caller alone and leased for ``lease_ms`` (a sweep sends its copy again after that,
         unless its run was granted); None when it has none (or another caller took it)."""
         reply = self._scripts["claim_parked_waiter"](
-            keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter), _number(lease_ms)]
+            keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter), number(lease_ms)]
         )
         return (as_text(reply[0]), bytes(reply[1])) if reply else None
 
@@ -483,13 +400,13 @@ class Scripts:
 
     def remember_wait(self, keys: SemaphoreKeys, *, first_delivery: str, wait_id: str, remember_ms: int) -> None:
         """Note the wait a first delivery began (lua/remember_wait.lua)."""
-        self._scripts["remember_wait"](keys=keys.encoded, args=[first_delivery, wait_id, _number(remember_ms)])
+        self._scripts["remember_wait"](keys=keys.encoded, args=[first_delivery, wait_id, number(remember_ms)])
 
     def tick(self, keys: SemaphoreKeys, *, rules: bytes) -> tuple[str, ...]:
         """Purge a line one step and hand freed slots on; the waiters the caller must wake
         (offered a slot: parked, or nobody heard; see notify in lua/_lib.lua).
         ``rules``: as ``Rules.arg`` (a parked line's record carries them as text)."""
-        return tuple(as_text(waiter) for waiter in self._scripts["tick"](keys=keys.line_keys, args=[rules]))
+        return waiters_of(self._scripts["tick"](keys=keys.line_keys, args=[rules]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -508,37 +425,11 @@ def scripts_for(client: Any) -> Scripts:
         return _registered[client]
 
 
-def _renew_reply(reply: list[Any], holders: int) -> RenewReply:
-    """One code per holder, then the waiters the caller must wake (see ``tick``)."""
-    return RenewReply(
-        codes=[int(code) for code in reply[:holders]], to_wake=tuple(as_text(waiter) for waiter in reply[holders:])
-    )
-
-
-def _many_keys(keys: list[SemaphoreKeys], *, with_runs: bool = False) -> list[bytes]:
-    """10 keys per semaphore; with a run id, then the first semaphore's run records."""
-    flat = [key for semaphore in keys for key in semaphore.line_keys]
-    return flat + keys[0].encoded[10:12] if with_runs else flat
-
-
-def _hand_off_reply(reply: Any) -> HandOffReply:
-    if isinstance(reply, list):
-        return HandOffReply(bool(int(reply[0])), tuple(as_text(waiter) for waiter in reply[1:]))
-    return HandOffReply(bool(int(reply)))
-
-
 @functools.lru_cache(maxsize=1024)
 def _settings(rules: bytes, lease_ms: int, patience_ms: int, enqueue: bool, fresh: bool, label: str) -> bytes:
     """acquire's ARGV[3]: the arguments that rarely change between calls, packed once (see
     lua/acquire.lua): every argument sent costs the client a trip through redis-py's encoder."""
     return b"%s|%d|%d|%d%d|%s" % (rules, lease_ms, patience_ms, enqueue, fresh, label.encode())
-
-
-@functools.lru_cache(maxsize=4096)
-def _number(value: int) -> bytes:
-    """An int argument as redis-py would send it, made once per distinct value (limits and
-    lease lengths repeat on every call)."""
-    return b"%d" % value
 
 
 def preload(client: Any) -> None:

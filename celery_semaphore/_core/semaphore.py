@@ -353,15 +353,17 @@ class FairSemaphore:
         random part of its token: ``rest`` keeps a task id that is the start of another one
         ("job:1" and "job:1:x") from releasing the other task's slots. Several round trips: for
         that rare path only."""
+        return sum(self._release(token, None, 0) for token in self._tokens_with_prefix(prefix, rest))
+
+    def _tokens_with_prefix(self, prefix: str, rest: re.Pattern[str] | None) -> list[str]:
+        """The holder tokens ``_release_holders_with_prefix`` gives back, scanned from Redis."""
         pattern = token_prefix_pattern(prefix)
         with RedisErrors(self.name, "release"):
             tokens = [as_text(token) for token, _ in self.client.zscan_iter(self.keys.holders, match=pattern)]
         # offers ("!<waiter>") are not holders: they go to their waiter or lapse
-        return sum(
-            self._release(token, None, 0)
-            for token in tokens
-            if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix) :]))
-        )
+        return [
+            token for token in tokens if not is_offer(token) and (rest is None or rest.fullmatch(token[len(prefix) :]))
+        ]
 
     def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         """Renew several (token, label, run) holders in one round trip; one RENEW_* code each.
@@ -469,7 +471,8 @@ class FairSemaphore:
     def _set_gate(self, kind: str, value: str, ttl: float | None) -> None:
         ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
         with RedisErrors(self.name, "set_gate"):
-            self._scripts.set_gate(self.keys, kind=kind, value=value, ttl_ms=ttl_ms, rules=self.rules)
+            reply = self._scripts.set_gate(self.keys, kind=kind, value=value, ttl_ms=ttl_ms, rules=self.rules)
+        tell_to_wake(self, reply.to_wake)
 
     def reset(self) -> None:
         """Forget every holder and waiter (the limit override stays). For operators recovering

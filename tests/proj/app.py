@@ -903,3 +903,56 @@ def _kill_after_the_outcome(task: Any = None, task_id: str | None = None, **_: A
 
     if getattr(task, "name", None) == "proj.fails_then_lost" and _first_run_of("fails_then_lost:killed", str(task_id)):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- wake-ups the glue owes: a resume, a key list, a killed weighted holder (tests/test_prompt_wakes.py) ---
+
+
+@signals.task_retry.connect
+def _record_gated_slot_retry(request: Any = None, **_: Any) -> None:
+    """Every refusal of proj.gated_slot: a copy asked, was refused and left the worker."""
+    if getattr(request, "task", None) == "proj.gated_slot":
+        probe("proj.gated_slot").client.rpush("probe:proj.gated_slot:retries", str(request.id))
+
+
+@signals.task_received.connect
+def _record_receipt(request: Any = None, **_: Any) -> None:
+    """When the worker's main process received each copy of proj.two_keys and proj.one_key
+    (before any pool process takes it: a recycled pool's respawns do not count)."""
+    name = getattr(request, "name", None)
+    if name in ("proj.two_keys", "proj.one_key"):
+        key = name.removeprefix("proj.")
+        probe(key).client.rpush(f"probe:{key}:received", f"{request.id} {time.time()}")
+
+
+@limit_concurrency(
+    1, key=["z:a", "z:b"], app=app, bind=True, name="proj.two_keys", semaphore_inline_wait=0, semaphore_countdown=30
+)
+def two_keys(self: Any, seconds: float, key: str = "two_keys") -> str:
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@limit_concurrency(
+    1, key="z:one", app=app, bind=True, name="proj.one_key", semaphore_inline_wait=0, semaphore_countdown=30
+)
+def one_key(self: Any, seconds: float, key: str = "one_key") -> str:
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@limit_concurrency(
+    4,
+    key="heavy",
+    app=app,
+    bind=True,
+    name="proj.heavy",
+    semaphore_weight=3,
+    semaphore_inline_wait=0,
+    semaphore_countdown=60,
+)
+def heavy(self: Any, seconds: float, key: str = "heavy") -> str:
+    """Takes 3 of 4 slots; a 60 s backstop and the default 60 s lease, so that only the release
+    of a killed holder's slots brings the next one in early."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)

@@ -29,12 +29,14 @@
 -- (nobody present ahead of it) with w slots free in each. Until then the lines it heads wait
 -- for it: strict first-ask order per semaphore, so a heavy waiter is never starved by light ones.
 -- Returns (the codes are named in _lib.lua) the bare integer GRANTED when granted (also for a
--- repeat of a granted token); when refused {WAIT, position, free, limit, blocking, ticket,
--- retry_ms}: the most waiters ahead of it in any line, the fewest free slots of any semaphore,
--- that semaphore's limit, the 0-based index of the first semaphore that holds it back, the
--- ticket as a decimal string ("" if not queued), and 0 or, when it heads every line with room
--- and only a rate, a spacing or a pause holds it back, the ms until they allow its start (it
--- asks again then; the lines it heads wait for it meanwhile);
+-- repeat of a granted token), or {GRANTED, to_wake...} when the grant handed slots on to
+-- waiters its caller wakes (see notify in _lib.lua); when refused {WAIT, position, free, limit,
+-- blocking, ticket, retry_ms, to_wake...}: the most waiters ahead of it in any line, the fewest
+-- free slots of any semaphore, that semaphore's limit, the 0-based index of the first semaphore
+-- that holds it back, the ticket as a decimal string ("" if not queued), 0 or, when it heads
+-- every line with room and only a rate, a spacing or a pause holds it back, the ms until they
+-- allow its start (it asks again then; the lines it heads wait for it meanwhile), and the
+-- waiters its purges offered a slot whom the caller wakes;
 -- {TOO_HEAVY, index, limit} when w is above the limit (or the rate's count) in force of
 -- semaphore <index> (0-based): such a try would wait forever, so it is refused and the waiter
 -- leaves every line.
@@ -63,6 +65,9 @@ end
 local function granted()
   if run ~= '' then
     record_run(run, token, now, remember_ms)
+  end
+  if #to_wake > 0 then
+    return {GRANTED, unpack(to_wake)}
   end
   return GRANTED
 end
@@ -233,4 +238,4 @@ end
 -- a retry moment means something only to the head of every line: the others are told when
 -- their weight fits (hand_off)
 return {WAIT, position, short_free, limits[blocking or 1], (blocking or 1) - 1,
-        ticket and string.format('%.0f', ticket) or '', start_wait}
+        ticket and string.format('%.0f', ticket) or '', start_wait, unpack(to_wake)}

@@ -24,11 +24,17 @@ if away_ms and in_line and wake ~= '' then
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
              (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. PARKED_MARK .. wake)
   redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
-  if redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. waiter) then
+  local offered = redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. waiter)
+  if offered then
     -- offered already (between its refusal and this park), told where nobody listened: the
     -- caller, the parking process itself, sends its wake copy now, in the same call (a pool
-    -- process recycled after this task would not live to hear a publish)
-    to_wake[#to_wake + 1] = waiter
+    -- process recycled after this task would not live to hear a publish). Not a delayed offer,
+    -- whose start a rate, a spacing or a pause holds off (its claim window opens later): woken
+    -- now it would only be refused again; a resume or a looser rule tells it (set_gate), else
+    -- its copy comes when the start opens
+    if -tonumber(offered) - CLAIM_MS <= now then
+      to_wake[#to_wake + 1] = waiter
+    end
   else
     redis.call('ZADD', K_PRESENT, in_line, waiter)
     hand_off(now, rules_in_force(ARGV[3], now), nil)

@@ -8,7 +8,8 @@
 --   ARGV[4+n] wake  with away_ms: "" to be passed by while away; or a wake address, to stay
 --                   *parked*: it keeps heading the lines it heads, and is told on that address
 --                   when its weight fits one of them (it then asks; see hand_off in _lib.lua)
--- Returns 1 if the waiter stood in some line, 0 if not. Safe to repeat.
+-- Returns 1 if the waiter stood in some line, 0 if not; {1 or 0, to_wake...} when a hand-off
+-- told waiters whom the caller wakes (see notify in _lib.lua). Safe to repeat.
 
 local waiter = ARGV[1]
 local n = tonumber(ARGV[2])
@@ -40,5 +41,8 @@ for i = 1, n do
   if redis.call('ZCARD', K_PRESENT) > 0 then
     hand_off(now, rules_in_force(ARGV[2 + i], now), nil)
   end
+end
+if #to_wake > 0 then
+  return {was_in_line, unpack(to_wake)}
 end
 return was_in_line

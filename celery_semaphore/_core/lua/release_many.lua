@@ -8,7 +8,8 @@
 --                   (KEYS[10n+1], KEYS[10n+2]: the first semaphore's run records, see acquire_many)
 --   ARGV[4+n] remember_ms  with a run: how long the finished run is remembered
 -- Returns 1 if the token held slots of some semaphore and now holds none; 0 if they were
--- already gone everywhere. Safe to repeat.
+-- already gone everywhere; {1 or 0, to_wake...} when the hand-off told waiters whom the caller
+-- wakes (parked, or nobody heard: see notify in _lib.lua). Safe to repeat.
 
 local token = ARGV[1]
 local n = tonumber(ARGV[2])
@@ -35,5 +36,8 @@ for i = 1, n do
     now = now or now_ms()
     settle(now, rules_in_force(ARGV[2 + i], now))
   end
+end
+if #to_wake > 0 then
+  return {released, unpack(to_wake)}
 end
 return released

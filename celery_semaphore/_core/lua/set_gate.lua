@@ -7,8 +7,10 @@
 --                  (how long from now, server time; "0": until resumed)
 --   ARGV[3] ttl_ms "" to keep a rate or a spacing until cleared; or its lifetime in ms
 --   ARGV[4] rules  the rules given in code, which apply where no override is stored
--- Returns {limit, rate count, rate ms, spacing ms, paused ms left}: the rules in force after
--- the change (0 for none; -1 paused until resumed).
+-- Returns {limit, rate count, rate ms, spacing ms, paused ms left, to_wake...}: the rules in
+-- force after the change (0 for none; -1 paused until resumed), then the waiters told here whom
+-- the caller wakes (see notify in _lib.lua): a waiter whose start a pause held off parked until
+-- then, and its process may be gone, so a resume must not rely on it hearing its turn.
 
 local kind, value, ttl_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now = now_ms()
@@ -66,4 +68,4 @@ local paused = 0
 if r.paused_until > 0 then
   paused = r.paused_until >= FOREVER_MS and -1 or r.paused_until - now
 end
-return {r.limit, r.rate_n, r.rate_ms, r.spacing_ms, paused}
+return {r.limit, r.rate_n, r.rate_ms, r.spacing_ms, paused, unpack(to_wake)}
