@@ -1,16 +1,27 @@
-"""The node records' scripts, on a real Redis of each flavour: the take-over removes only a silent
-worker instance, atomically, and a silent instance's holders go back through ``release``
-(weighted ones whole), offered to the next waiter; another instance's holder stays.
+"""A worker restarted under its node name gives back the dead one's slots; a live one keeps them.
+
+The scripts first (a real Redis of each flavour): the take-over removes only a silent instance,
+atomically, and a silent instance's holders go back through ``release`` (weighted ones whole),
+offered to the next waiter. Then real workers (prefork, Redis broker, the default 60 s lease): a
+whole worker SIGKILLed and restarted under its name, and two live workers under one name.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import pytest
 import redis
 
 from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, Waiting
+from celery_semaphore._celery.node_names import STALE_S
+from celery_semaphore._core.clients import client_for
 from celery_semaphore._core.nodes import Beating, NodeKeys, NodeScripts, Silent
 
+from .celery_stack import CeleryStack
 from .waiting import wait_until
+from .workers import Worker
 
 DAY_MS = 86_400_000
 DEAD, ALIVE = "dead0001", "a11ve002"  # instance ids: 8 hex digits
@@ -84,3 +95,72 @@ def test_a_beat_keeps_an_instance_from_being_taken_over(redis_client: redis.Redi
     assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) is False, "it learns it was taken over"
     scripts.forget(keys, instance=ALIVE)
     assert scripts.instances(keys) == {}
+
+
+# --- real workers -----------------------------------------------------------------------------
+
+
+def semaphore(proj: Any, key: str, limit: int) -> FairSemaphore:
+    return FairSemaphore(client_for(proj.app.conf.semaphore_backend_url), key, limit)
+
+
+@pytest.mark.workers
+def test_a_worker_killed_and_restarted_under_its_name_frees_its_slot_within_seconds(
+    celery_stack: CeleryStack,
+) -> None:
+    """A whole worker SIGKILLed while its task holds the only slot (the default 60 s lease), then
+    started again under its node name: a task waiting in another worker gets the slot within 5 s
+    of the restart (before, it waited for the lease)."""
+    import tests.proj.app as proj
+
+    victim = Worker({**celery_stack.env, "PROJ_QUEUE": "node-victim"}, name="phoenix", concurrency=1).start()
+    other = Worker({**celery_stack.env, "PROJ_QUEUE": "node-other"}, name="bystander", concurrency=1).start()
+    try:
+        proj.sleepy.apply_async((120, "node-held"), queue="node-victim")
+        wait_until(lambda: proj.probe("node-held").live == 1, timeout=30, what="the task to hold the slot")
+        waiting = proj.sleepy.apply_async((0.1, "node-waiting"), queue="node-other")
+        line = semaphore(proj, "proj.sleepy", 1)
+        wait_until(lambda: line.status().waiter_count == 1, timeout=30, what="the second task to wait")
+        victim.kill()
+        restarted_at = time.monotonic()
+        victim = Worker(victim.env, name="phoenix", concurrency=1).start()
+        assert waiting.get(timeout=90) == "woke"
+        took = time.monotonic() - restarted_at
+        assert took < 5, f"the slot reached the waiting task {took:.1f} s after the restart"
+        assert "took over its dead instance" in victim.log()
+        assert line.status().holder_count == 0
+    finally:
+        victim.kill()
+        other.stop()
+
+
+@pytest.mark.workers
+def test_two_live_workers_under_one_name_keep_their_slots(celery_stack: CeleryStack) -> None:
+    """A second worker started by mistake under the name of a live one that holds a slot: the
+    first keeps its slot (its holder stays in Redis), the second's own holder too, and the second
+    says so."""
+    import tests.proj.app as proj
+
+    # a queue each, so that each runs a task (a busy worker would prefetch the other's)
+    first = Worker({**celery_stack.env, "PROJ_QUEUE": "node-twin-1"}, name="twin", concurrency=1).start()
+    second = Worker({**celery_stack.env, "PROJ_QUEUE": "node-twin-2"}, name="twin", concurrency=1)
+    slots = semaphore(proj, "proj.hold", 3)
+    try:
+        key = "node-twins"
+        results = [proj.hold.apply_async((8, key), queue="node-twin-1")]
+        wait_until(lambda: proj.probe(key).live == 1, timeout=30, what="the first worker's task to hold a slot")
+        held = [holder.token for holder in slots.status().holders]
+        second.start()
+        results.append(proj.hold.apply_async((8, key), queue="node-twin-2"))
+        wait_until(lambda: proj.probe(key).live == 2, timeout=30, what="the second worker's task to hold a slot")
+        wait_until(lambda: "its slots stay" in second.log(), timeout=STALE_S + 10, what="the second to leave them")
+        now_held = [holder.token for holder in slots.status().holders]
+        assert set(held) < set(now_held) and len(now_held) == 2, "the first worker's holder kept its slot"
+        results.append(proj.hold.apply_async((0.1, key), queue="node-twin-2"))
+        assert all(result.get(timeout=90) for result in results)
+        assert proj.probe(key).maximum == 2 and slots.status().holder_count == 0
+        logs = first.log() + second.log()
+        assert "took over" not in logs and "no longer recorded" not in logs
+    finally:
+        first.stop()
+        second.stop()
