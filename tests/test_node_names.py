@@ -65,7 +65,7 @@ def test_a_silent_instance_is_taken_over_once_and_only_its_holders_go(redis_clie
 
         silent = take_over_when_silent(scripts, keys, DEAD)
         assert silent.held == {base: rules for base, rules in held}
-        given = {base: scripts.give_back(base, rules, DEAD)[0] for base, rules in silent.held.items()}
+        given = {base: scripts.give_back(base, rules, DEAD) for base, rules in silent.held.items()}
         assert given == {single.keys.base: 1, pair[0].keys.base: 2, pair[1].keys.base: 2}
         assert [holder.token for holder in single.status().holders] == [token_of(ALIVE, "t2")]
         assert single.status().offered_count == 1, "the freed slot is offered to the waiter"

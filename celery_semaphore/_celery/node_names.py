@@ -6,16 +6,19 @@ makespan. systemd restarts ``celery@host`` under the same name, and a Kubernetes
 pod, within seconds. So each start of a worker's main process is an *instance* with a fresh id,
 which beats once a second under the node name (``_core/nodes.py``, one thread here); the pool
 processes it forks note in its index each semaphore they ask for a slot of, before they ask
-(once a minute per semaphore and process), and carry its id in their holder tokens. An instance starting
-under the name takes over each other instance recorded under it:
+(once a minute per semaphore and process), and carry its id in their holder tokens. An instance
+starting under the name looks at each other instance recorded under it:
 
-* one whose beat is older than ``STALE_S``: silent. The take-over script removes it only if it
-  is still silent, and the slots of its holders go back through ``release``, waking the waiters
-  they are offered to, parked ones from here (a parked task of the dead worker has nobody else);
-* one that beats: a second live worker under the same name, started by mistake. Its slots stay,
-  and a warning says so;
 * one that ran on this host, in this PID namespace, whose main process still runs (the same PID
-  and start time): alive, though silent (cut off from Redis, or stalled). Its slots stay.
+  and start time): alive, though silent (cut off from Redis, or stalled). Its slots stay;
+* one that ran there whose main process is gone: dead, proven. Taken over at once;
+* one elsewhere whose beat is older than ``STALE_S``: silent. Taken over, by a script that
+  removes it only if it is still silent;
+* one that beats again: a second live worker under the same name, started by mistake. Its slots
+  stay, and a warning says so.
+
+A taken-over instance's holders go back through ``release``, which offers each slot to the next
+waiter (``nodes.NodeScripts.give_back`` says why no wake copy is sent from here).
 
 A dead main process leaves no pool process running a body: Celery's prefork children die with
 their parent (``PR_SET_PDEATHSIG``, set by ``celery.concurrency.prefork.process_initializer``,
@@ -38,7 +41,6 @@ from .._core.multi import MultiSemaphore
 from .._core.nodes import INSTANCE_DIGITS, Beating, NodeKeys, NodeScripts, Silent
 from .._core.semaphore import FairSemaphore
 from .config import config_for
-from .parking import parking
 from .pausing import members
 from .tokens import set_instance
 
@@ -164,13 +166,16 @@ def _look(node: _Node, scripts: NodeScripts, others: dict[str, int | None]) -> N
         if where is None:
             del others[other]  # taken over by another starting instance, or expired
             continue
-        if _runs_here(where):
+        here = _runs_here(where)
+        if here:
             del others[other]
             logger.warning(
                 "another worker runs under the name %s on this host (instance %s): its slots stay", node.name, other
             )
             continue
-        answer = scripts.take_over(node.keys, instance=other, stale_ms=round(STALE_S * 1000))
+        # its main process gone from this host is proof of death: no need to wait for its beat to go stale
+        stale_ms = 0 if here is False else round(STALE_S * 1000)
+        answer = scripts.take_over(node.keys, instance=other, stale_ms=stale_ms)
         if isinstance(answer, Beating):
             # a silent instance is a second more silent at the next look: less means it beat since
             if was_silent_ms is not None and answer.silent_ms < was_silent_ms + BEAT_EVERY_S * 500:
@@ -192,13 +197,9 @@ def _give_back(node: _Node, scripts: NodeScripts, other: str, silent: Silent) ->
     given = 0
     for base, rules in silent.held.items():
         try:
-            count, keys, to_wake = scripts.give_back(base, rules, other)
+            given += scripts.give_back(base, rules, other)
         except Exception as error:  # its lease stays the bound
             logger.warning("could not give back the slots of %s's dead instance on %s: %s", node.name, base, error)
-            continue
-        given += count
-        if to_wake:
-            parking().wake(scripts.client, node.prefix, keys.deadlines, to_wake, node.app)
     logger.info(
         "worker %s: took over its dead instance %s and gave back %d slot(s) on %d semaphore(s)",
         node.name, other, given, len(silent.held),
@@ -225,13 +226,14 @@ def _started_at(pid: int) -> str:
     return fields[19]  # field 22 of proc(5): the start time, in clock ticks after boot
 
 
-def _runs_here(where: str) -> bool:
-    """Whether the process ``where`` names runs on this host and in this PID namespace: alive,
-    whatever its beat says. False when it is gone, or runs elsewhere (nothing to check)."""
+def _runs_here(where: str) -> bool | None:
+    """Whether the process ``where`` names runs: True, alive whatever its beat says; False, it
+    ran on this host and in this PID namespace and is gone; None, it ran elsewhere (on another
+    host, or in another container), where nothing can be checked from here."""
     here = _where(os.getpid()).split("/")
     there = where.split("/")
     if len(there) != 4 or len(here) != 4 or there[:2] != here[:2]:
-        return False
+        return None
     try:
         return _started_at(int(there[2])) == there[3]
     except (OSError, IndexError, ValueError):

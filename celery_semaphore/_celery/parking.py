@@ -340,7 +340,7 @@ class Parking:
                     logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
                     continue
                 if to_wake:
-                    self.wake(target.client, target.prefix, keys.deadlines, to_wake, target.app)
+                    self._wake(target.client, target.prefix, keys.deadlines, to_wake, target.app)
 
     def wake_offered(
         self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...], *, later: bool = False
@@ -365,9 +365,9 @@ class Parking:
         with self._lock:
             target = self._sweep_targets.get((id(first.client), first.prefix))
         if target is not None:
-            self.wake(first.client, first.prefix, first.keys.deadlines, waiters, target.app)
+            self._wake(first.client, first.prefix, first.keys.deadlines, waiters, target.app)
 
-    def wake(self, client: Any, prefix: str, deadlines_key: str, waiters: tuple[str, ...], app: Any) -> None:
+    def _wake(self, client: Any, prefix: str, deadlines_key: str, waiters: tuple[str, ...], app: Any) -> None:
         scripts = scripts_for(client)
         for waiter in waiters:
             claimed = scripts.claim_parked_waiter(

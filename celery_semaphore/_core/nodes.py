@@ -113,23 +113,24 @@ class NodeScripts:
             return None
         raise ValueError(f"take_over answered an unknown code {code!r}")
 
-    def give_back(self, base: str, rules: bytes, instance: str) -> tuple[int, SemaphoreKeys, tuple[str, ...]]:
+    def give_back(self, base: str, rules: bytes, instance: str) -> int:
         """Release every holder of ``instance`` on the semaphore ``base`` through its release
-        script: (slots given back, the semaphore's keys, the waiters to wake: offered a freed
-        slot, parked or not heard; see notify in lua/_lib.lua)."""
+        script (a weighted one, all its entries, through release_many); how many slots went back.
+
+        Each freed slot is offered to the next present waiter and told on its wake address
+        (notify in lua/_lib.lua): a waiter whose process lives hears it and claims the slot. The
+        waiters the reply names are not woken from here: one parked by a process that died with
+        the instance has nobody listening, and its offer lapses after its claim window (2 s),
+        when the purge reports it again and a worker's tick sends its wake copy."""
         keys = SemaphoreKeys.of_base(base)
-        given, to_wake = 0, list[str]()
+        given = 0
         for token in list(instance_tokens(self.client, keys.holders, instance)):
             if WEIGHT_MARK in token.rpartition(":")[2]:
-                # every entry of a weighted holder goes (release_many's reply names no waiter: an
-                # offer nobody heard lapses after its claim window and a tick wakes its waiter)
                 if self._release_many(keys=keys.line_keys, args=[token, b"1", rules]):
                     given += len(slot_members(token))
                 continue
-            reply = _hand_off_reply(self._release(keys=keys.line_keys, args=[token, rules]))
-            given += reply.done
-            to_wake += reply.to_wake
-        return given, keys, tuple(to_wake)
+            given += _hand_off_reply(self._release(keys=keys.line_keys, args=[token, rules])).done
+        return given
 
 
 def instance_tokens(client: Any, holders: str, instance: str) -> Iterator[str]:
