@@ -65,7 +65,7 @@ class _Node:
 
     def __init__(self, app: Any, name: str) -> None:
         config = config_for(app)
-        self.app, self.name, self.backend, self.prefix = app, name, config.backend, config.prefix
+        self.name, self.backend = name, config.backend
         self.keys = NodeKeys.of(config.prefix, name)
         self.instance = secrets.token_hex(INSTANCE_DIGITS // 2)
         self.where = _where(os.getpid())
