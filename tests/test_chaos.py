@@ -17,8 +17,9 @@ What must hold, whatever was killed when:
 
 The second test is issue 16's full run (see its docstring): workers of 4 processes, the default
 60 s lease, a result backend, ``Reject(requeue=True)`` on some first attempts, SIGKILLs of
-children and of two whole workers, a cold shutdown and a restart of the semaphore's Redis with
-data loss; one seed a run from ``CHAOS_SEEDS`` (one by default, so CI runs one).
+children and of two whole workers (each started again under its node name), a cold shutdown
+and a restart of the semaphore's Redis with data loss; one seed a run from ``CHAOS_SEEDS`` (one by
+default, so CI runs one).
 
 The third restarts the semaphore's Redis empty mid-run with no result backend (a 6 s lease,
 SIGKILLs of children and of a whole worker, with and without ``acks_late``): no task that had
@@ -256,7 +257,10 @@ FULL_TASKS = 300
 FULL_LIMIT = 3
 # seeds to run, comma-separated: CI runs one, a release check runs five by hand
 # Run by hand (CHAOS_SEEDS=1,2,3,4,5): it failed once in six clean-clone CI runs, with its cause
-# not read yet, so until it is understood it does not decide whether a change lands.
+# not read yet, so until it is understood it does not decide whether a change lands. Seed 1 loses
+# one task in some runs, before and after workers restarted under their names took over dead ones
+# (1 run in 3 before, 3 in 4 after): each time a task parked in the worker SIGKILLed at 12 s, its
+# copy never delivered again, and the semaphore's Redis restarted empty 2-3 s after the kill.
 FULL_SEEDS = list(dict.fromkeys(int(seed) for seed in os.environ.get("CHAOS_SEEDS", "").split(",") if seed.strip()))
 # the Redis restart loses every lease; the holders running then are registered again only by
 # their next renewal, a lease / 3 later: until then new grants can go over the limit (documented,
@@ -372,8 +376,10 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
     ``reject_on_worker_lost``, no in-process wait, a result backend, ``Reject(requeue=True)`` on
     about 1 first attempt in 20) on 3 prefork workers of 4 processes, Redis broker (10 s visibility
     timeout). While they run, on a seeded schedule: SIGKILLs of pool children and of 2 whole
-    workers, one cold shutdown (SIGQUIT), each dead worker replaced so that 3 remain, and one
-    restart of the semaphore's Redis with data loss.
+    workers, one cold shutdown (SIGQUIT), each dead worker started again under its node name (as
+    systemd or a StatefulSet restarts it: it gives the dead one's slots back at once) so that 3
+    remain, and one restart of the semaphore's Redis with data loss. The figures print the
+    makespan against the ideal: every body's time over the limit.
 
     What must hold:
 
@@ -408,6 +414,7 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
     # seeded task ids, so the rejected first attempts (a hash of the id) replay with the seed
     ids = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(FULL_TASKS)]
     bursts = [ids[i : i + FULL_TASKS // 10] for i in range(0, FULL_TASKS, FULL_TASKS // 10)]
+    work: list[float] = []  # each task's body time: the ideal makespan is their sum over the limit
 
     with worker_group(
         celery_stack.env,
@@ -423,10 +430,13 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
 
         def send(burst: list[str]) -> None:
             for task_id in burst:
-                proj.chaos_full.apply_async((rng.uniform(0.4, 1.0),), queue=queue, task_id=task_id)
+                seconds = rng.uniform(0.4, 1.0)
+                work.append(seconds)
+                proj.chaos_full.apply_async((seconds,), queue=queue, task_id=task_id)
 
         def replace(victim: Worker) -> None:
-            workers.append(Worker(victim.env, name=f"{victim.name}-r{len(workers)}", concurrency=4).start())
+            # under the dead worker's node name, as systemd or a Kubernetes StatefulSet restarts it
+            workers.append(Worker(victim.env, name=victim.name, concurrency=4).start())
 
         send(bursts.pop(0))
         for number, fault in enumerate(fault_plan(rng)):
@@ -498,6 +508,8 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
             returns[task_id] = returns.get(task_id, 0) + 1
         returned_twice = sum(count > 1 for count in returns.values())
         first_start = min((at for _, _, at in starts), default=time.time())
+        makespan = max((at for _, _, at in completed), default=first_start) - first_start
+        ratio = makespan / (sum(work) / FULL_LIMIT)
         checked = [start for start in starts if not faults.in_restart_window(start[2])]
         most = most_at_once(checked, ends, faults.at)
         most_with_window = most_at_once(starts, ends, faults.at)
@@ -509,7 +521,8 @@ def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: Cele
             f"{len(twice)} completed twice ({returned_twice} returned twice, {len(at_once_in_window)} ran at once "
             f"in the restart window), "
             f"max concurrency {most} ({most_with_window} with the restart window, "
-            f"{sum(faults.in_restart_window(at) for _, _, at in starts)} starts in it), {elapsed:.0f} s"
+            f"{sum(faults.in_restart_window(at) for _, _, at in starts)} starts in it), {elapsed:.0f} s; "
+            f"makespan {makespan:.0f} s, {ratio:.2f}x the ideal {sum(work) / FULL_LIMIT:.0f} s"
         )
         print(f"\n{summary}")
         print(

@@ -40,7 +40,7 @@ from .._core.multi import MultiSemaphore
 from .._core.semaphore import FairSemaphore
 from .._core.validation import check_seconds
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
-from . import policy
+from . import node_names, policy
 from . import stamping as _stamping  # noqa: F401  (stamps every message sent: before_task_publish)
 from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
@@ -277,6 +277,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 remember=remember,
                 fresh=history.waits == 0 and history.ticket is None,
             )
+            node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)
             if (
                 isinstance(attempt, Waiting)

@@ -29,13 +29,21 @@ def task_key(task_id: Any) -> str:
 # A task's holder token is "<task key>:<host><pid><random>" (8, 8 and 16 hex digits; a weight
 # mark may follow): the worker's main process, which knows the task id and the pid of a child it
 # lost but not the random part, gives back exactly that child's slot, never the slot another copy
-# of the same task holds in another process (a wake copy and its backstop, a redelivery).
+# of the same task holds in another process (a wake copy and its backstop, a redelivery). In a
+# worker the random part starts with the worker instance's id (8 hex digits, node_names.py), so
+# that a worker restarted under the node name finds the slots of the dead instance.
 _HOST_PART = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_instance = ""  # set in the worker's main process before it forks its pool: children inherit it
+
+
+def set_instance(instance: str) -> None:
+    global _instance
+    _instance = instance
 
 
 def process_token() -> str:
     """The part of a task's holder token after "<task key>:", for this process."""
-    return f"{_HOST_PART}{os.getpid() & 0xFFFFFFFF:08x}{new_token()[:16]}"
+    return f"{_HOST_PART}{os.getpid() & 0xFFFFFFFF:08x}{_instance}{new_token()[: 16 - len(_instance)]}"
 
 
 def token_rest_of(pid: int) -> re.Pattern[str]:

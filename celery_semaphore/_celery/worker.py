@@ -34,7 +34,7 @@ from .._core.scripts import preload
 from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
-from . import woken_first
+from . import node_names, woken_first
 from .backstop import BackstopStep, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
@@ -69,8 +69,10 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         autoscale = getattr(worker, "autoscale", None) or (0, 0)
         size = max(int(getattr(worker, "concurrency", 0) or 0), int(max(autoscale)))
         pool_room.prepare(size, prefork=self._prefork(worker))
+        node_names.begin(worker.app, worker.hostname)  # its pool inherits the instance id
 
     def start(self, worker: Any) -> None:
+        node_names.start()
         # the pool step made the worker's line of received tasks by now (woken_first.py)
         keeps_line = getattr(worker, "pool_putlocks", False) and getattr(worker, "use_eventloop", False)
         if not woken_first.install(worker) and keeps_line and self._prefork(worker):
@@ -111,6 +113,7 @@ def install(app: Any) -> None:
 
     signals.worker_process_init.connect(warm, weak=False)
     signals.worker_ready.connect(sweep_from_the_main_process, weak=False)
+    signals.worker_shutdown.connect(lambda **_: node_names.stop(), weak=False)
 
 
 def connect_early(app: Any) -> None:

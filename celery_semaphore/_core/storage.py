@@ -33,6 +33,11 @@ RENEW_LOST = 0
 RENEW_RENEWED = 1
 RENEW_REGISTERED_AGAIN = 2
 
+# What take_over answers about the instance it was asked to take over.
+INSTANCE_GONE = 0  # the node name records no such instance (taken over already, or expired)
+INSTANCE_BEATING = 1  # it beat recently: alive, so its slots stay
+INSTANCE_TAKEN = 2  # silent: taken over, its index handed to the caller
+
 # A waiter's state in the listing of status.
 AWAY = 0
 PRESENT = 1

@@ -72,6 +72,10 @@ local TOO_HEAVY = 5
 local RENEW_LOST = 0
 local RENEW_RENEWED = 1
 local RENEW_REGISTERED_AGAIN = 2
+-- take_over: what became of the instance to take over
+local INSTANCE_GONE = 0
+local INSTANCE_BEATING = 1
+local INSTANCE_TAKEN = 2
 -- status: the state of a waiter
 local AWAY = 0
 local PRESENT = 1
