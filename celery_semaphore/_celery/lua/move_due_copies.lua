@@ -7,19 +7,36 @@
 --   KEYS[3] epoch   STRING the semaphore Redis's epoch last seen here
 --   KEYS[4] finished ZSET run id -> until when it is remembered as finished (finish, in
 --                   due_copies.py): a copy of a finished run is not stored
---   KEYS[5..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
+--   KEYS[5] moved   ZSET  copy id -> when it was moved to its queue (this server's ms), until a
+--                   copy of its run asks again (stowed anew, granted) or it is withdrawn
+--   KEYS[6] sent    HASH  copy id -> what was moved, as in KEYS[2]
+--   KEYS[7..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
 --   ARGV[1] most    copies to stow per list, and to move, in this call
 --   ARGV[2] epoch   the semaphore Redis's epoch now, or "" (not looked at in this call)
---   ARGV[3..] per pair: the backstop queue's name and the target queue's name, JSON-quoted
+--   ARGV[3] keep_ms how long a moved copy is kept for a restart of the semaphore Redis
+--   ARGV[4..] per pair: the backstop queue's name and the target queue's name, JSON-quoted
 -- Returns {moved, stowed, next_due_in_ms (-1: nothing stored), flushed (1: the semaphore Redis
--- was found restarted, and every stored copy was made due now)}.
+-- was found restarted, and every stored copy, and every copy moved within keep_ms that no copy
+-- of its run has asked since, was made due now)}.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local most = tonumber(ARGV[1])
 
+-- 0. A moved copy kept longer than keep_ms is forgotten: it was dropped as its run had finished
+--    (no copy of the run asked again), or it was lost and a sweep of its parked record sent it.
+local keep_ms = tonumber(ARGV[3])
+local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now - keep_ms, 'LIMIT', 0, most)
+if #old > 0 then
+  redis.call('ZREM', KEYS[5], unpack(old))
+  redis.call('HDEL', KEYS[6], unpack(old))
+end
+
 -- 1. A semaphore Redis that came back empty forgot every line and parked wait: nothing would
---    wake a stored copy before it is due, so all become due now.
+--    wake a stored copy before it is due, so all become due now. So does every copy moved lately
+--    that no copy of its run has asked since: kombu's Redis transport loses a message that the
+--    BRPOP of a worker being killed popped, and the parked record whose sweep would have sent it
+--    again was lost with the rest.
 local flushed = 0
 if ARGV[2] ~= '' then
   local seen = redis.call('GET', KEYS[3])
@@ -27,6 +44,14 @@ if ARGV[2] ~= '' then
     redis.call('SET', KEYS[3], ARGV[2])
     if seen then
       redis.call('ZUNIONSTORE', KEYS[1], 1, KEYS[1], 'WEIGHTS', 0)
+      for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], now - keep_ms, '+inf')) do
+        local sent = redis.call('HGET', KEYS[6], id)
+        if sent and not redis.call('ZSCORE', KEYS[1], id) then
+          redis.call('ZADD', KEYS[1], 0, id)
+          redis.call('HSET', KEYS[2], id, sent)
+        end
+      end
+      redis.call('DEL', KEYS[5], KEYS[6])
       flushed = 1
     end
   end
@@ -35,12 +60,12 @@ end
 -- 2. Stow what kombu published to the backstop lists: due its header's seconds from now, under
 --    its id (a newer copy of one wait replaces the older), routed as its target queue's message;
 --    a copy of a run that finished meanwhile (its sender was refused as another copy ran) is
---    dropped.
+--    dropped. A copy of the run moved earlier has asked again: it is kept no longer.
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local stowed = 0
-for i = 5, #KEYS, 2 do
+for i = 7, #KEYS, 2 do
   local source, target = KEYS[i], KEYS[i + 1]
-  local from_name, to_name = ARGV[i - 2], ARGV[i - 1]
+  local from_name, to_name = ARGV[i - 3], ARGV[i - 2]
   for _ = 1, most do
     local message = redis.call('RPOP', source)
     if not message then
@@ -62,17 +87,24 @@ for i = 5, #KEYS, 2 do
       redis.call('ZADD', KEYS[1], now + math.floor(due_in * 1000), id)
       redis.call('HSET', KEYS[2], id, target .. '\n' .. message)
     end
+    redis.call('ZREM', KEYS[5], id)
+    redis.call('HDEL', KEYS[6], id)
     stowed = stowed + 1
   end
 end
 
--- 3. Move what is due to its queue, as kombu would have published it there.
+-- 3. Move what is due to its queue, as kombu would have published it there, and keep it until a
+--    copy of its run asks again (step 1 sends it again if the semaphore Redis restarts first).
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
 for _, id in ipairs(due) do
   local stored = redis.call('HGET', KEYS[2], id)
   if stored then
     local cut = string.find(stored, '\n', 1, true)
     redis.call('LPUSH', string.sub(stored, 1, cut - 1), string.sub(stored, cut + 1))
+    if string.sub(id, 1, 1) ~= '?' then  -- a copy with no run: nothing would ever ask for it
+      redis.call('ZADD', KEYS[5], now, id)
+      redis.call('HSET', KEYS[6], id, stored)
+    end
   end
 end
 if #due > 0 then
