@@ -17,14 +17,14 @@ import redis
 from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, Waiting
 from celery_semaphore._celery.node_names import STALE_S
 from celery_semaphore._core.clients import client_for
-from celery_semaphore._core.nodes import Beating, NodeKeys, NodeScripts, Silent
+from celery_semaphore._core.nodes import RECORDED, TAKEN_OVER, UNNAMED, Beating, NodeKeys, NodeScripts, Silent
 
 from .celery_stack import CeleryStack
 from .waiting import wait_until
 from .workers import Worker
 
 DAY_MS = 86_400_000
-DEAD, ALIVE = "dead0001", "a11ve002"  # instance ids: 8 hex digits
+DEAD, ALIVE, TAKER = "dead0001", "a11ve002", "7a4e0003"  # instance ids: 8 hex digits
 
 
 def token_of(instance: str, task: str) -> str:
@@ -84,17 +84,32 @@ def test_a_beat_keeps_an_instance_from_being_taken_over(redis_client: redis.Redi
     """An instance beating within the staleness bound keeps its record and its index; the beat
     says whether the name still recorded it (not on its first beat, nor after a take-over)."""
     scripts, keys = NodeScripts(redis_client), NodeKeys.of("semaphore", "w{2}@host")
-    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) is False
+    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) == UNNAMED  # its first beat
     scripts.note_held(keys, instance=ALIVE, semaphores=[("semaphore:{k}", b"1")], ttl_ms=DAY_MS)
-    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) is True
+    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) == RECORDED
+    assert scripts.held(keys, instance=ALIVE) == {b"semaphore:{k}": b"1"}
     answer = scripts.take_over(keys, instance=ALIVE, stale_ms=60_000)
     assert isinstance(answer, Beating) and answer.silent_ms < 60_000
     assert scripts.instances(keys) == {ALIVE: "x"}
     assert redis_client.hgetall(keys.held(ALIVE)) == {b"semaphore:{k}": b"1"}
+    scripts.beat(keys, instance=TAKER, where="y", ttl_ms=DAY_MS)  # a worker starting under the name beats first
     take_over_when_silent(scripts, keys, ALIVE)
-    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) is False, "it learns it was taken over"
+    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) == TAKEN_OVER, "it learns it was taken over"
     scripts.forget(keys, instance=ALIVE)
+    scripts.forget(keys, instance=TAKER)
     assert scripts.instances(keys) == {}
+
+
+def test_a_beat_tells_a_redis_that_lost_its_data_from_a_take_over(redis_client: redis.Redis) -> None:
+    """A name recorded without the instance means another worker took it over (an error to
+    report); a name recorded by nobody means the Redis lost its data (restarted empty): the
+    instance's index went too, and its worker writes it back (node_names.py)."""
+    scripts, keys = NodeScripts(redis_client), NodeKeys.of("semaphore", "w3@host")
+    scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS)
+    scripts.note_held(keys, instance=ALIVE, semaphores=[("semaphore:{k}", b"1")], ttl_ms=DAY_MS)
+    redis_client.delete(keys.node, keys.held(ALIVE))  # what a restart without persistence leaves
+    assert scripts.beat(keys, instance=ALIVE, where="x", ttl_ms=DAY_MS) == UNNAMED
+    assert scripts.held(keys, instance=ALIVE) == {}
 
 
 # --- real workers -----------------------------------------------------------------------------
@@ -128,7 +143,8 @@ def test_a_worker_killed_and_restarted_under_its_name_frees_its_slot_within_seco
         took = time.monotonic() - restarted_at
         assert took < 5, f"the slot reached the waiting task {took:.1f} s after the restart"
         assert "took over its dead instance" in victim.log()
-        assert line.status().holder_count == 0
+        # the waiting task's result is stored before its slot is given back (task_postrun)
+        wait_until(lambda: line.status().holder_count == 0, timeout=10, what="the woken task's slot back")
     finally:
         victim.kill()
         other.stop()
@@ -158,7 +174,8 @@ def test_two_live_workers_under_one_name_keep_their_slots(celery_stack: CelerySt
         assert set(held) < set(now_held) and len(now_held) == 2, "the first worker's holder kept its slot"
         results.append(proj.hold.apply_async((0.1, key), queue="node-twin-2"))
         assert all(result.get(timeout=90) for result in results)
-        assert proj.probe(key).maximum == 2 and slots.status().holder_count == 0
+        assert proj.probe(key).maximum == 2
+        wait_until(lambda: slots.status().holder_count == 0, timeout=10, what="every slot back")
         logs = first.log() + second.log()
         assert "took over" not in logs and "no longer recorded" not in logs
     finally:

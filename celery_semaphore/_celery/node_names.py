@@ -38,8 +38,9 @@ from typing import Any
 
 from .._core.clients import client_for
 from .._core.multi import MultiSemaphore
-from .._core.nodes import INSTANCE_DIGITS, Beating, NodeKeys, NodeScripts, Silent
+from .._core.nodes import INSTANCE_DIGITS, TAKEN_OVER, UNNAMED, Beating, NodeKeys, NodeScripts, Silent
 from .._core.semaphore import FairSemaphore
+from .._core.storage import as_text
 from .config import config_for
 from .pausing import members
 from .tokens import set_instance
@@ -58,6 +59,8 @@ LOOK_FOR_S = 30.0
 # A process notes a semaphore in the index again after this long: a Redis that lost its data (a
 # restart without persistence) has the index back within a minute, for one round trip a minute.
 NOTE_AGAIN_S = 60.0
+# The main process reads its instance's index this often, to write it back should Redis lose it.
+HELD_READ_EVERY_S = 5.0
 
 
 class _Node:
@@ -135,19 +138,36 @@ def _run(node: _Node) -> None:
     scripts = _scripts_for(client_for(node.backend))
     ttl_ms, first, looked_at = round(RECORD_TTL_S * 1000), True, time.monotonic()
     others: dict[str, int | None] = {}  # instances still to look at -> how long silent when last seen
+    # the instance's index as last read, written back at once should Redis lose it: a worker
+    # killed before its processes note their semaphores again (a minute) would leave its slots
+    # to their leases. Only ever added to: a read just after a loss finds nothing.
+    held: dict[bytes, bytes] = {}
+    read_at = -HELD_READ_EVERY_S
     while not node.stopped.is_set():
         try:
-            recorded = scripts.beat(node.keys, instance=node.instance, where=node.where, ttl_ms=ttl_ms)
+            beat = scripts.beat(node.keys, instance=node.instance, where=node.where, ttl_ms=ttl_ms)
             if first:
                 others = {other: None for other in scripts.instances(node.keys) if other != node.instance}
-            elif not recorded:
+            elif beat == UNNAMED:
+                logger.warning(
+                    "the semaphore's Redis lost the node records (restarted empty?): worker %s is recorded again, "
+                    "with the %d semaphores its processes asked for",
+                    node.name, len(held),
+                )  # fmt: skip
+                if held:
+                    again = [(as_text(base), rules) for base, rules in held.items()]
+                    scripts.note_held(node.keys, instance=node.instance, semaphores=again, ttl_ms=ttl_ms)
+            elif beat == TAKEN_OVER:
                 logger.error(
                     "worker %s (instance %s) was no longer recorded under its name: a worker started under the "
                     "name took it over after it was silent for %s s and gave its slots back (the limit may be "
-                    "exceeded until its tasks end), or the semaphore's Redis lost its data",
+                    "exceeded until its tasks end)",
                     node.name, node.instance, STALE_S,
                 )  # fmt: skip
             first = False
+            if time.monotonic() - read_at >= HELD_READ_EVERY_S:
+                held.update(scripts.held(node.keys, instance=node.instance))
+                read_at = time.monotonic()
             if others and time.monotonic() - looked_at < LOOK_FOR_S:
                 _look(node, scripts, others)
         except Exception as error:  # Redis unreachable: the next beat

@@ -64,6 +64,10 @@ class Beating:
     silent_ms: int
 
 
+# What a beat says of the instance's record before it (beat.lua).
+TAKEN_OVER, RECORDED, UNNAMED = 0, 1, 2
+
+
 class NodeScripts:
     """The scripts of the node records, and the release a take-over gives slots back with."""
 
@@ -74,9 +78,14 @@ class NodeScripts:
         self._release = _Script(client, script_source("release"))
         self._release_many = _Script(client, script_source("release_many"))
 
-    def beat(self, keys: NodeKeys, *, instance: str, where: str, ttl_ms: int) -> bool:
-        """One beat; False when the name did not record the instance before it (see beat.lua)."""
-        return bool(self._beat(keys=[keys.node.encode(), keys.held(instance).encode()], args=[instance, where, ttl_ms]))
+    def beat(self, keys: NodeKeys, *, instance: str, where: str, ttl_ms: int) -> int:
+        """One beat: RECORDED, TAKEN_OVER (the name recorded others, not the instance) or UNNAMED
+        (the name recorded nobody: a first beat, or a Redis that lost its data); see beat.lua."""
+        return int(self._beat(keys=[keys.node.encode(), keys.held(instance).encode()], args=[instance, where, ttl_ms]))
+
+    def held(self, keys: NodeKeys, *, instance: str) -> dict[bytes, bytes]:
+        """The instance's index as Redis has it (semaphore base -> rules)."""
+        return dict(self.client.hgetall(keys.held(instance)))
 
     def note_held(self, keys: NodeKeys, *, instance: str, semaphores: list[tuple[str, bytes]], ttl_ms: int) -> None:
         """Add (semaphore base, rules) pairs to the instance's index: one round trip."""

@@ -6,12 +6,21 @@
 --   ARGV[2] where     where it runs ("<boot id>/<pid namespace>/<pid>/<start time>"): a worker
 --                     starting on the same host can tell from it whether the process still runs
 --   ARGV[3] ttl_ms    how long both keys outlive this beat
--- Returns 1 if the instance was recorded under the name before this beat; 0 if not (its first
--- beat, or it was taken over: another instance starting under the name found it silent).
+-- Returns 1 if the instance was recorded under the name before this beat; 0 if the name was
+-- recorded without it (it was taken over: another instance starting under the name found it
+-- silent); 2 if the name was not recorded at all (the instance's first beat as the only one, or
+-- the Redis lost its data: restarted empty, and the index with it).
 
 local now = now_ms()
+local named = redis.call('EXISTS', KEYS[1])
 local recorded = redis.call('HEXISTS', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], now .. INFO_SEPARATOR .. ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return recorded
+if recorded == 1 then
+  return 1
+end
+if named == 0 then
+  return 2
+end
+return 0
