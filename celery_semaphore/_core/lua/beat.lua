@@ -11,6 +11,7 @@
 -- silent); 2 if the name was not recorded at all (the instance's first beat as the only one, or
 -- the Redis lost its data: restarted empty, and the index with it).
 
+local RECORDED, TAKEN_OVER, UNNAMED = 1, 0, 2  -- as _core/nodes.py names them
 local now = now_ms()
 local named = redis.call('EXISTS', KEYS[1])
 local recorded = redis.call('HEXISTS', KEYS[1], ARGV[1])
@@ -18,9 +19,9 @@ redis.call('HSET', KEYS[1], ARGV[1], now .. INFO_SEPARATOR .. ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 if recorded == 1 then
-  return 1
+  return RECORDED
 end
 if named == 0 then
-  return 2
+  return UNNAMED
 end
-return 0
+return TAKEN_OVER
