@@ -68,14 +68,14 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # before the pool forks: its processes share which of them are busy (pool_room.py)
         autoscale = getattr(worker, "autoscale", None) or (0, 0)
         size = max(int(getattr(worker, "concurrency", 0) or 0), int(max(autoscale)))
-        pool_room.prepare(size, prefork=self._prefork(worker))
+        pool_room.prepare(size, prefork=is_prefork(worker))
         node_names.begin(worker.app, worker.hostname)  # its pool inherits the instance id
 
     def start(self, worker: Any) -> None:
         node_names.start()
         # the pool step made the worker's line of received tasks by now (woken_first.py)
         keeps_line = getattr(worker, "pool_putlocks", False) and getattr(worker, "use_eventloop", False)
-        if not woken_first.install(worker) and keeps_line and self._prefork(worker):
+        if not woken_first.install(worker) and keeps_line and is_prefork(worker):
             logger.warning(
                 "woken tasks keep Celery's order in this worker: its line of received tasks is not the "
                 "shape celery-semaphore knows (a Celery version it was not tested with?), so a woken "
@@ -84,10 +84,6 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def stop(self, worker: Any) -> None:
         read_pending_brpop(getattr(worker, "consumer", None))
-
-    @staticmethod
-    def _prefork(worker: Any) -> bool:
-        return is_prefork(worker)
 
 
 def install(app: Any) -> None:
