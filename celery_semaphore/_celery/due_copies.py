@@ -45,13 +45,13 @@ from typing import Any
 from .._core.clients import client_for
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
-from .parking import wake_queue
 from .wake_queues import (
     BACKSTOP_QUEUE_SUFFIX,
     backstop_queue,
     is_derived_queue,
     is_wake_queue,
     origin_of_derived,
+    wake_queue,
 )
 
 logger = logging.getLogger("celery_semaphore")

@@ -274,7 +274,7 @@ def _release_by_task_id(
         if finished_run is not None:
             config = config_for(task.app)
             remember = remember_for(wait_options(task, config), config)
-            semaphore._release("", finished_run, to_ms(remember))
+            semaphore._finish_run(finished_run, to_ms(remember))
             withdraw(task.app, finished_run, remember_s=remember)
     except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)
