@@ -150,6 +150,12 @@ def test_collector_reports_holders_and_waiters_per_family(collector_app: Any, re
         assert gauge("celery_semaphore_waiters", "crawl:{host}") == 1
         assert gauge("celery_semaphore_holders", "(other)") == 1
         assert gauge("celery_semaphore_holders", "m.idle") == 0  # idle fixed key: series exists
+        # the limits in force, summed over the keys read: crawl:{host} has two live keys of 1
+        limits = {family: gauge("celery_semaphore_limit", family) for family in ("m.reports", "m.idle", "crawl:{host}")}
+        assert limits == {"m.reports": 2, "m.idle": 1, "crawl:{host}": 2}
+        assert gauge("celery_semaphore_limit", "(other)") is None  # "adhoc": no limit applies to it
+        FairSemaphore(client, "m.reports", 2).set_limit(5)
+        assert gauge("celery_semaphore_limit", "m.reports") == 5  # a runtime override is the limit in force
         assert gauge("celery_semaphore_holders", "crawl:a.example") is None  # never the per-host key
         assert registry.get_sample_value("celery_semaphore_status_up") == 1
     finally:
@@ -175,6 +181,7 @@ def test_registering_the_collector_does_not_touch_redis(collector_app: Any) -> N
     assert [family.name for family in collector.describe()] == [
         "celery_semaphore_holders",
         "celery_semaphore_waiters",
+        "celery_semaphore_limit",
         "celery_semaphore_paused",
         "celery_semaphore_pause_remaining_seconds",
         "celery_semaphore_next_start_seconds",
