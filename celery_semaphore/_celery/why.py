@@ -79,6 +79,10 @@ def why(app: Any, task_id: str, *, keys: list[str] | None = None) -> dict[str, A
         answer["result"] = {"state": meta.get("status"), "date_done": _text_or_none(meta.get("date_done"))}
     held = [(view, holding) for view in views for holding in view.held]
     waiting = [view for view in views if view.place is not None]
+    found = [view.key for view, _ in held] + [view.key for view in waiting]
+    if task_name is None and found:
+        owner = catalogue.task_for(found[0])  # the task whose calls use the key it was found in
+        answer["task"] = str(owner.name) if owner is not None else None
     if held:
         answer["state"] = RUNNING
         answer["slots"] = [

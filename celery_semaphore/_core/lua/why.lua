@@ -67,13 +67,7 @@ if r.rate_n > 0 then
   end
 end
 
-local holders = {}
-local live = redis.call('ZRANGEBYSCORE', K_HOLDERS, above, '+inf', 'WITHSCORES', 'LIMIT', 0, most)
-for i = 1, #live, 2 do
-  holders[#holders + 1] = live[i]
-  holders[#holders + 1] = live[i + 1]
-  holders[#holders + 1] = redis.call('HGET', K_HOLDER_INFO, HOLDER_FIELD .. live[i]) or ''
-end
+local holders = listed_holders(above, most)
 
 local ahead = {}
 if rank and rank > 0 and most > 0 then
