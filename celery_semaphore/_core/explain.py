@@ -3,7 +3,8 @@
 
 Read-only and bounded: each key is one run of ``lua/why.lua`` (no script that writes), and all
 the keys of one question go in one pipeline, so an answer costs one round trip to the semaphore's
-Redis whatever the length of the lines. ``blocked_by`` is a pure function of what was read, so
+Redis whatever the length of the lines (on a Redis Cluster, whose pipelines refuse scripts, one
+round trip per key). ``blocked_by`` is a pure function of what was read, so
 that a rule added to the line later (tenants, priorities) adds a reason here and a field to the
 script, and nothing else changes.
 """
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from .rules import UNLIMITED
@@ -146,9 +148,13 @@ _SHA = hashlib.sha1(_SOURCE.encode("utf-8")).hexdigest()
 
 def look(client: Any, looks: Sequence[Look]) -> list[KeyView]:
     """Read every key of ``looks``: one pipeline of read-only scripts, one round trip (two the
-    first time a server sees the script: it is loaded, then the pipeline runs again)."""
+    first time a server sees the script: it is loaded, then the pipeline runs again); on a
+    cluster, one script call per key."""
     if not looks:
         return []
+    if isinstance(client, RedisCluster):
+        # a cluster pipeline refuses EVALSHA: one script per key, each one round trip
+        return [_view(item.key, _run(client, item)) for item in looks]
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         for item in looks:
@@ -162,6 +168,15 @@ def look(client: Any, looks: Sequence[Look]) -> list[KeyView]:
                 raise reply
         return [_view(item.key, reply) for item, reply in zip(looks, replies, strict=True)]
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run(client: Any, item: Look) -> Any:
+    args = (*item.keys.line_keys, item.waiter, item.tokens, item.rules, LISTED)
+    try:
+        return client.evalsha(_SHA, 10, *args)
+    except NoScriptError:
+        client.script_load(_SOURCE)
+        return client.evalsha(_SHA, 10, *args)
 
 
 def _holdings(flat: list[Any], now: int) -> list[Holding]:
