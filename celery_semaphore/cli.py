@@ -13,6 +13,8 @@ the app the usual way (``-A``) and reads the same ``semaphore_*`` settings the w
   runtime overrides (``--rate none`` and ``--spacing none`` drop those).
 * ``pause KEY [--for SECONDS]`` and ``resume KEY``: let nobody start, then everybody again.
 * ``reset KEY``: forget every holder and waiter (asks first, unless ``--yes``).
+* ``why TASK_ID [--key KEY]``: whether a task runs, waits (where, and held back by what), is
+  parked, is done, or is unknown (``_celery/why.py``; printed by ``_cli/why_text.py``).
 
 What ``status`` reports and how it prints is in ``_cli/reports.py``; which task a key belongs to
 and which rules apply to it is the catalogue's answer (``_celery/catalogue.py``), the same one the
@@ -32,6 +34,7 @@ import click
 from ._celery.catalogue import Catalogue
 from ._celery.parking import parking
 from ._celery.wake_queues import wake_aware
+from ._celery.why import why as why_answer
 from ._cli.reports import (
     Report,
     detail_lines,
@@ -44,6 +47,7 @@ from ._cli.reports import (
     summary_lines,
 )
 from ._cli.watch import WATCH_EVERY, Watch, WatchableCommand, check_watch
+from ._cli.why_text import why_lines
 from ._core.clients import client_for
 from ._core.rules import Rate, check_rate, check_spacing
 from ._core.storage import glob_escape
@@ -369,3 +373,31 @@ def reset(ctx: click.Context, key: str, yes: bool) -> None:
     with _as_click_errors():
         catalogue.semaphore(key, placeholder_limit=True).reset()
     ctx.obj.echo(f"{key}: forgot {before.holder_count} holder(s) and {before.waiter_count} waiter(s)")
+
+
+@semaphore.command()
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    metavar="KEY",
+    help="Look at this semaphore key (repeatable): for a task whose key comes from its arguments.",
+)
+@click.pass_context
+def why(ctx: click.Context, task_id: str, as_json: bool, keys: tuple[str, ...]) -> None:
+    """Say whether task TASK_ID is running, waiting, parked, done or unknown, and why.
+
+    While it waits: its place in each line and what holds it back now (the limit, the rate, the
+    spacing, a pause, or the line ahead), the holders ahead of it, an estimate of its start.
+    Read-only, a few round trips whatever the length of the line. A task id alone names the
+    fixed keys of the app's tasks; a key built from a task's arguments is found through the
+    result backend with result_extended = True, or given with --key.
+    """
+    with _as_click_errors():
+        answer = why_answer(_catalogue(ctx).app, task_id, keys=list(keys))
+    if as_json:
+        ctx.obj.echo(json.dumps(answer, indent=2))
+    else:
+        ctx.obj.echo("\n".join(why_lines(answer)))
