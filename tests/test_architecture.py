@@ -46,16 +46,16 @@ def test_the_package_passes_and_the_graph_is_printed() -> None:
 
 def test_a_core_module_importing_celery_fails(tmp_path: Path) -> None:
     root = copy_of_the_package(tmp_path)
-    module = root / "celery_semaphore" / "_core" / "keys.py"
+    module = root / "celery_semaphore" / "_core" / "rules.py"
     module.write_text(module.read_text() + "\n\ndef late() -> None:\n    import kombu  # noqa\n")
     result = check(root)
     assert result.returncode == 1
-    assert "celery_semaphore._core.keys imports kombu" in result.stderr
+    assert "celery_semaphore._core.rules imports kombu" in result.stderr
 
 
 def test_a_core_module_importing_the_glue_fails(tmp_path: Path) -> None:
     root = copy_of_the_package(tmp_path)
-    module = root / "celery_semaphore" / "_core" / "keys.py"
+    module = root / "celery_semaphore" / "_core" / "rules.py"
     module.write_text("from .._celery import policy  # noqa\n" + module.read_text())
     result = check(root)
     assert result.returncode == 1
@@ -65,7 +65,7 @@ def test_a_core_module_importing_the_glue_fails(tmp_path: Path) -> None:
 def test_an_import_cycle_fails(tmp_path: Path) -> None:
     root = copy_of_the_package(tmp_path)
     module = root / "celery_semaphore" / "_core" / "validation.py"
-    module.write_text(module.read_text() + "\nfrom . import keys  # noqa\n")  # keys imports validation
+    module.write_text(module.read_text() + "\nfrom . import rules  # noqa\n")  # rules imports validation
     result = check(root)
     assert result.returncode == 1
     assert "import cycle" in result.stderr
@@ -73,11 +73,31 @@ def test_an_import_cycle_fails(tmp_path: Path) -> None:
 
 def test_a_module_over_its_budget_fails(tmp_path: Path) -> None:
     root = copy_of_the_package(tmp_path)
-    module = root / "celery_semaphore" / "_core" / "keys.py"
+    module = root / "celery_semaphore" / "_core" / "rules.py"
     module.write_text(module.read_text() + "\n" * 700)
     result = check(root)
     assert result.returncode == 1
-    assert "celery_semaphore._core.keys" in result.stderr and "lines, over" in result.stderr
+    assert "celery_semaphore._core.rules" in result.stderr and "lines, over" in result.stderr
+
+
+def test_a_core_module_only_the_glue_uses_fails(tmp_path: Path) -> None:
+    """Celery's code lives in _celery: a core module that only the glue imports is moved there."""
+    root = copy_of_the_package(tmp_path)
+    (root / "celery_semaphore" / "_core" / "templates.py").write_text('"""Key templates."""\n')
+    glue = root / "celery_semaphore" / "_celery" / "options.py"
+    glue.write_text("from .._core import templates  # noqa\n" + glue.read_text())
+    result = check(root)
+    assert result.returncode == 1
+    assert "celery_semaphore._core.templates is used only by the Celery glue" in result.stderr
+
+
+def test_a_lua_script_over_its_budget_fails(tmp_path: Path) -> None:
+    root = copy_of_the_package(tmp_path)
+    script = root / "celery_semaphore" / "_core" / "lua" / "renew.lua"
+    script.write_text(script.read_text() + "\n" * 600)
+    result = check(root)
+    assert result.returncode == 1
+    assert "celery_semaphore/_core/lua/renew.lua: " in result.stderr and "lines, over" in result.stderr
 
 
 @pytest.mark.parametrize("semaphore_class", [FairSemaphore, MultiSemaphore])

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_semaphore._core.broker_urls import backend_from_broker
+from celery_semaphore._celery.broker_urls import backend_from_broker
 from celery_semaphore._core.clients import client_for
 from celery_semaphore._core.masking import mask_url
 from celery_semaphore._core.urls import BackendSpec, parse_backend_url

@@ -12,7 +12,7 @@ import redis
 import redis.cluster
 
 from celery_semaphore import FairSemaphore
-from celery_semaphore._core.broker_urls import backend_from_broker
+from celery_semaphore._celery.broker_urls import backend_from_broker
 from celery_semaphore._core.clients import client_for
 from celery_semaphore._core.urls import parse_backend_url
 from celery_semaphore.errors import ConfigurationError

@@ -18,12 +18,12 @@ from typing import Any
 import redis
 
 from .._core.clients import client_for
-from .._core.keys import call_key, is_fixed, literal_length, template_pattern
 from .._core.multi import MultiSemaphore
 from .._core.semaphore import FairSemaphore
 from .._core.storage import glob_escape
 from ..errors import ConfigurationError, SemaphoreError
 from .config import LimitRule, SemaphoreConfig, config_for
+from .keys import call_key, is_fixed, literal_length, template_pattern
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
 
 # The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core import urls as _urls
-from .._core.broker_urls import backend_from_broker
 from .._core.masking import mask_url
 from .._core.rules import Rate, check_rate, check_spacing
 from .._core.validation import check_limit, check_prefix, check_seconds
 from ..errors import ConfigurationError
+from .broker_urls import backend_from_broker
 
 DEFAULT_PREFIX = "semaphore"
 DEFAULT_LEASE = 60.0

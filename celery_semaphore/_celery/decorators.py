@@ -8,9 +8,9 @@ from typing import Any
 
 from celery import shared_task
 
-from .._core.keys import check_template
 from .._core.rules import check_rate, check_spacing
 from .._core.validation import check_limit
+from .keys import check_template
 from .options import KeyOption
 from .task import SemaphoreTask
 

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from .._core.keys import KeyFunction, check_template
 from .._core.rules import check_rate, check_spacing
 from .._core.validation import check_limit, check_seconds
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
+from .keys import KeyFunction, check_template
 
 # Set on SemaphoreTask: how code that must not import the Celery hook (the catalogue, the
 # worker's parent-side release) recognises a semaphore task.

@@ -29,7 +29,6 @@ from celery.worker.request import Request
 
 from .. import metrics
 from .._core.clients import client_for
-from .._core.keys import sample_key
 from .._core.scripts import preload
 from .._core.urls import BackendSpec
 from .._core.validation import to_ms
@@ -40,6 +39,7 @@ from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
 from .due_copies import stores_copies, withdraw
 from .handing_back import read_pending_brpop
+from .keys import sample_key
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
 from .parking import parking
 from .policy import VISIBILITY_MARGIN

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigurationError
-from .masking import _mask_options, _scrub, mask_url
-from .urls import (
+from .._core.masking import _mask_options, _scrub, mask_url
+from .._core.urls import (
     DEFAULT_SENTINEL_PORT,
     BackendSpec,
     _Invalid,
@@ -24,6 +23,7 @@ from .urls import (
     _split_authority,
     parse_backend_url,
 )
+from ..errors import ConfigurationError
 
 __all__ = ["backend_from_broker"]
 

@@ -15,8 +15,8 @@ import string
 from collections.abc import Callable
 from typing import Any
 
+from .._core.validation import check_name
 from ..errors import ConfigurationError
-from .validation import check_name
 
 KeyFunction = Callable[[tuple[Any, ...], dict[str, Any]], str]
 
