@@ -56,7 +56,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlencode
 
 import redis
@@ -192,8 +192,20 @@ def _parse(url: str, masked: str) -> BackendSpec:
     if scheme == "unix":
         return _parse_unix(url, masked, hosts, path, username, password, raw_options)
     if scheme.endswith("+cluster"):
-        return _parse_cluster(masked, tls, hosts, path, username, password, raw_options)
-    return _parse_sentinel(masked, tls, hosts, path, username, password, raw_options)
+        return _parse_cluster(_NodeListUrl(masked, tls, hosts, path, username, password, raw_options))
+    return _parse_sentinel(_NodeListUrl(masked, tls, hosts, path, username, password, raw_options))
+
+
+class _NodeListUrl(NamedTuple):
+    """A cluster or Sentinel URL split into its parts (its password already masked in ``masked``)."""
+
+    masked: str
+    tls: bool
+    hosts: list[str]
+    path: str
+    username: str | None
+    password: str | None
+    raw: dict[str, str]
 
 
 def _scheme_list() -> str:
@@ -371,15 +383,8 @@ def _nodes(hosts: list[str], default_port: int, what: str) -> tuple[tuple[str, i
     return tuple(_node(host, default_port) for host in hosts)
 
 
-def _parse_cluster(
-    masked: str,
-    tls: bool,
-    hosts: list[str],
-    path: str,
-    username: str | None,
-    password: str | None,
-    raw: dict[str, str],
-) -> BackendSpec:
+def _parse_cluster(url: _NodeListUrl) -> BackendSpec:
+    masked, tls, hosts, path, username, password, raw = url
     nodes = _nodes(hosts, DEFAULT_REDIS_PORT, "cluster")
     if path not in ("", "/", "/0") or raw.get("db", "0") != "0":
         raise _Invalid("a Redis Cluster has only db 0: give no /<db>")
@@ -412,15 +417,8 @@ def _convert(name: str, value: str, kind: type) -> Any:
     return int(value)
 
 
-def _parse_sentinel(
-    masked: str,
-    tls: bool,
-    hosts: list[str],
-    path: str,
-    username: str | None,
-    password: str | None,
-    raw: dict[str, str],
-) -> BackendSpec:
+def _parse_sentinel(url: _NodeListUrl) -> BackendSpec:
+    masked, tls, hosts, path, username, password, raw = url
     nodes = _nodes(hosts, DEFAULT_SENTINEL_PORT, "Sentinel")
     parts = path.split("/")[1:] if path else []
     if not parts or not parts[0]:
