@@ -16,7 +16,13 @@ each client count:
 * a bare 2 x EVALSHA cycle (what any one-script acquire + release costs at least) and a minimal
   one-script fair semaphore (ticket line, no hand-off, no expiries): the ratios issue 8 targets,
   per round of the same run, with their spread;
-* ``acquire(timeout=10)`` uncontended next to ``try_acquire``.
+* ``acquire(timeout=10)`` uncontended next to ``try_acquire``;
+* with more than ``CONTENDED_LIMIT`` (5) clients, ``acquire(timeout=0)`` + release and the minimal
+  fair script on one key of limit 5: both refuse some tries, and the semaphore's row is compared
+  with the minimal script's of the same limit.
+
+Every row also counts the Redis commands per try (``cmds/try``, from INFO commandstats: each
+EVALSHA, each command a script ran, and the client's own commands).
 
 Then (``--scenarios``): the Redis calls of one release at N = 1, 10, 50, 200 blocked callers
 (``release-cost``); the hand-off latency from a release to the next blocked caller's return at
@@ -53,7 +59,7 @@ import redis
 from celery_semaphore import FairSemaphore
 from celery_semaphore._core.attempts import Granted, new_token
 from celery_semaphore.errors import SemaphoreUnavailable
-from tests.commandstats import command_calls, scripted
+from tests.commandstats import NOT_SCRIPTED, command_calls, scripted
 from tests.redis_server import RedisServer
 
 # Long enough that no lease is renewed (lease / 3) nor expires within one measurement.
@@ -325,6 +331,11 @@ KINDS: dict[str, CaseKind] = {
 }
 
 
+# The limit of the contended pair of cases (clients > this many): tries refused while every slot
+# is held, as in the crowd, against the minimal script refusing its own.
+CONTENDED_LIMIT = 5
+
+
 def plan(clients: int) -> list[tuple[str, int]]:
     """(kind, limit) pairs to measure for one client count; the baseline comes first."""
     cases = [
@@ -338,6 +349,8 @@ def plan(clients: int) -> list[tuple[str, int]]:
         ("book-fair", clients),
         ("book-fair-locked", clients),
     ]
+    if clients > CONTENDED_LIMIT:
+        cases += [("fair-cycle", CONTENDED_LIMIT), ("minimal-fair", CONTENDED_LIMIT)]
     if clients > 1:
         cases += [("fair-try-oneshot", 1), ("fair-try-queued", 1), ("book-fair", 1), ("book-fair-locked", 1)]
     return cases
@@ -420,6 +433,7 @@ class Sample:
     seconds: float  # mean wall time the clients ran
     server_cpu_s: float  # redis-server CPU (user + sys) spent meanwhile, warm-ups included
     client_cpu_s: float = 0.0  # the clients' own CPU (processes only: threads share one clock)
+    commands: int = 0  # Redis commands run for the clients (EVALSHA and what scripts ran)
 
     def __add__(self, other: Sample) -> Sample:
         return Sample(
@@ -428,6 +442,7 @@ class Sample:
             self.seconds + other.seconds,
             self.server_cpu_s + other.server_cpu_s,
             self.client_cpu_s + other.client_cpu_s,
+            self.commands + other.commands,
         )
 
 
@@ -446,6 +461,7 @@ class Result:
     server_us_per_try: float  # redis-server CPU time (user + sys) per try
     client_us_per_try: float  # client CPU per try (processes only; 0 with threads)
     server_cpu_percent: float  # redis-server CPU time over the wall time: 100 = one core busy
+    commands_per_try: float  # Redis commands per try: EVALSHA, what the scripts ran, client commands
     tries_vs_baseline: float
     grants_vs_baseline: float
     per_round: list[float]  # tries/s of each round, to show the noise
@@ -461,12 +477,19 @@ def server_cpu(admin: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+# Not the clients' commands: the measurement's own (besides tests.commandstats.NOT_SCRIPTED, which
+# leaves out EVALSHA too, counted here: a try's round trips are Redis commands as well).
+_MEASUREMENT_COMMANDS = (NOT_SCRIPTED - {"evalsha", "eval"}) | {"flushall"}
+
+
 def measure(kind: str, server: RedisServer, limit: int, clients: int, seconds: float, workers: str) -> Sample:
     with server.client() as admin:
         admin.flushall()
+        admin.config_resetstat()
         cpu_before = server_cpu(admin)
         outcomes = run_clients(kind, server.port, limit, clients, seconds, workers)
         server_cpu_s = server_cpu(admin) - cpu_before
+        counts = command_calls(admin)
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise RuntimeError(f"{kind} with {clients} client(s) failed") from outcome
@@ -476,6 +499,7 @@ def measure(kind: str, server: RedisServer, limit: int, clients: int, seconds: f
         seconds=sum(o[2] for o in outcomes) / len(outcomes),
         server_cpu_s=server_cpu_s,
         client_cpu_s=sum(o[3] for o in outcomes) if workers == "processes" else 0.0,
+        commands=sum(n for name, n in counts.items() if name not in _MEASUREMENT_COMMANDS),
     )
 
 
@@ -494,7 +518,12 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
     index = {case: i for i, case in enumerate(cases)}
 
     def versus(i: int, kind: str) -> tuple[float, float, float]:
-        j = index.get((kind, 1 if kind == "baseline-2x" else clients))
+        # the 2 x EVALSHA cycle is measured once; the minimal script at the row's own limit when
+        # it is measured there (the contended pair), else at limit = clients (never refuses)
+        if kind == "baseline-2x":
+            j = index.get((kind, 1))
+        else:
+            j = index.get((kind, cases[i][1]), index.get((kind, clients)))
         if j is None:
             return (0.0, 0.0, 0.0)
         whole = (totals[i].grants / totals[i].seconds) / (totals[j].grants / totals[j].seconds)
@@ -522,6 +551,7 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
                 server_us_per_try=total.server_cpu_s * 1e6 / max(total.tries, 1),
                 client_us_per_try=total.client_cpu_s * 1e6 / max(total.tries, 1),
                 server_cpu_percent=total.server_cpu_s * 100 / total.seconds,
+                commands_per_try=total.commands / max(total.tries, 1),
                 tries_vs_baseline=tries_per_s / base,
                 grants_vs_baseline=grants_per_s / base,
                 per_round=[sample.tries / sample.seconds for sample in case_samples],
@@ -787,6 +817,7 @@ def table(results: list[Result]) -> str:
         "srv us/try",
         "srv CPU%",
         "cli us/try",
+        "cmds/try",
         "vs 2xEVALSHA (min-max)",
         "vs minimal (min-max)",
     )
@@ -803,6 +834,7 @@ def table(results: list[Result]) -> str:
             f"{r.server_us_per_try:.0f}",
             f"{r.server_cpu_percent:.0f}",
             f"{r.client_us_per_try:.0f}" if r.client_us_per_try else "",
+            f"{r.commands_per_try:.1f}",
             _ratio(r.vs_cycle),
             _ratio(r.vs_minimal),
         )
@@ -895,6 +927,7 @@ def main(argv: list[str] | None = None) -> int:
             "x/base: ops/s divided by the baseline's calls/s with the same client count in this run.\n"
             "srv us/try, srv CPU%: redis-server CPU (user + sys, from INFO cpu) per try, and over the wall time.\n"
             "cli us/try: the client processes' own CPU per try (every thread), with --workers processes.\n"
+            "cmds/try: Redis commands per try (INFO commandstats): EVALSHA, what the scripts ran, client commands.\n"
             "vs 2xEVALSHA, vs minimal: grants/s over those cases' in this run (lowest-highest of the rounds)."
         )
         for r in results:

@@ -486,3 +486,17 @@ def test_ids_that_would_read_as_internal_markers_are_refused(
         semaphore.try_acquire(**{argument: value})
     assert (caught.value.setting, caught.value.value) == (argument, value)
     assert redis_client.keys("*") == []
+
+
+def test_a_loop_of_acquire_and_release_does_not_wake_the_lease_watch_each_time(redis_client: redis.Redis) -> None:
+    """The watch thread, with no lease to watch, looks again every second by itself: a new
+    lease (due in a lease's length) does not notify it. It was notified on nearly every acquire
+    of such a loop (a context switch and a GIL hand-over each)."""
+    semaphore = FairSemaphore(redis_client, "watch-quiet", 1, lease=30)
+    semaphore.acquire(timeout=0).release()  # the watch thread runs
+    watched = renewer._renewer.watched
+    time.sleep(0.2)  # the watch has seen that lease go and waits again
+    with mock.patch.object(watched, "notify", wraps=watched.notify) as notify:
+        for _ in range(50):
+            semaphore.acquire(timeout=0).release()
+    assert notify.call_count <= 2, notify.call_count

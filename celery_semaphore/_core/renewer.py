@@ -249,8 +249,13 @@ class _Renewer:
             lapsed, next_deadline = self._lapse(now)
             if lapsed:
                 return lapsed
+            if next_deadline == math.inf:
+                # nothing to watch: look again in a while (as the renewer does), rather than wait
+                # for track() to wake it, which a loop of acquire and release would do on every
+                # acquire (a context switch and a GIL hand-over each; measured: a notify per cycle)
+                next_deadline = now + IDLE_WAKE
             self.watch_wakes_at = next_deadline + WATCH_SLACK
-            self.watched.wait(timeout=None if next_deadline == math.inf else self.watch_wakes_at - now)
+            self.watched.wait(timeout=self.watch_wakes_at - now)
             self.watch_wakes_at = math.inf
             return []
 

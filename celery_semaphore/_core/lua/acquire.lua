@@ -85,17 +85,27 @@ end
 -- a grant that is no new start (a repeat of one): nothing to note for a rate or a spacing
 local NO_RULES = {rate_n = 0, spacing_ms = 0}
 
-local r
+local r, size
 if fresh then
   -- the fast path: a newcomer, nobody present to pass, a slot free, no rate, spacing or pause
   -- holding it back. Under such rules nobody in line at all: a waiter offered a start for a
   -- later moment is no longer present, yet that start is its own
   r = rules_in_force(spec, now)
-  local size = redis.call('ZCARD', K_HOLDERS)
+  size = redis.call('ZCARD', K_HOLDERS)
   if size < r.limit and redis.call('ZCARD', r.gated and K_QUEUE or K_PRESENT) == 0
       and (not r.gated or gate_wait(r, now, 1) == 0) then
     hold(token, now, lease_ms, label, size == 0)
     return granted(GRANTED, r)
+  end
+  -- a one-shot try that finds every slot taken, none of them lapsed (what the purge would free)
+  -- and none its own (a repeat of a granted try): refused here, before the line's helpers are
+  -- made; the purge of waiters that stopped asking is left to the next try that joins the line.
+  -- Then position and turn may still count such waiters.
+  if not enqueue and size >= r.limit and redis.call('ZCOUNT', K_HOLDERS, -now, now) == 0
+      and not redis.call('ZSCORE', K_HOLDERS, token) then
+    return {WAIT, redis.call('ZCARD', K_QUEUE), r.limit - size, r.limit,
+            tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1, '', redis.call('ZCARD', K_PRESENT),
+            0, r.gated and gate_wait(r, now, 1) or 0}
   end
 end
 
@@ -141,7 +151,7 @@ if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
   return CLAIMED
 end
 r = r or rules_in_force(spec, now)
-purge(now)
+local purged = purge(now)
 if redis.call('ZSCORE', K_HOLDERS, token) then
   -- a repeat of a granted try: the entry still counts, so extending it takes no second slot
   -- (nor a second start)
@@ -150,11 +160,17 @@ if redis.call('ZSCORE', K_HOLDERS, token) then
   return granted(GRANTED, NO_RULES)
 end
 
-local size = redis.call('ZCARD', K_HOLDERS)
+-- the holders the fast path counted, less those the purge removed: nothing else has changed
+-- them since, nor will until a grant below, so the hand-offs need not count them either
+if size then
+  size = size - purged
+else
+  size = redis.call('ZCARD', K_HOLDERS)
+end
 average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1
 
 if not enqueue then
-  local left, _, offered = hand_off(now, r, nil)
+  local left, _, offered = hand_off(now, r, nil, size)
   if left > 0 then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
     return granted(GRANTED, r)
@@ -184,7 +200,7 @@ end
 redis.call('ZADD', K_PRESENT, ticket, waiter)
 redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
 
-local left, chosen, offered, delayed = hand_off(now, r, waiter)
+local left, chosen, offered, delayed = hand_off(now, r, waiter, size)
 if chosen then
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)

@@ -30,6 +30,6 @@ if marked then
 else
   redis.call('HSET', KEYS[2], record, WOKEN_COPY_MARK .. copy)
 end
-extend(KEYS[1], lease_ms + SWEEP_GRACE_MS, false)
-extend(KEYS[2], lease_ms + SWEEP_GRACE_MS, false)
+extend_exactly(KEYS[1], lease_ms + SWEEP_GRACE_MS)
+extend_exactly(KEYS[2], lease_ms + SWEEP_GRACE_MS)
 return {record, copy}

@@ -45,12 +45,12 @@ redis.call('HSET', KEYS[2], record, copy)
 if by_waiter then
   redis.call('HSET', KEYS[3], by_waiter, record)
 end
-extend(KEYS[1], ttl_ms, false)
-extend(KEYS[2], ttl_ms, false)
-extend(KEYS[3], ttl_ms, false)
+extend_exactly(KEYS[1], ttl_ms)
+extend_exactly(KEYS[2], ttl_ms)
+extend_exactly(KEYS[3], ttl_ms)
 local line = ARGV[5] or ''
 if line ~= '' then
   redis.call('ZADD', KEYS[4], 'GT', due_at, line)  -- GT still adds a new member
-  extend(KEYS[4], ttl_ms, false)
+  extend_exactly(KEYS[4], ttl_ms)
 end
 return 1
