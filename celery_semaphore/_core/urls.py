@@ -186,19 +186,21 @@ def _parse(url: str, masked: str) -> BackendSpec:
         if username is not None:
             raise _Invalid("a user name both in the URL and in its query")
         username = raw_options.pop("username")
-    tls = scheme.startswith("rediss")
+    parts = _UrlParts(url, scheme, masked, scheme.startswith("rediss"), hosts, path, username, password, raw_options)
     if scheme in ("redis", "rediss"):
-        return _parse_single(url, masked, scheme, hosts, path, username, password, raw_options)
+        return _parse_single(parts)
     if scheme == "unix":
-        return _parse_unix(url, masked, hosts, path, username, password, raw_options)
+        return _parse_unix(parts)
     if scheme.endswith("+cluster"):
-        return _parse_cluster(_NodeListUrl(masked, tls, hosts, path, username, password, raw_options))
-    return _parse_sentinel(_NodeListUrl(masked, tls, hosts, path, username, password, raw_options))
+        return _parse_cluster(parts)
+    return _parse_sentinel(parts)
 
 
-class _NodeListUrl(NamedTuple):
-    """A cluster or Sentinel URL split into its parts (its password already masked in ``masked``)."""
+class _UrlParts(NamedTuple):
+    """A URL split into its parts (its password already masked in ``masked``)."""
 
+    url: str
+    scheme: str
     masked: str
     tls: bool
     hosts: list[str]
@@ -318,16 +320,8 @@ def _try_connection(options: Mapping[str, Any], *, tls: bool, unix_path: str | N
         raise _Invalid(f"bad option: {error}") from None
 
 
-def _parse_single(
-    url: str,
-    masked: str,
-    scheme: str,
-    hosts: list[str],
-    path: str,
-    username: str | None,
-    password: str | None,
-    raw: dict[str, str],
-) -> BackendSpec:
+def _parse_single(parts: _UrlParts) -> BackendSpec:
+    url, scheme, masked, _, hosts, path, username, password, raw = parts
     if len(hosts) > 1:
         raise _Invalid(f"{scheme}:// names one server; for several use {scheme}+cluster:// or {scheme}+sentinel://")
     host, port = _node(hosts[0], DEFAULT_REDIS_PORT) if hosts else ("localhost", DEFAULT_REDIS_PORT)
@@ -351,15 +345,8 @@ def _path_db(path: str, raw: dict[str, str]) -> int:
     return _db(text) if text else 0
 
 
-def _parse_unix(
-    url: str,
-    masked: str,
-    hosts: list[str],
-    path: str,
-    username: str | None,
-    password: str | None,
-    raw: dict[str, str],
-) -> BackendSpec:
+def _parse_unix(parts: _UrlParts) -> BackendSpec:
+    url, _, masked, _, hosts, path, username, password, raw = parts
     if hosts:
         raise _Invalid("unix:// names a socket path, not a host: unix:///path/to/redis.sock")
     if len(path) <= 1:
@@ -383,8 +370,8 @@ def _nodes(hosts: list[str], default_port: int, what: str) -> tuple[tuple[str, i
     return tuple(_node(host, default_port) for host in hosts)
 
 
-def _parse_cluster(url: _NodeListUrl) -> BackendSpec:
-    masked, tls, hosts, path, username, password, raw = url
+def _parse_cluster(parts: _UrlParts) -> BackendSpec:
+    _, _, masked, tls, hosts, path, username, password, raw = parts
     nodes = _nodes(hosts, DEFAULT_REDIS_PORT, "cluster")
     if path not in ("", "/", "/0") or raw.get("db", "0") != "0":
         raise _Invalid("a Redis Cluster has only db 0: give no /<db>")
@@ -417,8 +404,8 @@ def _convert(name: str, value: str, kind: type) -> Any:
     return int(value)
 
 
-def _parse_sentinel(url: _NodeListUrl) -> BackendSpec:
-    masked, tls, hosts, path, username, password, raw = url
+def _parse_sentinel(url: _UrlParts) -> BackendSpec:
+    _, _, masked, tls, hosts, path, username, password, raw = url
     nodes = _nodes(hosts, DEFAULT_SENTINEL_PORT, "Sentinel")
     parts = path.split("/")[1:] if path else []
     if not parts or not parts[0]:

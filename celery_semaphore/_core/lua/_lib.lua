@@ -295,6 +295,15 @@ local function keep_run(run, token, now, ttl_ms)
   extend(K_RUN_EXPIRY, ttl_ms + GRACE_MS, false)
 end
 
+-- One token's answer to a renewal (renew, renew_many): its code, and its run's record kept on
+-- while it holds.
+local function answer_renewal(codes, code, run, token, now, lease_ms)
+  if code ~= RENEW_LOST and run ~= '' then
+    keep_run(run, token, now, lease_ms)
+  end
+  codes[#codes + 1] = code
+end
+
 -- The waiters offered a slot whom the script's caller wakes: parked, or nobody heard (see notify).
 -- A script's reply lists them.
 local to_wake = {}

@@ -35,11 +35,8 @@ for i = 4, #ARGV, 3 do
   end
   if code ~= RENEW_LOST then
     changed = true
-    if run ~= '' then
-      keep_run(run, token, now, lease_ms)
-    end
   end
-  codes[#codes + 1] = code
+  answer_renewal(codes, code, run, token, now, lease_ms)
 end
 if changed then
   extend(K_HOLDERS, lease_ms + GRACE_MS, was_empty)

@@ -61,11 +61,8 @@ for p = 4 + n, #ARGV, 3 do
       extend(K_HOLDERS, lease_ms + GRACE_MS, false)
       extend(K_HOLDER_INFO, lease_ms + GRACE_MS, false)
     end
-    if run ~= '' then
-      keep_run(run, token, now, lease_ms)
-    end
   end
-  codes[#codes + 1] = code
+  answer_renewal(codes, code, run, token, now, lease_ms)
 end
 -- the purge above may have freed slots: hand them on
 for i = 1, n do
