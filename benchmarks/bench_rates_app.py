@@ -66,7 +66,7 @@ def _start(task: Task, seq: int, key: str, seconds: float) -> None:
     hold for ``seconds``."""
     started = time.time()
     granted = "-"
-    lease = getattr(task.request, "semaphore_lease", None)
+    lease = task.semaphore_held()
     if lease is not None:
         info = lease.semaphore.client.hget(lease.semaphore.keys.holder_info, f"h:{lease.token}")
         if info:

@@ -72,6 +72,10 @@ AnySemaphore = FairSemaphore | MultiSemaphore
 
 logger = logging.getLogger("celery_semaphore")
 
+# Where an execution's Lease lives: on its request (one task instance serves every thread and
+# greenlet of a process), under a name no task option shares (``semaphore_held`` reads it).
+HELD_LEASE_ATTRIBUTE = "_semaphore_held_lease"
+
 
 class SemaphoreTask(Task):  # type: ignore[misc]
     """A task that runs only while it holds a slot of its semaphore.
@@ -120,7 +124,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         if request.is_eager:
             while True:
                 lease: Lease | None = self._acquire_eagerly(semaphore)
-                request.semaphore_lease = lease
+                setattr(request, HELD_LEASE_ATTRIBUTE, lease)
                 with _eager_holding(semaphore if lease is not None else None):
                     try:
                         return super().__call__(*args, **kwargs)
@@ -143,7 +147,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             # position): about a third of the worker's time per refused task, measured under a
             # backlog. A refusal's frames tell nobody anything, so it leaves with this one only.
             raise refused.with_traceback(None) from None
-        request.semaphore_lease = lease
+        setattr(request, HELD_LEASE_ATTRIBUTE, lease)
         finished = True
         try:
             store_started(self)
@@ -170,13 +174,19 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             if lease is not None:
                 give_back_at_end(request, lease, finished=finished)
 
+    def semaphore_held(self) -> Lease | None:
+        """From the body: the slot this execution holds (its ``Lease``: key, token, ``renew``),
+        or None outside the body, in a plain function call, or when it runs without its
+        semaphore (fail open)."""
+        return getattr(self.request, HELD_LEASE_ATTRIBUTE, None)
+
     def semaphore_pause(self, seconds: float) -> NoReturn:
         """From the body, on "429, Retry-After: <seconds>": pause this task's semaphore for every
         worker for ``seconds`` and send the task again for the end of the pause, first in line.
         Raises, like ``self.retry()``; the task's retries are left alone (a wait, not a retry)."""
         seconds = check_seconds(f"{self.name}.semaphore_pause", seconds)
         request = self.request
-        lease: Lease | None = getattr(request, "semaphore_lease", None)
+        lease = self.semaphore_held()
         if lease is None:
             raise SemaphoreError(f"{self.name}: semaphore_pause is for the body of a task that holds its slot")
         semaphore: AnySemaphore = lease.semaphore  # type: ignore[assignment]

@@ -693,7 +693,7 @@ def retries_elsewhere(self: Any, queue: str, key: str) -> str:
 def _record_grant(task: Any, key: str) -> None:
     """Record "<task id> <granted ms>": the server time Redis granted the running task its slot
     (as the acquire script wrote it), so windows are checked in the server time rules use."""
-    lease = task.request.semaphore_lease
+    lease = task.semaphore_held()
     info = lease.semaphore.client.hget(lease.semaphore.keys.holder_info, f"h:{lease.token}")
     probe(key).client.rpush(f"probe:{key}:granted", f"{task.request.id} {info.decode().split('|')[0]}")
 
@@ -722,7 +722,7 @@ def throttled_api(self: Any, seconds: float, answer_429_for: float = 0.0, key: s
     and pauses the key for that long."""
     _record_grant(self, key)
     if answer_429_for and probe(key).client.sadd(f"probe:{key}:told", self.request.id):
-        seconds, micros = self.request.semaphore_lease.semaphore.client.time()
+        seconds, micros = self.semaphore_held().semaphore.client.time()
         probe(key).client.rpush(f"probe:{key}:paused", f"{self.request.id} {seconds * 1000 + micros // 1000}")
         self.semaphore_pause(answer_429_for)
     _held(key, seconds, self.request.id)
