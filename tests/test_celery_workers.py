@@ -177,6 +177,7 @@ def test_a_limit_from_config_only(proj: Any) -> None:
 def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
     """Past semaphore_max_wait a waiting task fails, visibly, with SemaphoreUnavailable, and
     forgets its parked record: no sweep may send it again once its place lapses."""
+    from celery_semaphore._celery.due_copies import due_copies_for
     from celery_semaphore._celery.parking import parked_keys
 
     impatient = semaphore(proj, "proj.impatient")
@@ -188,6 +189,19 @@ def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
         assert result.state == "FAILURE"
         records = impatient.client.zrange(parked_keys(impatient.prefix)[0], 0, -1)
         assert not [record for record in records if result.id.encode() in record]
+        # nor may a copy of its wait come back to fail it again (after a semaphore Redis restart,
+        # a kept moved copy is sent again): none is stored or kept, and its run is remembered over
+        store = due_copies_for(proj.app)
+        assert store is not None
+        copies, finished, sent = store.keys[1], store.keys[3], store.keys[5]
+        of_task = [
+            (name, run)
+            for name in (copies, sent)
+            for run in store.client.hkeys(name)
+            if run.startswith(result.id.encode())
+        ]
+        assert not of_task
+        assert [run for run in store.client.zrange(finished, 0, -1) if run.startswith(result.id.encode())]
     finally:
         blocker.release()
 

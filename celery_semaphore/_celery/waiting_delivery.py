@@ -29,12 +29,13 @@ from celery.exceptions import Ignore, Retry
 from .._core.attempts import Duplicate, Waiting
 from .._core.multi import MultiSemaphore
 from .._core.semaphore import FairSemaphore
+from .._core.validation import to_ms
 from .._core.waiting import leave_quietly
 from ..errors import SemaphoreError, SemaphoreUnavailable
 from . import policy
 from .backstop import DUE_HEADER, holds_backstops
 from .config import SemaphoreConfig, config_for
-from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, send_copy, stores_copies
+from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, send_copy, stores_copies, withdraw
 from .options import WaitOptions, wait_options
 from .outages import outages
 from .parking import parking
@@ -81,6 +82,7 @@ class WaitingDelivery:
             leave(self.semaphore, self.waiter)
             if self.history.waits:  # this wait parked before: no wake-up or sweep may bring it back
                 parking().unpark(self.semaphore, self.waiter, self.run)
+                self._end_run()
             raise SemaphoreUnavailable(self.semaphore.name, attempt.limit, waited, options.max_wait)
         if attempt.retry_after is not None:
             # a start reserved for this task at a known moment: come back exactly then
@@ -103,6 +105,16 @@ class WaitingDelivery:
             left = round(options.max_wait - waited + 0.5)
             countdown, backstop = max(1, min(countdown, left)), max(1, min(backstop, left))
         self.wait_outside(attempt, countdown, backstop)
+
+    def _end_run(self) -> None:
+        """The wait failed: its run is over, so its stored copy is withdrawn and any other copy
+        of it (kept, moved, in flight) is dropped as it asks, instead of failing the task again."""
+        remember = remember_for(self.options, self.config)
+        withdraw(self.task.app, self.run, remember_s=remember)
+        try:
+            self.semaphore._finish_run(self.run, to_ms(remember))
+        except SemaphoreError as error:  # a copy that comes back fails at its max wait again
+            logger.warning("could not mark the failed wait of %s[%s] over: %s", self.task.name, self.request.id, error)
 
     def keeps_copies_apart(self) -> bool:
         """Whether this task's due-later copies wait apart from any worker (``due_copies.py``,
