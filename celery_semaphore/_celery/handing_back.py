@@ -4,7 +4,7 @@ A warm shutdown stops consuming first, then waits for the running tasks, and onl
 closes its broker connection, at the very end, does the broker get back the messages the worker
 received and did not run. A wake copy among them carries a turn: a slot is offered to that task
 alone for its claim window, and the slot idles until the copy asks. Measured in the
-rolling-restart test (``tests/test_stranded_waiters.py -k rolling``: two workers of 4, one
+rolling-restart test (``tests/operations/test_stranded_waiters.py -k rolling``: two workers of 4, one
 warm-restarted every 10 s, limit 1): the wake copy a worker received as its shutdown began came
 back 1.4-1.7 s later, when its pool had stopped;
 with a task of 8 s running in that worker, the offer lapsed instead, and the slot reached the

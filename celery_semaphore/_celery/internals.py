@@ -5,7 +5,7 @@ Most of the glue uses Celery's documented surface: signals, bootsteps, ``Task`` 
 add cannot be had otherwise; each is listed here once, with what it relies on and what the
 package does when it is gone. A worker checks the list as it starts and logs one warning naming
 every entry that no longer holds (an upgrade of Celery or kombu changed it) and what falls back;
-``tests/test_internals.py`` fails on an installed version that breaks one.
+``tests/celery/test_internals.py`` fails on an installed version that breaks one.
 
 The checks read classes, never a live worker: they run before the worker has a consumer. Tested
 with the versions in ``TESTED_WITH``.

@@ -7,7 +7,7 @@ such as an offer ``!<waiter>``, a weighted holder ``<token>*<w>`` with its extra
 parses those members. A code or mark that changes on one side only breaks the semaphore quietly,
 so each value lives in two places and nowhere else: here for Python, and in the storage-format
 block at the head of ``lua/_lib.lua`` for the scripts, under the same names. The scripts cannot
-import Python. ``tests/test_storage_format.py`` reads that block and the scripts' text, and fails
+import Python. ``tests/core/test_storage_format.py`` reads that block and the scripts' text, and fails
 when the two sides differ or when a script answers with a bare number where a name exists.
 
 The key names themselves are ``scripts.SemaphoreKeys``'s business, and the key schema is in the

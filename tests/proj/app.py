@@ -338,7 +338,7 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
     return str(self.request.id)
 
 
-# --- the chaos run (tests/test_chaos.py) ---------------------------------------------------
+# --- the chaos run (tests/operations/test_chaos.py) ---------------------------------------------------
 
 
 @app.task(
@@ -543,7 +543,7 @@ def two_slots(self: Any, seconds: float, key: str = "two_slots") -> str:
     return str(self.request.id)
 
 
-# --- the full chaos run (tests/test_chaos.py, issue 16) -------------------------------------
+# --- the full chaos run (tests/operations/test_chaos.py, issue 16) -------------------------------------
 
 
 def rejects_first_attempt(task_id: str) -> bool:
@@ -761,7 +761,7 @@ def gated(self: Any, gate: str) -> str:
     return str(self.request.id)
 
 
-# --- chaos with the semaphore's Redis restarted empty and no result backend (tests/test_chaos.py) ---
+# --- chaos with the semaphore's Redis restarted empty and no result backend (tests/operations/test_chaos.py) ---
 
 
 @app.task(
@@ -811,7 +811,7 @@ def _record_chaos_restart_delivery(task_id: str | None = None, task: Any = None,
         probe(key).client.rpush(f"probe:{key}:deliveries", f"{task_id} {os.getpid()} {time.time()}")
 
 
-# --- a refused delivery's memory (tests/test_refusal_memory.py) ----------------------------
+# --- a refused delivery's memory (tests/celery/test_refusal_memory.py) ----------------------------
 
 
 @app.task(
@@ -910,7 +910,7 @@ def _kill_after_the_outcome(task: Any = None, task_id: str | None = None, state:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# --- wake-ups the glue owes: a resume, a key list, a killed weighted holder (tests/test_prompt_wakes.py) ---
+# --- wake-ups the glue owes: a resume, a key list, a killed weighted holder (tests/celery/test_prompt_wakes.py) ---
 
 
 @signals.task_retry.connect
@@ -966,7 +966,7 @@ def heavy(self: Any, seconds: float, key: str = "heavy") -> str:
     return str(self.request.id)
 
 
-# --- where a task stands (tests/test_why.py) -------------------------------------------------
+# --- where a task stands (tests/celery/test_why.py) -------------------------------------------------
 
 
 @app.task(

@@ -57,7 +57,7 @@ local K_RUNS, K_RUN_EXPIRY = KEYS[11], KEYS[12]
 
 -- @storage-format: the codes the scripts answer with and the marks inside what they store.
 -- _core/storage.py holds the same values under the same names for Python, and
--- tests/test_storage_format.py fails if the two differ or if a script uses a bare code where a
+-- tests/core/test_storage_format.py fails if the two differ or if a script uses a bare code where a
 -- name exists below. One "local NAME = value" per line, up to the blank line that ends the block.
 -- Each costs a script run one instruction to declare; reading one costs what the literal did
 -- (uncontended acquire + release measured the same, about 6.5 us of Redis time per EVALSHA).

@@ -1,0 +1,377 @@
+"""Parking: the process that parked a waiting task sends it again when its turn comes, and a
+sweep in any process sends it again when no copy of its wait asked in time (its backstop copy
+was lost in the broker), even when the process that parked it is dead.
+
+Real Redis for the semaphore and a real Redis broker: the wake copy is a real Celery message,
+checked in the broker's queue; the dead parking process is a real process, SIGKILLed. The lost
+backstop copy is played by not sending one: on the Redis broker that loss (a message popped by
+the pending BRPOP of a worker being killed) cannot be produced on demand.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_semaphore import FairSemaphore, Waiting
+from celery_semaphore._celery.parking import Parking, parked_keys
+from celery_semaphore._core.attempts import Ask
+
+from ..redis_server import RedisServer
+from ..waiting import wait_until
+from ..workers import ROOT
+
+# The keys of these tests' semaphores and parked tasks: a sweeper left running in this process
+# by another test (with its app and its broker) sweeps the default prefix, never this one.
+PREFIX = "parking-tests"
+
+
+def _app(server: RedisServer) -> Celery:
+    app = Celery("parking", broker=f"redis://127.0.0.1:{server.port}/5", set_as_current=False)
+
+    @app.task(name="parking.job", shared=False)
+    def job(*args: object) -> None: ...
+
+    return app
+
+
+def _queued(server: RedisServer, queue: str) -> int:
+    with server.client(db=5) as broker:
+        return int(broker.llen(queue))
+
+
+def test_an_offer_sends_the_wake_copy_at_once(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """A release that hands the parked waiter its turn makes this process send the wake copy."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, "park-offer", 1, prefix=PREFIX)
+    holder = semaphore.acquire(timeout=5)
+    waiting = semaphore.try_acquire(token="t1:a", waiter="t1")
+    assert isinstance(waiting, Waiting)
+    parking = Parking()
+    wake_copy = app.signature("parking.job", queue="q-offer.semaphore-wake")
+    address = parking.park(semaphore, "t1", wake_copy, away_for=30, run="t1#0")
+    semaphore._leave("t1", 30, address)
+    assert _queued(redis_server, "q-offer.semaphore-wake") == 0
+    holder.release()
+    wait_until(lambda: _queued(redis_server, "q-offer.semaphore-wake") == 1, timeout=10, what="the wake copy sent")
+    assert parking.parked_count() == 0
+
+
+def test_the_releasing_process_sends_the_wake_copy_and_the_parked_one_does_not_send_it_again(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The process whose release offers a parked waiter its turn sends the wake copy itself (it
+    is running; the parked task's process may be busy with another task). The parked process,
+    told too, finds the record taken and sends nothing: one copy."""
+    from celery_semaphore._celery.parking import parking
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-releaser"
+    releasing = parking()  # this process's, whose wake handler the release calls
+    releasing.sweep(app, redis_client, prefix)  # as a worker's process: it knows the app
+    try:
+        semaphore = FairSemaphore(redis_client, "park-releaser", 1, prefix=prefix)
+        holder = semaphore.acquire(timeout=5)
+        assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+        parked = Parking()  # the parked task's process
+        wake_copy = app.signature("parking.job", queue="q-releaser.semaphore-wake")
+        semaphore._leave("t1", 30, parked.park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+        holder.release()
+        wait_until(lambda: parked.sent_elsewhere == 1, timeout=10, what="the parked process told, the copy sent")
+        assert _queued(redis_server, "q-releaser.semaphore-wake") == 1
+        assert parked.parked_count() == 0
+    finally:
+        # no sweeping of this test's deployment for the rest of the session
+        releasing._sweep_targets.pop((id(redis_client), prefix), None)
+
+
+def test_a_wake_up_handed_on_later_is_sent_from_the_sender_thread(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewer hands the waiters its renewal offered a slot on with ``later``: their wake
+    copies go out from the parking's sender thread, never from the calling thread, which must
+    not wait on a broker (its stall would let leases lapse while their bodies run). The send
+    is observed by wrapping this project's own ``Parking._send``; the message is real."""
+    import threading
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-later"
+    semaphore = FairSemaphore(redis_client, "park-later", 1, prefix=prefix)
+    holder = semaphore.acquire(timeout=5)
+    assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+    wake_copy = app.signature("parking.job", queue="q-later.semaphore-wake")
+    semaphore._leave("t1", 30, Parking().park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+    senders: list[threading.Thread] = []
+    send = Parking._send
+
+    def noted_send(copy: object, name: str) -> None:
+        senders.append(threading.current_thread())
+        send(copy, name)
+
+    monkeypatch.setattr(Parking, "_send", staticmethod(noted_send))
+    waker = Parking()
+    waker.sweep(app, redis_client, prefix)
+    waker.wake_offered(semaphore, ("t1",), later=True)
+    wait_until(lambda: _queued(redis_server, "q-later.semaphore-wake") == 1, timeout=10, what="the wake copy sent")
+    assert senders and senders[0] is not threading.current_thread()
+    holder.release()
+
+
+def test_a_wait_whose_copies_never_asked_is_sent_again(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """When a parked task's time is up and no copy of its wait asked meanwhile, the wake copy is
+    sent anyway; a task whose copy did ask is left alone."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, "park-sweep", 1, prefix=PREFIX)
+    holder = semaphore.acquire(timeout=5)
+    parking = Parking()
+    for waiter in ("lost", "asked"):
+        assert isinstance(semaphore.try_acquire(token=f"{waiter}:a", waiter=waiter), Waiting)
+        wake_copy = app.signature("parking.job", queue=f"q-{waiter}.semaphore-wake")
+        address = parking.park(semaphore, waiter, wake_copy, away_for=0.5, run=f"{waiter}#0")
+        semaphore._leave(waiter, 0.5, address)
+    # the backstop copy of "asked" arrives and asks again (it is refused: the slot is held)
+    assert isinstance(semaphore._try(Ask(token="asked:b", waiter="asked", run="asked#0", remember=60)), Waiting)
+    wait_until(lambda: _queued(redis_server, "q-lost.semaphore-wake") == 1, timeout=10, what="the lost wait sent again")
+    wait_until(lambda: parking.parked_count() == 0, timeout=10, what="both parked entries swept")
+    assert _queued(redis_server, "q-asked.semaphore-wake") == 0
+    holder.release()
+
+
+def _parked_then_away(
+    redis_server: RedisServer, redis_client: redis.Redis, name: str, parking: Parking
+) -> tuple[FairSemaphore, float]:
+    """Parks waiter "late" of ``name`` for 0.3 s, then steps it away for 2.5 s, as a task does
+    whose park waited for its wake-up subscription: its record is due before its place lapses.
+    Returns the semaphore and the server time (s) at which the place lapses."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, name, 1, prefix=PREFIX)
+    assert isinstance(semaphore.try_acquire(token="late:a", waiter="late"), Waiting)
+    wake_copy = app.signature("parking.job", queue=f"q-{name}.semaphore-wake")
+    address = parking.park(semaphore, "late", wake_copy, away_for=0.3, run="late#0")
+    semaphore._leave("late", 2.5, address)
+    lapses_at = float(redis_client.zscore(semaphore.keys.deadlines, "late") or 0) / 1000
+    return semaphore, lapses_at
+
+
+def _server_time(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A sweep that finds a due record whose waiter still has its place puts the record back,
+    due when the place would lapse, and sends the wake copy then: taken and dropped, the record
+    could never be swept again, and a backstop copy lost afterwards would be lost for good."""
+    parking = Parking()
+    holder = FairSemaphore(redis_client, "park-late", 1, prefix=PREFIX).acquire(timeout=5)
+    semaphore, lapses_at = _parked_then_away(redis_server, redis_client, "park-late", parking)
+    due_key = parked_keys(PREFIX)[0]
+
+    # the first sweep after 0.3 s finds the place alive: the record is back, due after 2.5 s
+    def put_back() -> bool:
+        due = redis_client.zrange(due_key, 0, -1, withscores=True)
+        return len(due) == 1 and due[0][1] / 1000 > lapses_at
+
+    wait_until(put_back, timeout=10, what="the record put back, due after the place lapses")
+    assert _queued(redis_server, "q-park-late.semaphore-wake") == 0
+    wait_until(
+        lambda: _queued(redis_server, "q-park-late.semaphore-wake") == 1,
+        timeout=15,
+        what="the wake copy sent once the place lapsed",
+    )
+    assert _server_time(redis_client) >= lapses_at
+    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record gone")
+    assert _queued(redis_server, "q-park-late.semaphore-wake") == 1
+    holder.release()
+    del semaphore
+
+
+def test_a_wait_kept_in_this_process_only_is_swept_when_its_place_lapses(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a wake copy the app's serializer cannot write, kept in the process that
+    parked it. (Such a copy is played by making ``serialized`` refuse a plain one: the send must
+    still work, which a copy that truly cannot be serialized would not.)"""
+    import celery_semaphore._celery.parking as parking_module
+
+    monkeypatch.setattr(parking_module, "serialized", lambda wake_copy: None)
+    parking = Parking()
+    holder = FairSemaphore(redis_client, "park-here", 1, prefix=PREFIX).acquire(timeout=5)
+    _, lapses_at = _parked_then_away(redis_server, redis_client, "park-here", parking)
+    assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0, "not kept in Redis"
+    wait_until(
+        lambda: _queued(redis_server, "q-park-here.semaphore-wake") == 1,
+        timeout=15,
+        what="the wake copy sent once the place lapsed",
+    )
+    assert _server_time(redis_client) >= lapses_at
+    assert parking.parked_count() == 0
+    holder.release()
+
+
+# Parks a waiter of "park-dead" (its wake copy for queue "q-dead") for 0.5 s, says so, and
+# waits to be killed: the process that parked it dies without sending anything.
+_PARK_AND_WAIT = """
+import sys, time
+import redis
+from celery import Celery
+from celery_semaphore import FairSemaphore, Waiting
+from celery_semaphore._celery.parking import parking
+port = int(sys.argv[1])
+PREFIX = "parking-tests"
+app = Celery("parking", broker=f"redis://127.0.0.1:{port}/5", set_as_current=False)
+semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1, prefix=PREFIX)
+assert isinstance(semaphore.try_acquire(token="gone:a", waiter="gone"), Waiting)
+wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"semaphore_waits": 3})
+address = parking().park(semaphore, "gone", wake_copy, away_for=0.5, run="gone#0")
+semaphore._leave("gone", 0.5, address)
+print("parked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The process that parked a waiting task is SIGKILLed and its backstop copy never comes:
+    when the task's time is up, the sweep of another process sends the wake copy, as it was
+    (task, arguments, queue, headers), and of two processes sweeping, exactly one sends it."""
+    app = _app(redis_server)
+    holder = FairSemaphore(redis_client, "park-dead", 1, prefix=PREFIX).acquire(timeout=5)
+    parker = subprocess.Popen(
+        [sys.executable, "-c", _PARK_AND_WAIT, str(redis_server.port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert parker.stdout is not None
+        assert parker.stdout.readline().strip() == b"parked"
+    finally:
+        os.kill(parker.pid, signal.SIGKILL)
+        parker.wait(timeout=30)
+        if parker.stdout is not None:
+            parker.stdout.close()
+    due_key = parked_keys(PREFIX)[0]
+    assert redis_client.zcard(due_key) == 1, "the parked task is kept in Redis"
+    sweepers = [Parking(), Parking()]
+    for sweeper in sweepers:
+        sweeper.sweep(app, redis_client, PREFIX)
+    wait_until(
+        lambda: _queued(redis_server, "q-dead.semaphore-wake") >= 1, timeout=15, what="the wake copy sent by a sweep"
+    )
+    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record taken")
+    with redis_server.client(db=5) as broker:
+        (message,) = broker.lrange("q-dead.semaphore-wake", 0, -1)
+    sent = json.loads(message)
+    assert sent["headers"]["task"] == "parking.job"
+    assert sent["headers"]["semaphore_waits"] == 3
+    assert json.loads(base64.b64decode(sent["body"]))[0] == [7]
+    holder.release()
+
+
+def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """A parked task whose backstop copy could not be sent fails, and unparks: neither its
+    wake-up nor a sweep brings it back."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, "park-given-up", 1, prefix=PREFIX)
+    holder = semaphore.acquire(timeout=5)
+    assert isinstance(semaphore.try_acquire(token="up:a", waiter="up"), Waiting)
+    parking = Parking()
+    address = parking.park(
+        semaphore, "up", app.signature("parking.job", queue="q-up.semaphore-wake"), away_for=0.3, run="up#0"
+    )
+    semaphore._leave("up", 0.3, address)
+    parking.unpark(semaphore, "up", "up#0")
+    assert parking.parked_count() == 0
+    assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0
+    holder.release()  # would offer the slot to "up", were it still parked
+    semaphore.acquire(timeout=5).release()
+    assert _queued(redis_server, "q-up.semaphore-wake") == 0
+
+
+def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Redis) -> None:
+    """A sweep puts a record back only if the task has not parked it again meanwhile: the newer
+    copy (its headers count one more wait) and its due time stay."""
+    from celery_semaphore._core.scripts import scripts_for
+
+    scripts, keys = scripts_for(redis_client), parked_keys("nx")
+    assert scripts.park(keys, record="w", look_in_ms=60_000, copy=b"newer")
+    assert not scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
+    assert redis_client.hget(keys[1], "w") == b"newer"
+    due_in_ms = float(redis_client.zscore(keys[0], "w") or 0) - redis_client.time()[0] * 1000
+    assert due_in_ms > 50_000
+    redis_client.delete(*keys)
+    assert scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
+    assert redis_client.hget(keys[1], "w") == b"older"
+    assert redis_client.pttl(keys[0]) > 0, "the put-back record's keys expire"
+
+
+def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record of a woken wait is leased, not dropped: its wake copy lost in flight (on the
+    Redis broker, popped by the pending BRPOP of a worker being killed; played here by popping
+    it) is sent again by a sweep once the lease is up, and again after that, until a copy of
+    its run is granted; then the record is dropped and nothing more is sent. The lease is
+    shortened to 1 s (default 10 s) to keep the test short."""
+    import celery_semaphore._celery.parking as parking_module
+
+    monkeypatch.setattr(parking_module, "WOKEN_LEASE_S", 1.0)
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-lease"
+    queue = "q-lease.semaphore-wake"
+    semaphore = FairSemaphore(redis_client, "park-lease", 1, prefix=prefix)
+    holder = semaphore.acquire(timeout=5)
+    assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+    parked = Parking()
+    wake_copy = app.signature("parking.job", queue=queue)
+    semaphore._leave("t1", 300, parked.park(semaphore, "t1", wake_copy, away_for=300, run="t1#0"))
+    sweeper = Parking()
+    sweeper.sweep(app, redis_client, prefix)
+    holder.release()
+    wait_until(lambda: _queued(redis_server, queue) >= 1, timeout=10, what="the wake copy sent")
+    with redis_server.client(db=5) as broker:
+        for lost in (1, 2):
+            # every copy sent so far lost in flight (more than one when this process stalled past
+            # a lease under load: each lease sends once more, which is the point)
+            assert broker.delete(queue) == 1
+            wait_until(lambda: _queued(redis_server, queue) >= 1, timeout=10, what=f"sent again after loss {lost}")
+        # a copy of the run is granted (the acquire script records it): the next sweep drops the
+        # record, and with it anything that could send the copy again
+        redis_client.hset(semaphore.keys.runs, "t1#0", "t1:a")
+    due_key, copies_key = parked_keys(prefix)[:2]
+    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=10, what="the record dropped once granted")
+    assert redis_client.hlen(copies_key) == 0
+
+
+def test_a_busy_sender_still_sweeps(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """The sender thread's rounds (sweeps, ticks) come every second even while wake-ups keep it
+    busy without a quiet second: a deployment that sends wake copies all the time must still send
+    a lost wait's copy again. Played by handing the thread a wake-up (of nobody) every 0.2 s."""
+    app = _app(redis_server)
+    semaphore = FairSemaphore(redis_client, "park-busy", 1, prefix=PREFIX)
+    holder = semaphore.acquire(timeout=5)
+    parking = Parking()
+    assert isinstance(semaphore.try_acquire(token="busy:a", waiter="busy"), Waiting)
+    wake_copy = app.signature("parking.job", queue="q-busy.semaphore-wake")
+    semaphore._leave("busy", 0.5, parking.park(semaphore, "busy", wake_copy, away_for=0.5, run="busy#0"))
+
+    def swept_while_busy() -> bool:
+        parking.wake_offered(semaphore, (), later=True)
+        time.sleep(0.2)  # the pace of the wake-ups that keep the thread busy, not a wait on a race
+        return _queued(redis_server, "q-busy.semaphore-wake") == 1
+
+    wait_until(swept_while_busy, timeout=10, what="the lost wait sent again while the sender is busy")
+    holder.release()
