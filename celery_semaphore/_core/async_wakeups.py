@@ -93,6 +93,22 @@ async def _wait(event: asyncio.Event, timeout: float) -> bool:
     return event.is_set()
 
 
+async def _pubsub_of(client: Any) -> Any:
+    """A PubSub on ``client``; on a cluster, on one of its masters (redis-py's asyncio cluster
+    PubSub routes SUBSCRIBE by slot and fails before its slot map is complete): a classic PUBLISH
+    reaches every node, so any one hears every offer."""
+    if not isinstance(client, redis.asyncio.RedisCluster):
+        return client.pubsub()
+    await client.initialize()
+    node = client.get_primaries()[0]
+    kwargs = {key: value for key, value in node.connection_kwargs.items() if key not in ("host", "port")}
+    return redis.asyncio.Redis(
+        connection_pool=redis.asyncio.ConnectionPool(
+            host=node.host, port=node.port, connection_class=node.connection_class, **kwargs
+        )
+    ).pubsub()
+
+
 class AsyncWakeUps:
     """The wake-up listener of one event loop for one ``redis.asyncio`` client."""
 
@@ -169,7 +185,7 @@ class AsyncWakeUps:
             entry.users = sum(1 for key in self._handles if key[0] == channel)
             try:
                 if self._pubsub is None:
-                    self._pubsub = self.client.pubsub()
+                    self._pubsub = await _pubsub_of(self.client)
                 await self._pubsub.subscribe(channel)
             except Exception:
                 self._channels.pop(channel, None)
