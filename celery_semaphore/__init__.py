@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ._celery.catalogue import semaphore_for
     from ._celery.decorators import limit_concurrency
     from ._celery.task import SemaphoreTask
+    from ._celery.why import why
     from ._celery.worker import SemaphoreRequest
     from ._core.async_lease import AsyncGranted, AsyncLease
     from ._core.async_semaphore import AsyncFairSemaphore
@@ -53,6 +54,7 @@ _HOMES = {
     "limit_concurrency": "._celery.decorators",
     "mask_url": "._core.masking",
     "semaphore_for": "._celery.catalogue",
+    "why": "._celery.why",
 }
 
 __all__ = [
@@ -76,6 +78,7 @@ __all__ = [
     "limit_concurrency",
     "mask_url",
     "semaphore_for",
+    "why",
 ]
 
 

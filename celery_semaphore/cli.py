@@ -3,15 +3,18 @@
 Plugged into Celery's own command line through the ``celery.commands`` entry point, so it loads
 the app the usual way (``-A``) and reads the same ``semaphore_*`` settings the workers read:
 
-* ``status [KEY]``: without a key, every semaphore the backend Redis knows of (found by SCAN)
+* ``status [KEY] [--watch [SECONDS]]``: without a key, every semaphore the backend Redis knows of (found by SCAN)
   plus every semaphore task of the app whose key is fixed; with a key, its holders and waiters.
   The limit, rate and spacing are shown with where they come from, in the order the workers
   apply them: a runtime override stored in Redis, then ``semaphore_limits``, then the task's own
-  option; and a pause, with when the rules let the next task start.
+  option; and a pause, with when the rules let the next task start. ``--watch`` shows it again
+  every few seconds, with starts per minute (``_cli/watch.py``).
 * ``set-limit KEY [N] [--rate R] [--spacing S] [--ttl SECONDS]`` and ``unset-limit KEY``: the
   runtime overrides (``--rate none`` and ``--spacing none`` drop those).
 * ``pause KEY [--for SECONDS]`` and ``resume KEY``: let nobody start, then everybody again.
 * ``reset KEY``: forget every holder and waiter (asks first, unless ``--yes``).
+* ``why TASK_ID [--key KEY]``: whether a task runs, waits (where, and held back by what), is
+  parked, is done, or is unknown (``_celery/why.py``; printed by ``_cli/why_text.py``).
 
 What ``status`` reports and how it prints is in ``_cli/reports.py``; which task a key belongs to
 and which rules apply to it is the catalogue's answer (``_celery/catalogue.py``), the same one the
@@ -21,6 +24,7 @@ workers and the metrics collector use.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final, Literal
@@ -30,7 +34,9 @@ import click
 from ._celery.catalogue import Catalogue
 from ._celery.parking import parking
 from ._celery.wake_queues import wake_aware
+from ._celery.why import why as why_answer
 from ._cli.reports import (
+    Report,
     detail_lines,
     duration,
     limit_text,
@@ -40,6 +46,8 @@ from ._cli.reports import (
     spacing_text,
     summary_lines,
 )
+from ._cli.watch import WATCH_EVERY, Watch, WatchableCommand, check_watch
+from ._cli.why_text import why_lines
 from ._core.clients import client_for
 from ._core.rules import Rate, check_rate, check_spacing
 from ._core.storage import glob_escape
@@ -155,12 +163,20 @@ def semaphore(ctx: click.Context) -> None:
     """Look at and steer the semaphores of the app's tasks: limits, rates, spacings, pauses."""
 
 
-@semaphore.command()
+@semaphore.command(cls=WatchableCommand)
 @click.argument("key", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts (with --watch: one line per refresh).")
 @click.option("--match", metavar="GLOB", help="Without KEY: only keys matching this Redis glob (e.g. 'crawl:*').")
+@click.option(
+    "--watch",
+    metavar="[SECONDS]",
+    is_flag=False,
+    flag_value=str(WATCH_EVERY),
+    callback=check_watch,
+    help=f"Refresh every SECONDS (default {WATCH_EVERY:g}) until Ctrl-C; plain blocks when not a terminal.",
+)
 @click.pass_context
-def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None) -> None:
+def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None, watch: float | None) -> None:
     """Show one semaphore (KEY), or list them all.
 
     The list holds every semaphore with holders, waiters or a runtime limit in the backend Redis,
@@ -171,6 +187,19 @@ def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None
         raise click.UsageError("--match narrows the list; it cannot be combined with KEY", ctx=ctx)
     with _as_click_errors():
         catalogue = _catalogue(ctx)
+        empty = (
+            f"no semaphores in {catalogue.backend} (prefix {catalogue.config.prefix!r}), "
+            "and no semaphore task of this app has a fixed key"
+        )
+        if watch is not None:
+
+            def read() -> list[Report]:
+                return [report(catalogue, k) for k in ([key] if key is not None else catalogue.known_keys(match))]
+
+            about = {"backend": catalogue.backend, "prefix": catalogue.config.prefix}
+            out = sys.stdout
+            Watch(read, key=key, interval=watch, as_json=as_json, out=out, empty_text=empty, about=about).run()
+            return
         if key is not None:
             r = report(catalogue, key)
             if as_json:
@@ -187,10 +216,7 @@ def status(ctx: click.Context, key: str | None, as_json: bool, match: str | None
         }
         ctx.obj.echo(json.dumps(data, indent=2))
     elif not reports:
-        ctx.obj.echo(
-            f"no semaphores in {catalogue.backend} (prefix {catalogue.config.prefix!r}), "
-            "and no semaphore task of this app has a fixed key"
-        )
+        ctx.obj.echo(empty)
     else:
         ctx.obj.echo("\n".join(summary_lines(reports)))
 
@@ -347,3 +373,31 @@ def reset(ctx: click.Context, key: str, yes: bool) -> None:
     with _as_click_errors():
         catalogue.semaphore(key, placeholder_limit=True).reset()
     ctx.obj.echo(f"{key}: forgot {before.holder_count} holder(s) and {before.waiter_count} waiter(s)")
+
+
+@semaphore.command()
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    metavar="KEY",
+    help="Look at this semaphore key (repeatable): for a task whose key comes from its arguments.",
+)
+@click.pass_context
+def why(ctx: click.Context, task_id: str, as_json: bool, keys: tuple[str, ...]) -> None:
+    """Say whether task TASK_ID is running, waiting, parked, done or unknown, and why.
+
+    While it waits: its place in each line and what holds it back now (the limit, the rate, the
+    spacing, a pause, or the line ahead), the holders ahead of it, an estimate of its start.
+    Read-only, a few round trips whatever the length of the line. A task id alone names the
+    fixed keys of the app's tasks; a key built from a task's arguments is found through the
+    result backend with result_extended = True, or given with --key.
+    """
+    with _as_click_errors():
+        answer = why_answer(_catalogue(ctx).app, task_id, keys=list(keys))
+    if as_json:
+        ctx.obj.echo(json.dumps(answer, indent=2))
+    else:
+        ctx.obj.echo("\n".join(why_lines(answer)))

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._celery.catalogue import Catalogue
 from ._core import renewer
+from ._core.rules import UNLIMITED
 from .errors import SemaphoreError
 
 if TYPE_CHECKING:
@@ -183,6 +184,7 @@ class FamilyStatus:
 
     holders: int = 0
     waiters: int = 0
+    limit: int | None = None  # slots the keys with a limit allow, summed; None: no key has one
     paused: int = 0  # keys paused now
     pause_left: float = 0.0  # seconds the longest pause has left; inf: until resumed
     next_start_in: float = 0.0  # seconds until the rules let every key start again; inf: until resumed
@@ -190,10 +192,13 @@ class FamilyStatus:
     rate: Rate | None = None  # the rate allowing the fewest starts per second
     spacing: float | None = None  # the longest spacing
 
-    def add(self, status: SemaphoreStatus) -> None:
-        """Count one key of the family in."""
+    def add(self, status: SemaphoreStatus, *, limited: bool = True) -> None:
+        """Count one key of the family in; ``limited``: a limit applies to it (the one in
+        ``status`` is no stand-in)."""
         self.holders += status.holder_count
         self.waiters += status.waiter_count
+        if limited and status.limit != UNLIMITED:
+            self.limit = (self.limit or 0) + status.limit
         if status.paused_for is not None:
             self.paused += 1
             self.pause_left = max(self.pause_left, status.paused_for)
@@ -220,7 +225,9 @@ def family_status(app: Any) -> dict[str, FamilyStatus]:
         families.setdefault(catalogue.family_for(fixed_key), FamilyStatus())
     for key in catalogue.known_keys():
         status = catalogue.semaphore(key, placeholder_limit=True).status(listed=0)  # counts only
-        families.setdefault(catalogue.family_for(key), FamilyStatus()).add(status)
+        # a key no setting or task limits is read with a stand-in limit, which is no limit
+        limited = status.limit_source == "override" or catalogue.configured_limit(key) is not None
+        families.setdefault(catalogue.family_for(key), FamilyStatus()).add(status, limited=limited)
     return families
 
 
@@ -233,6 +240,10 @@ def family_counts(app: Any) -> dict[str, tuple[int, int]]:
 _FAMILY_GAUGES = (
     ("celery_semaphore_holders", "Slots held now, per semaphore family."),
     ("celery_semaphore_waiters", "Tasks in line for a slot now, per semaphore family."),
+    (
+        "celery_semaphore_limit",
+        "Slots the limits in force allow, summed over the family's keys read. Absent where no limit applies.",
+    ),
     ("celery_semaphore_paused", "Keys of the family paused now (0 or 1 for a fixed key)."),
     (
         "celery_semaphore_pause_remaining_seconds",
@@ -268,6 +279,8 @@ def _family_values(entry: FamilyStatus) -> dict[str, float]:
         "celery_semaphore_pause_remaining_seconds": entry.pause_left,
         "celery_semaphore_next_start_seconds": entry.next_start_in,
     }
+    if entry.limit is not None:
+        values["celery_semaphore_limit"] = entry.limit
     if entry.rate is not None:
         values["celery_semaphore_rate_starts"] = entry.rate.count
         values["celery_semaphore_rate_period_seconds"] = entry.rate.period
@@ -280,9 +293,10 @@ def _family_values(entry: FamilyStatus) -> dict[str, float]:
 class StatusCollector:
     """A Prometheus collector that reads the semaphores of ``app`` from Redis on each scrape.
 
-    Gauges labelled ``family``: ``celery_semaphore_holders`` and ``celery_semaphore_waiters``,
-    and the rules in force (``_paused``, ``_pause_remaining_seconds``, ``_next_start_seconds``,
-    ``_rate_starts``, ``_rate_period_seconds``, ``_starts_in_window``, ``_spacing_seconds``);
+    Gauges labelled ``family``: ``celery_semaphore_holders``, ``celery_semaphore_waiters`` and
+    ``celery_semaphore_limit``, and the rules in force (``_paused``, ``_pause_remaining_seconds``,
+    ``_next_start_seconds``, ``_rate_starts``, ``_rate_period_seconds``, ``_starts_in_window``,
+    ``_spacing_seconds``);
     and ``celery_semaphore_status_up`` (1 if Redis answered, else 0: a scrape never fails
     because the semaphore backend is down, so the other metrics of the process still arrive).
     """

@@ -103,3 +103,16 @@ def test_the_private_protocol_is_spoken_by_both_semaphore_classes() -> None:
     protocol = {"_try", "_wait", "_leave", "_release", "_release_holders_with_prefix", "_renew_many"}
     for semaphore_class in (FairSemaphore, MultiSemaphore):
         assert protocol <= set(dir(semaphore_class)), semaphore_class
+
+
+def test_the_design_docs_module_map_names_every_module() -> None:
+    """docs/design.md's code layout is how a newcomer finds a module: a module it leaves out is
+    a module nobody finds. Each module must appear there by its path under the package."""
+    package = Path(__file__).resolve().parent.parent / "celery_semaphore"
+    layout = (package.parent / "docs" / "design.md").read_text(encoding="utf-8").split("## Redis keys")[0]
+    missing = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "__init__.py" and str(path.relative_to(package)) not in layout
+    ]
+    assert not missing, f"add them to docs/design.md's code layout: {missing}"

@@ -351,6 +351,8 @@ def test_the_worker_warns_when_redis_may_evict_lease_keys(celery_stack: CelerySt
     try:
         worker.start()
         assert "maxmemory-policy allkeys-lru" in worker.log()
+        # and no false alarm from the start's check of Celery's internals (internals.py)
+        assert "internal(s) it relies on changed" not in worker.log()
     finally:
         worker.stop()
         client.config_set("maxmemory-policy", "noeviction")

@@ -580,8 +580,7 @@ RESTART_QUIET_S = 45
 
 
 def _wake_and_backstop_lists(queue: str) -> list[str]:
-    from celery_semaphore._celery.parking import wake_queue
-    from celery_semaphore._celery.wake_queues import backstop_queue
+    from celery_semaphore._celery.wake_queues import backstop_queue, wake_queue
 
     return [queue, wake_queue(queue), backstop_queue(queue)]
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import sys
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,6 +154,12 @@ def test_collector_reports_holders_and_waiters_per_family(collector_app: Any, re
         assert gauge("celery_semaphore_waiters", "crawl:{host}") == 1
         assert gauge("celery_semaphore_holders", "(other)") == 1
         assert gauge("celery_semaphore_holders", "m.idle") == 0  # idle fixed key: series exists
+        # the limits in force, summed over the keys read: crawl:{host} has two live keys of 1
+        limits = {family: gauge("celery_semaphore_limit", family) for family in ("m.reports", "m.idle", "crawl:{host}")}
+        assert limits == {"m.reports": 2, "m.idle": 1, "crawl:{host}": 2}
+        assert gauge("celery_semaphore_limit", "(other)") is None  # "adhoc": no limit applies to it
+        FairSemaphore(client, "m.reports", 2).set_limit(5)
+        assert gauge("celery_semaphore_limit", "m.reports") == 5  # a runtime override is the limit in force
         assert gauge("celery_semaphore_holders", "crawl:a.example") is None  # never the per-host key
         assert registry.get_sample_value("celery_semaphore_status_up") == 1
     finally:
@@ -175,6 +185,7 @@ def test_registering_the_collector_does_not_touch_redis(collector_app: Any) -> N
     assert [family.name for family in collector.describe()] == [
         "celery_semaphore_holders",
         "celery_semaphore_waiters",
+        "celery_semaphore_limit",
         "celery_semaphore_paused",
         "celery_semaphore_pause_remaining_seconds",
         "celery_semaphore_next_start_seconds",
@@ -297,3 +308,72 @@ def test_without_prometheus_client_events_are_no_ops_and_setup_names_the_extra(
         with pytest.raises(PrometheusMissing, match=r"pip install celery-semaphore\[prometheus\]") as caught:
             setup()
         assert isinstance(caught.value, ImportError)
+
+
+# -- the Grafana dashboard in the docs -----------------------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+METRIC = re.compile(r"\bcelery_semaphore_\w+")
+
+
+def exported_names(collector_app: Any, redis_server: RedisServer) -> set[str]:
+    """Every series name the package exports, as a scrape shows them: the events counted once
+    under a family of this test, and the status of a key with every rule in force (a rate, a
+    spacing and a pause), read from Redis by a real collector."""
+    family = f"dashboard-{uuid.uuid4().hex[:8]}"
+    metrics.acquired(family, 0.2)
+    metrics.refused(family)
+    metrics.lease_lost(family)
+    metrics.reclaimed(family, 1)
+    registry = CollectorRegistry()
+    register_status_collector(collector_app, registry)
+    client = redis_server.client(db=1)
+    reports = FairSemaphore(client, "m.reports", 2, lease=30)
+    reports.set_rate("10/m")
+    reports.set_spacing(5)
+    reports.pause(30)
+    try:
+        scrapes = [*REGISTRY.collect(), *registry.collect()]
+    finally:
+        client.close()
+    names = {sample.name for metric in scrapes for sample in metric.samples}
+    return {name for name in names if name.startswith("celery_semaphore")}
+
+
+def panel_exprs(panels: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
+    """(panel title, PromQL) of every target, rows' nested panels included."""
+    for panel in panels:
+        yield from panel_exprs(panel.get("panels", []))
+        for target in panel.get("targets", []):
+            yield panel["title"], target["expr"]
+
+
+def test_the_dashboard_queries_only_metrics_the_package_exports(collector_app: Any, redis_server: RedisServer) -> None:
+    """Every metric name in every panel's PromQL is one a scrape really shows (histogram series by
+    their _bucket, _sum and _count names), and the dashboard imports as is: a datasource variable
+    that every panel and query uses, unique panel ids."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exported = exported_names(collector_app, redis_server)
+    assert {"celery_semaphore_wait_seconds_bucket", "celery_semaphore_limit", "celery_semaphore_status_up"} <= exported
+    named = {(title, name) for title, expr in panel_exprs(dashboard["panels"]) for name in METRIC.findall(expr)}
+    assert {(title, name) for title, name in named if name not in exported} == set()
+    used = {name for _, name in named}
+    # the panels the docs list: holders and limit, waiters, wait percentiles, refusals, lost leases, pause, rate use
+    assert {
+        "celery_semaphore_holders",
+        "celery_semaphore_limit",
+        "celery_semaphore_waiters",
+        "celery_semaphore_wait_seconds_bucket",
+        "celery_semaphore_refused_total",
+        "celery_semaphore_leases_lost_total",
+        "celery_semaphore_paused",
+        "celery_semaphore_starts_in_window",
+        "celery_semaphore_rate_starts",
+    } <= used
+    variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == ("datasource", "prometheus")
+    panels = [*dashboard["panels"], *(p for row in dashboard["panels"] for p in row.get("panels", []))]
+    assert len({panel["id"] for panel in panels}) == len(panels)
+    for panel in panels:
+        for target in panel.get("targets", []):
+            assert panel["datasource"] == target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}

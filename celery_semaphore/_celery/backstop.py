@@ -35,6 +35,7 @@ from kombu.messaging import Consumer
 
 from .config import config_for
 from .due_copies import Mover, due_copies_for
+from .wait_headers import QUEUE_HEADER
 from .wake_queues import (
     backstop_queue,
     backstop_queue_for,
@@ -194,7 +195,7 @@ class BackstopHolder:
         routing_key = (message.delivery_info or {}).get("routing_key")
         if isinstance(routing_key, str) and routing_key in self.origins:
             return self.origins[routing_key]
-        queue = (message.headers or {}).get("semaphore_queue")
+        queue = (message.headers or {}).get(QUEUE_HEADER)
         if isinstance(queue, str) and queue:
             return queue
         # one consumer, several queues, and a transport that does not say which: the only one

@@ -28,7 +28,7 @@ have sent that copy again.
 
 Relies on kombu's Redis transport naming its lists ``<global_keyprefix><queue>`` and
 ``<queue><sep><priority>`` (``priority_steps``), and writing messages as JSON with the
-routing key in ``properties.delivery_info``: unchanged from kombu 5.3 to 5.7.
+routing key in ``properties.delivery_info``: unchanged from kombu 5.3 to 5.7 (``internals.py``).
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ from typing import Any
 
 from .._core.clients import client_for
 from .config import config_for
-from .parking import wake_queue
+from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
 from .wake_queues import (
     BACKSTOP_QUEUE_SUFFIX,
     backstop_queue,
     is_derived_queue,
     is_wake_queue,
     origin_of_derived,
+    wake_queue,
 )
 
 logger = logging.getLogger("celery_semaphore")
@@ -84,8 +85,6 @@ EPOCH_EVERY_S = 1.0
 # and its run's finish, remembered in the broker or the result backend, drops it again).
 KEEP_MOVED_S = 300.0
 
-_KOMBU_SEPARATOR = "\x06\x16"
-_KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 _STORING_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
 
 
@@ -103,10 +102,10 @@ class _Naming:
 
 def _naming_of(app: Any) -> _Naming:
     options = app.conf.get("broker_transport_options") or {}
-    steps = options.get("priority_steps") or _KOMBU_PRIORITY_STEPS
+    steps = options.get("priority_steps") or KOMBU_REDIS_PRIORITY_STEPS
     return _Naming(
         prefix=str(options.get("global_keyprefix") or ""),
-        separator=str(options.get("sep") or _KOMBU_SEPARATOR),
+        separator=str(options.get("sep") or KOMBU_REDIS_SEPARATOR),
         priority_steps=tuple(sorted({int(step) for step in steps})),
     )
 

@@ -83,4 +83,4 @@ def _give_back_pending(task: Any = None, **_: Any) -> None:
         withdraw(task.app, lease.run, remember_s=lease.remember_ms / 1000)  # no copy of it comes back
 
 
-signals.task_postrun.connect(_give_back_pending, weak=False)
+signals.task_postrun.connect(_give_back_pending, weak=False, dispatch_uid="celery_semaphore.give_back_pending")

@@ -3,10 +3,9 @@ record and its line go by (``parking.py`` keeps and sweeps the records)."""
 
 from __future__ import annotations
 
-from .._core.multi import MultiSemaphore
+from .._core.multi import MultiSemaphore, home_of
 from .._core.semaphore import FairSemaphore
 from .._core.storage import ParkedRecord, parked_line
-from .pausing import members
 
 
 def parked_keys(prefix: str) -> list[bytes]:
@@ -19,14 +18,14 @@ def parked_keys(prefix: str) -> list[bytes]:
 
 
 def prefix_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
-    return members(semaphore)[0].prefix
+    return home_of(semaphore).prefix
 
 
 def line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
     """The member naming a parked waiter's line for the ticks: its keys and the rules given in
     code (a MultiSemaphore parks on its first semaphore)."""
-    first = members(semaphore)[0]
-    return parked_line(first.keys.base, first.rules.arg)
+    home = home_of(semaphore)
+    return parked_line(home.keys.base, home.rules.arg)
 
 
 def record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> str:

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core.multi import MultiSemaphore
+from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import SemaphoreKeys, scripts_for
 from .._core.semaphore import FairSemaphore, on_to_wake
 from .._core.storage import WOKEN_COPY_MARK, ParkedRecord, read_parked_line
@@ -55,15 +55,9 @@ from .wake_copies import deserialized, serialized
 
 logger = logging.getLogger("celery_semaphore")
 
-# A wake queue is the task's queue with this suffix; workers consume it next to each queue.
-WAKE_QUEUE_SUFFIX = ".semaphore-wake"
 # How long a first park in this process waits for its wake-up channel to be subscribed: an
 # offer published before that is lost (the backstop copy covers it, later).
 SUBSCRIBE_WAIT_S = 1.0
-
-
-def wake_queue(queue_name: str) -> str:
-    return queue_name if queue_name.endswith(WAKE_QUEUE_SUFFIX) else queue_name + WAKE_QUEUE_SUFFIX
 
 
 # How often the sender thread looks for parked tasks whose time is up.
@@ -354,7 +348,7 @@ class Parking:
             self._to_send.put(_Offered(semaphore, waiters))
             return
         lines = members(semaphore)
-        first = lines[0]
+        first = home_of(semaphore)
         with self._lock:
             key = (id(first.client), first.prefix)
             target = self._sweep_targets.get(key) or self._wake_targets.get(key)

@@ -42,10 +42,9 @@ from .._core.validation import check_seconds
 from ..errors import RedisUnavailable, SemaphoreError, SemaphoreUnavailable
 from . import node_names, policy
 from . import stamping as _stamping  # noqa: F401  (stamps every message sent: before_task_publish)
-from .backstop import DUE_HEADER, holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
-from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, granted, send_copy, stores_copies
+from .due_copies import granted, send_copy
 from .giving_back import give_back, give_back_at_end
 from .options import (
     FROM_SETTINGS,
@@ -57,19 +56,16 @@ from .options import (
     wait_options,
 )
 from .outages import outages
-from .parking import WAKE_QUEUE_SUFFIX, parking, wake_queue
 from .pausing import SemaphorePaused, members, pause_and_stand_first
 from .pool_room import pool_room
 from .started import store_started, take_over_started
-from .tokens import process_token, task_key
+from .tokens import process_token, task_key, waiter_of
 from .wait_headers import (
-    QUEUE_HEADER,
     TicketSigner,
     WaitHistory,
-    without_broker_headers,
 )
-from .wait_runs import AWAY_SLACK, begin_at_most_once, continued_wait, remember_for, remember_wait, reopen_run
-from .wake_queues import backstop_queue
+from .wait_runs import begin_at_most_once, continued_wait, remember_for, reopen_run
+from .waiting_delivery import WaitingDelivery
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
 AnySemaphore = FairSemaphore | MultiSemaphore
@@ -188,22 +184,15 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             for member in members(semaphore):
                 member.pause(seconds)
             raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds)
-        config = config_for(self.app)
-        history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
-        self._note_first_wait(semaphore, history)
+        history = WaitHistory.of(request).checked(TicketSigner.of(config_for(self.app)), request)
+        waiting = WaitingDelivery(self, semaphore, history, tuple(request.args or ()), dict(request.kwargs or {}))
+        waiting.note_first_wait()
         reopen_run(self, semaphore, history, lease.token)
-        ticket = pause_and_stand_first(semaphore, _waiter_of(semaphore, request), seconds)
-        args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-        again = self._copy_of_wait(history, ticket, seconds, args, kwargs)
+        ticket = pause_and_stand_first(semaphore, waiting.waiter, seconds)
+        again = waiting.copy_of_wait(ticket, seconds)
         send_copy(self.app, again)
         logger.info("%s[%s] paused %r for %g s; it goes first after", self.name, request.id, semaphore.name, seconds)
         raise SemaphorePaused(f"{semaphore.name!r} paused for {seconds:g} s", when=seconds, sig=again)
-
-    def _keeps_copies_apart(self) -> bool:
-        """Whether this task's due-later copies wait apart from any worker (``due_copies.py``,
-        ``backstop.py``); not where its queue cannot be told (its copies are Celery countdowns)."""
-        origin = WaitHistory.of(self.request).origin or _queue_of(self.app, self.request)
-        return origin is not None and (stores_copies(self.app) or holds_backstops(self.app))
 
     def _acks_late(self) -> bool:
         acks_late = getattr(self.request, "acks_late", None)
@@ -259,7 +248,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
         if not history.waits and (request.delivery_info or {}).get("redelivered"):
             history = continued_wait(semaphore, request, history)
-        token, waiter = f"{task_key(request.id)}:{process_token()}", _waiter_of(semaphore, request)
+        token, waiter = f"{task_key(request.id)}:{process_token()}", waiter_of(semaphore, request)
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
         run = history.run_id(request) if history.waits else None
@@ -300,7 +289,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             if not attempt.running:
                 logger.info("%s[%s]: another copy of this wait has run; this copy is dropped", self.name, request.id)
                 raise Ignore()
-            self._wait_for_twin(semaphore, attempt, history, args, kwargs)
+            WaitingDelivery(self, semaphore, history, args, kwargs).wait_for_twin(attempt)
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         if isinstance(attempt, Granted) and (history.waits or redelivered) and self._ran_already(run, history):
             # the semaphore's Redis forgot the run (restarted empty, or the copy came after the
@@ -315,88 +304,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
         metrics.refused(family)
-        if options.max_wait is not None and waited >= options.max_wait:
-            _leave_quietly(semaphore, waiter)
-            if run is not None:  # this wait parked before: no wake-up or sweep may bring it back
-                parking().unpark(semaphore, waiter, run)
-            raise SemaphoreUnavailable(semaphore.name, attempt.limit, waited, options.max_wait)
-        if attempt.retry_after is not None:
-            # a start reserved for this task at a known moment: come back exactly then
-            due_in = attempt.retry_after
-            if options.max_wait is not None:
-                due_in = min(due_in, max(0.0, options.max_wait - waited) + 0.5)
-            if config.visibility_timeout is not None and not self._keeps_copies_apart():
-                due_in = min(due_in, config.visibility_timeout * policy.VISIBILITY_MARGIN)
-            if due_in <= policy.PARKED_START_AFTER_S:
-                self._wait_for_start(semaphore, attempt, history, args, kwargs, due_in)
-            # far off (a pause until resumed): parked too, so that a resume or a looser rule wakes it
-            self._wait_outside(semaphore, attempt, history, args, kwargs, due_in, due_in)
-        countdown = policy.countdown(
-            attempt, options.countdown, waits=history.waits, visibility_timeout=config.visibility_timeout
-        )
-        # a parked task comes back through the hand-off, so its backstop copy (a countdown) is
-        # late: sooner, it would come back, be refused and be re-sent over and over
-        backstop = policy.backstop(
-            options.countdown,
-            visibility_timeout=config.visibility_timeout,
-            kept_apart=self._keeps_copies_apart(),
-            bounds_given=options.countdown_given,
-        )
-        if options.max_wait is not None:
-            left = round(options.max_wait - waited + 0.5)
-            countdown, backstop = max(1, min(countdown, left)), max(1, min(backstop, left))
-        self._wait_outside(semaphore, attempt, history, args, kwargs, countdown, backstop)
-
-    def _headers_of_copy(self, history: WaitHistory, ticket: int | None, origin: str | None) -> dict[str, Any]:
-        """The headers of a re-sent copy of this wait: the request's own, less what a broker
-        added to the message it delivered, plus the wait's history."""
-        request = self.request
-        return {
-            **without_broker_headers(request.headers),
-            **history.next(
-                ticket, retries=request.retries or 0, signer=TicketSigner.of(config_for(self.app)), task_id=request.id
-            ),
-            **({QUEUE_HEADER: origin} if origin else {}),
-        }
-
-    def _copy_due_in(
-        self,
-        countdown: float,
-        origin: str | None,
-        came_woken: bool,
-        headers: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        run: str,
-    ) -> Any:
-        """A copy of this wait that is due in ``countdown`` seconds, waiting in the broker and
-        never in a worker's prefetch window: on the Redis broker in the broker's Redis, under its
-        run (``due_copies.py``); on RabbitMQ in the backstop queue of its queue, held by a worker's
-        main process until due (``backstop.py``). For a task whose queue cannot be told (routed
-        by a topic exchange, say), a Celery countdown, as Celery routes it."""
-        request = self.request
-        if origin is not None and (stores_copies(self.app) or holds_backstops(self.app)):
-            due = (
-                {DUE_IN_HEADER: countdown, COPY_ID_HEADER: run}
-                if stores_copies(self.app)
-                else {DUE_HEADER: time.time() + countdown}
-            )
-            return self.signature_from_request(
-                request, args, kwargs, queue=backstop_queue(origin), headers={**headers, **due}
-            )
-        return self.signature_from_request(
-            request, args, kwargs, queue=origin if came_woken else None, countdown=countdown, headers=headers
-        )
-
-    def _copy_of_wait(
-        self, history: WaitHistory, ticket: int | None, due_in: float, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """A copy of this wait carrying ``ticket``, due in ``due_in`` seconds, bound for the
-        queue the wait came from (a copy that came through the wake queue goes back there)."""
-        origin = history.origin or _queue_of(self.app, self.request)
-        came_woken = origin is not None and _routing_key(self.request) == wake_queue(origin)
-        headers = self._headers_of_copy(history, ticket, origin)
-        return self._copy_due_in(due_in, origin, came_woken, headers, args, kwargs, history.run_id(self.request))
+        WaitingDelivery(self, semaphore, history, args, kwargs).wait(attempt, waited)
 
     def _ran_already(self, run: str | None, history: WaitHistory) -> bool:
         """Asked of a granted copy: whether its run finished already. Without acks_late its
@@ -426,146 +334,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         done = _epoch_seconds(meta.get("date_done"))
         return done is None or done >= since
 
-    def _wait_for_twin(
-        self,
-        semaphore: AnySemaphore,
-        attempt: Duplicate,
-        history: WaitHistory,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> NoReturn:
-        """Another copy of this wait holds the slot. It may be running, or its process may be
-        dead (a SIGKILLed worker whose lease has not lapsed yet): dropping this copy would lose
-        the task in the second case. So this copy comes back once the twin's lease would have
-        lapsed: then the run is finished (and this copy dropped), or the twin is gone (and this
-        copy runs the task), or it is still running (and this copy waits again)."""
-        request = self.request
-        config = config_for(self.app)
-        lease = attempt.twin_lease or semaphore.lease
-        options = wait_options(self, config)
-        longest = policy.backstop(
-            options.countdown,
-            visibility_timeout=config.visibility_timeout,
-            kept_apart=self._keeps_copies_apart(),
-            bounds_given=options.countdown_given,
-        )
-        countdown = max(1, round(min(lease + 1.0, longest)))
-        again = self._copy_of_wait(history, history.ticket, countdown, args, kwargs)
-        logger.info(
-            "%s[%s]: another copy of this wait holds the slot; this copy looks again in %d s",
-            self.name,
-            request.id,
-            countdown,
-        )
-        try:
-            send_copy(self.app, again)
-        except Exception as error:
-            raise SemaphoreError(
-                f"could not re-send {self.name}[{request.id}] while its twin runs: {error}", key=semaphore.name
-            ) from error
-        # Ignore, not Retry: the run this copy waits on owns the task's state. A RETRY stored by
-        # this copy could land just after the run's SUCCESS and hide it from ``get()``.
-        raise Ignore()
-
-    def _wait_for_start(
-        self,
-        semaphore: AnySemaphore,
-        attempt: Waiting,
-        history: WaitHistory,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        due_in: float,
-    ) -> NoReturn:
-        """A rate, a spacing or a pause holds a start for this task, ``due_in`` seconds from now,
-        and nobody else can take it: the task is sent again for that moment. It is not parked:
-        no release has to tell it anything, and a wake-up now would only find its start not yet
-        allowed. It keeps its place (the script kept it until then), and its ticket travels."""
-        request = self.request
-        self._note_first_wait(semaphore, history)
-        again = self._copy_of_wait(history, attempt.ticket, due_in, args, kwargs)
-        try:
-            send_copy(self.app, again)
-        except Exception as error:
-            _leave_quietly(semaphore, _waiter_of(semaphore, request))  # no copy will come
-            raise SemaphoreError(
-                f"could not re-send {self.name}[{request.id}] for its start on {semaphore.name!r}: {error}",
-                key=semaphore.name,
-            ) from error
-        raise Retry(f"its start on {semaphore.name!r} comes in {due_in:.3f} s", when=due_in, sig=again)
-
-    def _note_first_wait(self, semaphore: AnySemaphore, history: WaitHistory) -> None:
-        """Before any copy of a first delivery's wait exists: a redelivery of this message
-        (acks_late, its worker killed before the ack) must continue this wait, not begin a
-        second one."""
-        if not history.waits and history.run_part is not None:
-            config = config_for(self.app)
-            remember_wait(semaphore, self.request, history.run_part, remember_for(wait_options(self, config), config))
-
-    def _wait_outside(
-        self,
-        semaphore: AnySemaphore,
-        attempt: Waiting,
-        history: WaitHistory,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        countdown: float,
-        backstop_countdown: float,
-    ) -> NoReturn:
-        """Leave the worker: send the backstop copy (countdown) and park the wake copy, then
-        raise Retry. While away the task holds up nobody who is present before its turn."""
-        request = self.request
-        waiter = _waiter_of(semaphore, request)
-        origin = history.origin or _queue_of(self.app, request)
-        headers = self._headers_of_copy(history, attempt.ticket, origin)
-        address = ""
-        run = history.run_id(request)
-        self._note_first_wait(semaphore, history)
-        if origin is not None and not outages.is_down(semaphore):
-            wake_copy = self.signature_from_request(request, args, kwargs, queue=wake_queue(origin), headers=headers)
-            try:
-                address = parking().park(
-                    semaphore, waiter, wake_copy, away_for=backstop_countdown + AWAY_SLACK, run=run
-                )
-            except Exception as error:  # no wake-up then: the backstop copy must bring it back
-                logger.warning(
-                    "%s[%s] waits for its countdown only (could not listen for its turn): %s",
-                    self.name,
-                    request.id,
-                    error,
-                )
-        if address:
-            countdown = backstop_countdown
-        away_for = countdown + AWAY_SLACK
-        # back where it came from: a copy that came through the wake queue goes to its origin
-        came_woken = origin is not None and _routing_key(request) == wake_queue(origin)
-        backstop = self._copy_due_in(countdown, origin, came_woken, headers, args, kwargs, run)
-        # Step away, parked: a parked waiter is offered its turn like a present one and woken
-        # through this process; should its place lapse, its ticket travels in the headers and
-        # puts it back where it was.
-        _leave_quietly(semaphore, waiter, away_for=away_for, wake=address)
-        try:
-            send_copy(self.app, backstop)
-        except Exception as error:
-            _leave_quietly(semaphore, waiter)  # no copy will come: give the place up
-            if address:
-                parking().unpark(semaphore, waiter, run)  # nor may a wake-up or a sweep send one
-            raise SemaphoreError(
-                f"could not re-send {self.name}[{request.id}] to wait for {semaphore.name!r}: {error}",
-                key=semaphore.name,
-            ) from error
-        raise Retry(
-            f"waiting for a slot of {semaphore.name!r}: place {attempt.position} in line, retry in {countdown} s",
-            when=countdown,
-            sig=backstop,
-        )
-
-
-def _waiter_of(semaphore: AnySemaphore, request: Any) -> str:
-    """The id a task's wait stands in line under: its task id (with the weight in front for a
-    MultiSemaphore, whose lines read it from there)."""
-    key = task_key(request.id)
-    return semaphore.waiter_id(key) if isinstance(semaphore, MultiSemaphore) else key
-
 
 def _names_of(semaphore: AnySemaphore) -> set[str]:
     return {member.name for member in members(semaphore)}
@@ -592,26 +360,6 @@ class _eager_holding:
         _eager_held.names -= self.added
 
 
-def _routing_key(request: Any) -> str | None:
-    routing_key = (request.delivery_info or {}).get("routing_key")
-    return routing_key if isinstance(routing_key, str) and routing_key else None
-
-
-def _queue_of(app: Any, request: Any) -> str | None:
-    """The name of the queue a request came from, when it can be told: Celery's routing by
-    queue name (the routing key names the queue). A task routed otherwise (a topic exchange,
-    say) gets no wake copy, whose queue the workers would not consume: its backstop copy
-    brings it back, as before."""
-    routing_key = _routing_key(request)
-    if routing_key is None:
-        return None
-    name = routing_key.removesuffix(WAKE_QUEUE_SUFFIX)
-    exchange = (request.delivery_info or {}).get("exchange")
-    if name in app.amqp.queues or exchange in ("", None, name):
-        return name
-    return None
-
-
 def _epoch_seconds(date_done: Any) -> float | None:
     """A result's ``date_done`` (a datetime, or its ISO text) as epoch seconds, None if unknown."""
     if isinstance(date_done, str):
@@ -628,11 +376,3 @@ def _epoch_seconds(date_done: Any) -> float | None:
 
 # the marker lets modules that must not import this one recognise a semaphore task
 setattr(SemaphoreTask, MARKER, True)
-
-
-def _leave_quietly(semaphore: AnySemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:
-    try:
-        semaphore._leave(waiter, away_for, wake)
-    except SemaphoreError as error:
-        if not outages.is_down(semaphore):  # during an outage, the outage line says it all
-            logger.warning("could not leave the line of %r (it lapses by itself): %s", semaphore.name, error)

@@ -15,6 +15,7 @@ import socket
 from typing import Any
 
 from .._core.attempts import new_token
+from .._core.multi import MultiSemaphore
 from .._core.storage import OFFER_MARK, WEIGHT_MARK
 
 
@@ -49,3 +50,10 @@ def process_token() -> str:
 def token_rest_of(pid: int) -> re.Pattern[str]:
     """What follows "<task key>:" in the tokens of process ``pid`` of this host."""
     return re.compile(rf"{_HOST_PART}{pid & 0xFFFFFFFF:08x}[0-9a-f]{{16}}({re.escape(WEIGHT_MARK)}\d+)?")
+
+
+def waiter_of(semaphore: Any, request: Any) -> str:
+    """The id a task's wait stands in line under: its task id (with the weight in front for a
+    MultiSemaphore, whose lines read it from there)."""
+    key = task_key(request.id)
+    return semaphore.waiter_id(key) if isinstance(semaphore, MultiSemaphore) else key

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .._core.multi import MultiSemaphore
+from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import scripts_for
 from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
@@ -42,13 +42,8 @@ def _first_delivery_note(request: Any) -> str:
     return f"{request.id}#{request.retries or 0}#" + (f"#{nonce}" if nonce else "")
 
 
-def runs_home(semaphore: FairSemaphore | MultiSemaphore) -> FairSemaphore:
-    """The semaphore whose keys hold the run records (a MultiSemaphore's first)."""
-    return semaphore.semaphores[0] if isinstance(semaphore, MultiSemaphore) else semaphore
-
-
 def remember_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, wait_id: str, remember: float) -> None:
-    home = runs_home(semaphore)
+    home = home_of(semaphore)
     try:
         scripts_for(home.client).remember_wait(
             home.keys, first_delivery=_first_delivery_note(request), wait_id=wait_id, remember_ms=to_ms(remember)
@@ -68,7 +63,7 @@ def begin_at_most_once(semaphore: FairSemaphore | MultiSemaphore, run: str, reme
     not even once this worker is dead and its lease has lapsed (a copy held by another worker
     on RabbitMQ, a wake copy in flight, a redelivery). One more round trip, at a waited grant."""
     try:
-        semaphore._release("", run, to_ms(remember))
+        semaphore._finish_run(run, to_ms(remember))
     except Exception as error:  # Redis down just after the grant: as before, a lapsed lease lets a copy in
         logger.warning("could not mark run %s as begun at most once: %s", run, error)
 
@@ -80,7 +75,7 @@ def reopen_run(task: Any, semaphore: FairSemaphore | MultiSemaphore, history: Wa
     if not history.waits or task._acks_late():
         return
     config = config_for(task.app)
-    home = runs_home(semaphore)
+    home = home_of(semaphore)
     scripts_for(home.client).remember_wait(
         home.keys,
         first_delivery=history.run_id(task.request),
@@ -93,7 +88,7 @@ def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, hist
     """A redelivered first delivery whose first try began a wait (its worker died before the
     ack): that wait, so this delivery asks under its run (dropped if it ran, waiting while it
     runs, running it if nobody did). Otherwise the fresh history."""
-    home = runs_home(semaphore)
+    home = home_of(semaphore)
     try:
         wait_id = home.client.hget(home.keys.runs, _first_delivery_note(request))
     except Exception as error:

@@ -13,9 +13,8 @@ from celery import bootsteps
 
 from .backstop import follow_backstops
 from .handing_back import hand_back_before_close
-from .parking import wake_queue
 from .pool_room import is_prefork
-from .wake_queues import declarable, is_derived_queue, wake_queue_for
+from .wake_queues import declarable, is_derived_queue, wake_queue, wake_queue_for
 
 logger = logging.getLogger("celery_semaphore")
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from kombu.entity import Exchange, Queue
 
-from .parking import WAKE_QUEUE_SUFFIX, wake_queue
-
+# A wake queue is the task's queue with this suffix; workers consume it next to each queue.
+WAKE_QUEUE_SUFFIX = ".semaphore-wake"
 # A waiting task's copy that is due later (its backstop) waits in ``<queue>.semaphore-backstop``,
 # held by the workers' main processes until it is due (``backstop.py``): derived the same way.
 BACKSTOP_QUEUE_SUFFIX = ".semaphore-backstop"
@@ -56,6 +56,16 @@ logger = logging.getLogger("celery_semaphore")
 
 _lock = threading.Lock()
 _aware_classes: dict[type, type] = {}
+
+
+def wake_queue(queue_name: str) -> str:
+    """The wake queue of ``queue_name`` (itself, if it is one)."""
+    return queue_name if queue_name.endswith(WAKE_QUEUE_SUFFIX) else queue_name + WAKE_QUEUE_SUFFIX
+
+
+def origin_of_wake(name: str) -> str:
+    """The queue a wake queue serves (any other name: itself)."""
+    return name.removesuffix(WAKE_QUEUE_SUFFIX)
 
 
 def is_wake_queue(name: str) -> bool:

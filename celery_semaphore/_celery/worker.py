@@ -34,7 +34,7 @@ from .._core.scripts import preload
 from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
-from . import node_names, woken_first
+from . import internals, node_names, woken_first
 from .backstop import BackstopStep, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
@@ -65,6 +65,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         check_app(worker.app)
+        internals.warn_if_broken()
         # before the pool forks: its processes share which of them are busy (pool_room.py)
         autoscale = getattr(worker, "autoscale", None) or (0, 0)
         size = max(int(getattr(worker, "concurrency", 0) or 0), int(max(autoscale)))
@@ -73,14 +74,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, worker: Any) -> None:
         node_names.start()
-        # the pool step made the worker's line of received tasks by now (woken_first.py)
-        keeps_line = getattr(worker, "pool_putlocks", False) and getattr(worker, "use_eventloop", False)
-        if not woken_first.install(worker) and keeps_line and is_prefork(worker):
-            logger.warning(
-                "woken tasks keep Celery's order in this worker: its line of received tasks is not the "
-                "shape celery-semaphore knows (a Celery version it was not tested with?), so a woken "
-                "task may wait behind fresh deliveries"
-            )
+        # the pool step made the worker's line of received tasks by now (woken_first.py); where
+        # its shape changed, the start's internals warning says so
+        woken_first.install(worker)
 
     def stop(self, worker: Any) -> None:
         read_pending_brpop(getattr(worker, "consumer", None))
@@ -278,7 +274,7 @@ def _release_by_task_id(
         if finished_run is not None:
             config = config_for(task.app)
             remember = remember_for(wait_options(task, config), config)
-            semaphore._release("", finished_run, to_ms(remember))
+            semaphore._finish_run(finished_run, to_ms(remember))
             withdraw(task.app, finished_run, remember_s=remember)
     except SemaphoreError as error:
         logger.warning("could not release the slot of %s[%s] by task id: %s", task.name, task_id, error)

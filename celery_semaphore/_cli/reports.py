@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,8 +222,9 @@ def rules_lines(r: Report) -> list[str]:
     return lines
 
 
-def detail_lines(r: Report) -> list[str]:
-    """The human form of ``status KEY``."""
+def detail_lines(r: Report, extra: Sequence[str] = ()) -> list[str]:
+    """The human form of ``status KEY``; ``extra`` lines (``--watch``'s starts per minute) go
+    under the counts."""
     of_limit = f" of {r.limit}" if r.limit is not None else ""
     lines = [
         f"semaphore  {r.key}",
@@ -233,6 +234,7 @@ def detail_lines(r: Report) -> list[str]:
         *rules_lines(r),
         f"holders    {r.holder_count}{of_limit}" + (" slots" if any(h.weight > 1 for h in r.holders) else ""),
         f"waiters    {r.waiter_count}",
+        *extra,
         "",
     ]
     if r.holders:
@@ -276,11 +278,12 @@ def _rules_cells(r: Report) -> list[str]:
     ]
 
 
-def summary_lines(reports: list[Report]) -> list[str]:
+def summary_lines(reports: list[Report], per_minute: Mapping[str, str] | None = None) -> list[str]:
     """The human form of ``status``: one line per semaphore. The rule columns appear when some
     listed semaphore has a rate, a spacing or a pause: a list of plain concurrency semaphores
-    reads as it always did."""
-    gated = any(r.gated for r in reports)
+    reads as it always did. ``per_minute`` (``--watch``: starts per minute by key) adds a
+    STARTS/MIN column and shows the rule columns whatever the rules."""
+    gated = per_minute is not None or any(r.gated for r in reports)
     rows = [
         [
             r.key,
@@ -289,9 +292,11 @@ def summary_lines(reports: list[Report]) -> list[str]:
             str(r.holder_count),
             str(r.waiter_count),
             *(_rules_cells(r) if gated else []),
+            *([per_minute.get(r.key, "-")] if per_minute is not None else []),
             r.task or "-",
         ]
         for r in reports
     ]
     rules = ["RATE", "SPACING", "PAUSED", "NEXT START", "STARTS"] if gated else []
+    rules += ["STARTS/MIN"] if per_minute is not None else []
     return table(["KEY", "LIMIT", "SOURCE", "HOLDERS", "WAITERS", *rules, "TASK"], rows)

@@ -101,7 +101,7 @@ class MultiSemaphore:
         self.name = "+".join(semaphore.name for semaphore in semaphores)
         self.lease = min(semaphore.lease for semaphore in semaphores)
         self.patience = max(semaphore.patience for semaphore in semaphores)
-        # the first semaphore's keys: its wake address, and its run records for runs of waits
+        # the home's keys (the first semaphore's): its wake address, and its run records
         self.keys = semaphores[0].keys
         self.all_keys: list[SemaphoreKeys] = [semaphore.keys for semaphore in semaphores]
         self.weight = self.check_weight(weight)
@@ -113,6 +113,12 @@ class MultiSemaphore:
 
     def __repr__(self) -> str:
         return f"<MultiSemaphore {self.name!r} weight={self.weight}>"
+
+    @property
+    def home(self) -> FairSemaphore:
+        """The member whose keys hold what a key list keeps once: its wake address, the records
+        of its runs and of its parked waiters (the first)."""
+        return self.semaphores[0]
 
     @property
     def renewal_key(self) -> str:
@@ -293,6 +299,10 @@ class MultiSemaphore:
         tell_to_wake(self, reply.to_wake)
         return reply.done
 
+    def _finish_run(self, run: str, remember_ms: int) -> None:
+        """Mark the run ``run`` finished, as ``FairSemaphore._finish_run``."""
+        self._release("", run, remember_ms)
+
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
         """Release each grant whose token starts with ``prefix`` (a killed Celery child's task
         id), the remainder matching ``rest`` if given (see
@@ -317,3 +327,9 @@ class MultiSemaphore:
 
 
 __all__ = ["MultiSemaphore"]
+
+
+def home_of(semaphore: FairSemaphore | MultiSemaphore) -> FairSemaphore:
+    """The semaphore whose keys hold a call's run and parked records and its wake address: itself,
+    or a key list's home (``MultiSemaphore.home``)."""
+    return semaphore.home if isinstance(semaphore, MultiSemaphore) else semaphore

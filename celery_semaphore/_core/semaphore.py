@@ -286,6 +286,11 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             tell_to_wake(self, reply.to_wake)
         return reply.done
 
+    def _finish_run(self, run: str, remember_ms: int) -> None:
+        """Mark the run ``run`` finished for ``remember_ms`` (its later copies are told so and
+        dropped) without giving back a slot: a run that ends holding nothing."""
+        self._release("", run, remember_ms)
+
     def _release_holders_with_prefix(self, prefix: str, rest: re.Pattern[str] | None = None) -> int:
         """Release every holder whose token starts with ``prefix`` (and, with ``rest``, whose
         remainder after it matches ``rest`` in full); how many were released.

@@ -119,10 +119,19 @@ def wait_or_give_up(semaphore: Asker, ask: Ask, *, timeout: float | None, starte
     raise SemaphoreUnavailable(semaphore.name, limit_of(attempt, semaphore.limit), time.monotonic() - started)
 
 
-def leave_quietly(semaphore: Asker, waiter: str) -> None:
-    """Give the place in line up, or say why not: a place not given up lapses by itself after
-    ``patience``, so this never raises."""
+def leave_quietly(
+    semaphore: Asker,
+    waiter: str,
+    *,
+    away_for: float | None = None,
+    wake: str = "",
+    quiet: Callable[[], bool] | None = None,
+) -> None:
+    """Give the place in line up (or, with ``away_for`` and ``wake``, park it), or say why not:
+    a place not given up lapses by itself after ``patience``, so this never raises. ``quiet``
+    says whether a failure goes unsaid (the Celery glue's outage line already says it)."""
     try:
-        semaphore._leave(waiter, None, "")
+        semaphore._leave(waiter, away_for, wake)
     except SemaphoreError as error:
-        logger.warning("could not leave the line of %r (the place lapses by itself): %s", semaphore.name, error)
+        if quiet is None or not quiet():
+            logger.warning("could not leave the line of %r (the place lapses by itself): %s", semaphore.name, error)

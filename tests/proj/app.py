@@ -964,3 +964,54 @@ def heavy(self: Any, seconds: float, key: str = "heavy") -> str:
     of a killed holder's slots brings the next one in early."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+# --- where a task stands (tests/test_why.py) -------------------------------------------------
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=30,
+    name="proj.why_parks",
+    bind=True,
+)
+def why_parks(self: Any, gate: str = "") -> str:
+    """Holds its only slot until ``gate`` opens; its waiters park (no in-process wait)."""
+    if gate:
+        _wait_for_gate(gate)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=60, name="proj.why_waits", bind=True)
+def why_waits(self: Any, gate: str = "") -> str:
+    """Holds its only slot until ``gate`` opens; its first waiters wait in their worker."""
+    if gate:
+        _wait_for_gate(gate)
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_rate="1/m", semaphore_inline_wait=90, name="proj.why_rated", bind=True)
+def why_rated(self: Any) -> str:
+    """One start a minute: the second waits in its worker for the rate's window."""
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=5,
+    semaphore_spacing=60,
+    semaphore_inline_wait=90,
+    name="proj.why_spaced",
+    bind=True,
+)
+def why_spaced(self: Any) -> str:
+    """A minute between two starts: the second waits in its worker for the spacing."""
+    return str(self.request.id)
+
+
+@app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_inline_wait=90, name="proj.why_paused", bind=True)
+def why_paused(self: Any) -> str:
+    """For a key the test pauses."""
+    return str(self.request.id)

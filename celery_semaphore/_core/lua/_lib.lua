@@ -577,6 +577,20 @@ local function settle(now, r)
   end
 end
 
+-- The first "most" live holders by lease deadline, for a reader (status, why): a flat list of
+-- token, lease deadline ms, "<granted ms>|<label>" (or ""). "above": "(<now>", as ZRANGEBYSCORE
+-- takes it.
+local function listed_holders(above, most)
+  local holders = {}
+  local live = redis.call('ZRANGEBYSCORE', K_HOLDERS, above, '+inf', 'WITHSCORES', 'LIMIT', 0, most)
+  for i = 1, #live, 2 do
+    holders[#holders + 1] = live[i]
+    holders[#holders + 1] = live[i + 1]
+    holders[#holders + 1] = redis.call('HGET', K_HOLDER_INFO, HOLDER_FIELD .. live[i]) or ''
+  end
+  return holders
+end
+
 -- Keep the waiter-side keys alive at least ttl_ms more.
 local function extend_line(ttl_ms)
   extend(K_QUEUE, ttl_ms, false)

@@ -21,15 +21,7 @@ local most = tonumber(ARGV[1])
 local now = now_ms()
 local above, below = string.format('(%.0f', now), string.format('(%.0f', -now)
 
-local holders = {}
-if most > 0 then
-  local live = redis.call('ZRANGEBYSCORE', K_HOLDERS, above, '+inf', 'WITHSCORES', 'LIMIT', 0, most)
-  for i = 1, #live, 2 do
-    holders[#holders + 1] = live[i]
-    holders[#holders + 1] = live[i + 1]
-    holders[#holders + 1] = redis.call('HGET', K_HOLDER_INFO, HOLDER_FIELD .. live[i]) or ''
-  end
-end
+local holders = most > 0 and listed_holders(above, most) or {}
 
 local waiters = {}
 -- offers are few (at most the limit): look for one per waiter only if there is any
