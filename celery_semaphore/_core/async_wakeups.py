@@ -13,11 +13,13 @@ Each listener has an id of its own (a loop is not a process: two loops of one pr
 hear each other's offers), so a killed loop's waiters are simply never heard again: their offers
 lapse after the claim window and their places after ``patience``, as a killed process's do.
 
-Only the reader task reads the connection. A coroutine that needs a channel subscribes it itself
-(SUBSCRIBE only writes; the confirmation comes back through the reader, which marks the channel
-ready). A wake-up told before its waiter registered is kept for ``UNCLAIMED_S``, as in
-:mod:`.wakeups`. After the connection fails every waiter is woken to ask at once, and the next
-one to wait opens a new subscription.
+Only the reader task reads the connection. The first coroutine that needs a channel starts a
+task that subscribes it (SUBSCRIBE only writes; the confirmation comes back through the reader,
+which marks the channel ready); it and every coroutine after it wait for that mark in the order
+they came, so a burst's first tries reach Redis, and the line, in the order they were made.
+A wake-up told before its waiter registered is kept for ``UNCLAIMED_S``, as in :mod:`.wakeups`.
+After the connection fails every waiter is woken to ask at once, and the next one to wait opens
+a new subscription.
 
 On a Redis Cluster the listener subscribes classically (its id carries ``CLUSTER_MARK``): a
 PUBLISH reaches every node of a cluster, so one connection to any node hears every offer.
@@ -43,12 +45,18 @@ logger = logging.getLogger("celery_semaphore")
 
 
 class _Channel:
-    __slots__ = ("idle_since", "ready", "users")
+    __slots__ = ("failed", "idle_since", "ready", "subscribing", "users")
 
     def __init__(self) -> None:
-        self.ready = asyncio.Event()  # the server confirmed the SUBSCRIBE
+        self.ready = asyncio.Event()  # the server confirmed the SUBSCRIBE, or it failed
+        self.failed = False  # set with ``ready`` when the SUBSCRIBE failed
         self.users = 0
         self.idle_since = time.monotonic()
+        self.subscribing: asyncio.Task[None] | None = None
+
+    def heard(self) -> bool:
+        """Offers published on the channel are heard now."""
+        return self.ready.is_set() and not self.failed
 
 
 class AsyncWakeHandle:
@@ -65,8 +73,7 @@ class AsyncWakeHandle:
 
     def ready(self) -> bool:
         """Wake-ups on the channel are delivered now."""
-        entry = self.wake_ups._channels.get(self.channel)
-        return entry is not None and entry.ready.is_set()
+        return self.wake_ups.ready(self.channel)
 
     async def subscribe(self, timeout: float) -> bool:
         """See that the channel is subscribed; wait up to ``timeout`` s for the confirmation."""
@@ -141,7 +148,7 @@ class AsyncWakeUps:
     def ready(self, channel: str) -> bool:
         """Offers published on ``channel`` from now on are heard."""
         entry = self._channels.get(channel)
-        return entry is not None and entry.ready.is_set()
+        return entry is not None and entry.heard()
 
     @contextlib.contextmanager
     def first_try(self, channel: str) -> Iterator[bool]:
@@ -159,9 +166,19 @@ class AsyncWakeUps:
                 del self._first_tries[channel]
 
     async def subscribed(self, channel: str, timeout: float) -> bool:
-        """See that ``channel`` is subscribed; wait up to ``timeout`` s for the confirmation."""
-        entry = await self._subscribe(channel)
-        return await _wait(entry.ready, timeout)
+        """See that ``channel`` is subscribed; wait up to ``timeout`` s for the confirmation.
+
+        Callers are woken in the order they called, the one whose call opened the subscription
+        included: a burst's first tries wait here, and their asks must reach Redis in the order
+        the coroutines asked (FIFO within a loop). So the entry is found or made and the wait
+        begun without yielding, and the SUBSCRIBE itself runs in a task of its own."""
+        entry = self._channels.get(channel)
+        if entry is None:
+            entry = self._channels[channel] = _Channel()
+            entry.users = sum(1 for key in self._handles if key[0] == channel)
+            entry.subscribing = asyncio.create_task(self._subscribe(channel, entry), name="celery-semaphore-subscribe")
+        await _wait(entry.ready, timeout)
+        return entry.heard()
 
     def _unregister(self, handle: AsyncWakeHandle) -> None:
         key = (handle.channel, handle.waiter)
@@ -173,26 +190,24 @@ class AsyncWakeUps:
                 if entry.users == 0:
                     entry.idle_since = time.monotonic()
 
-    async def _subscribe(self, channel: str) -> _Channel:
-        entry = self._channels.get(channel)
-        if entry is not None:
-            return entry
-        async with self._subscribing:
-            entry = self._channels.get(channel)
-            if entry is not None:
-                return entry
-            entry = self._channels[channel] = _Channel()
-            entry.users = sum(1 for key in self._handles if key[0] == channel)
-            try:
+    async def _subscribe(self, channel: str, entry: _Channel) -> None:
+        """SUBSCRIBE ``channel`` (the reader marks it ready on the confirmation); on failure,
+        forget it and wake its waiters, who then ask without it (the next wait tries again)."""
+        try:
+            async with self._subscribing:
                 if self._pubsub is None:
                     self._pubsub = await _pubsub_of(self.client)
                 await self._pubsub.subscribe(channel)
-            except Exception:
-                self._channels.pop(channel, None)
-                raise
-            if self._reader is None:
-                self._reader = asyncio.create_task(self._read(self._pubsub), name="celery-semaphore-wake-ups")
-        return entry
+                if self._reader is None:
+                    self._reader = asyncio.create_task(self._read(self._pubsub), name="celery-semaphore-wake-ups")
+        except Exception as error:
+            logger.warning("could not subscribe to %s (waiters ask without it): %s", channel, error)
+            if self._channels.get(channel) is entry:
+                del self._channels[channel]
+            entry.failed = True
+            entry.ready.set()
+        finally:
+            entry.subscribing = None
 
     async def _read(self, pubsub: Any) -> None:
         """The reader task: deliver wake-ups, drop idle channels, end when none is left."""
@@ -218,6 +233,10 @@ class AsyncWakeUps:
     def _forget(self, pubsub: Any) -> None:
         self._pubsub = None
         self._reader = None
+        for entry in self._channels.values():
+            if not entry.ready.is_set():  # a first try waiting for it asks now, unsubscribed
+                entry.failed = True
+                entry.ready.set()
         self._channels.clear()
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(pubsub.aclose())
