@@ -401,3 +401,34 @@ def test_on_a_sentinel_set_coroutines_and_blocking_callers_share_the_line(
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_loop_ends_promptly_after_a_contended_run(redis_server: RedisServer) -> None:
+    """asyncio.run cancels the loop's wake-up reader at its end; redis-py's read can swallow that
+    cancellation when it lands as a reply arrives, and the reader then lived on until its channel
+    had been idle for a minute. Each run must end within seconds of its last release."""
+
+    async def main() -> float:
+        client = async_client(redis_server)
+        other = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=10)
+
+        async def one(delay: float) -> None:
+            await asyncio.sleep(delay)
+            async with sem.acquire(timeout=30):
+                await other.incr("held")
+                await asyncio.sleep(0.01)
+                await other.decr("held")
+
+        await asyncio.gather(*(one(n * 0.001) for n in range(1000)))
+        await client.aclose()
+        await other.aclose()
+        return time.monotonic()
+
+    ended: list[float] = []
+    for run in range(1, 5):  # the race is hit in about half the runs without the fix
+        thread = threading.Thread(target=lambda: ended.append(asyncio.run(main())))
+        thread.start()
+        wait_until(lambda: len(ended) == run, timeout=30, what="the run's last release")  # noqa: B023
+        thread.join(10)
+        assert not thread.is_alive(), "asyncio.run did not return within 10 s of the run's end"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -95,9 +96,21 @@ class AsyncWakeHandle:
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
     if event.is_set():
         return True
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), max(timeout, 0.0))
+    if sys.version_info >= (3, 11):  # no task per wait, as wait_for makes: a hand-off is quicker
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await event.wait()
+    else:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), max(timeout, 0.0))
     return event.is_set()
+
+
+def _cancel_requested() -> bool:
+    """This task was asked to stop (Python >= 3.11 counts the requests; 3.10 cannot tell)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
 
 
 async def _pubsub_of(client: Any) -> Any:
@@ -214,6 +227,10 @@ class AsyncWakeUps:
         try:
             while True:
                 message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+                if _cancel_requested():
+                    # redis-py's read can swallow a cancellation that lands as a reply arrives:
+                    # the reader would then outlive its loop's end by IDLE_CHANNEL_S
+                    raise asyncio.CancelledError
                 if message is not None:
                     self._dispatch(message)
                 elif not await self._drop_idle(pubsub):
