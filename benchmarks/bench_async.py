@@ -9,11 +9,14 @@ redis-server on a free loopback port and, in one run, on one key of limit 10:
   acquire, hold 10 ms and release in a loop until the coroutines are done.
 
 It reports: the most holders ever seen (a shared counter each holder raises inside its hold, and
-``status().holder_count`` sampled every 10 ms); FIFO inversions (pairs of callers started in the
-other order than they first asked, out of all pairs, with their ask times at least 1 ms apart);
-hand-off latency (each start after the first 10 against the release that freed its slot, the
-k-th start against the (k-10)-th release: the line is never empty meanwhile); and the most
-connections of the event loop's client at any sample (CLIENT LIST, by client name).
+``status().holder_count`` sampled every 10 ms); FIFO inversions, judged by the order callers
+joined the line: the ticket Redis gave a caller's first refused try (a pair of callers is
+inverted when the one with the later ticket started first; a caller granted at its first ask
+took no ticket and is counted apart, in no pair); each kind's wait (ask to start); hand-off
+latency (each start after the first 10 against the moment a holder let go of the slot that it
+took, the k-th start against the (k-10)-th release, a release timed as the holder sends it: the
+line is never empty meanwhile); and the most connections of the event loop's client at any
+sample (CLIENT LIST, by client name).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from celery_semaphore import AsyncFairSemaphore, FairSemaphore
+from celery_semaphore import AsyncFairSemaphore, FairSemaphore, Waiting
+from celery_semaphore._core.async_semaphore import AsyncAttempt, _Asking
+from celery_semaphore._core.attempts import Ask, Attempt
 from tests.redis_server import LOOPBACK, RedisServer
 
 NAME = "bench-async"
@@ -41,19 +46,49 @@ COUNTER = "bench-async:held"
 READY = "bench-async:process-holds"  # the coroutines start once both processes hold slots
 
 
+# (kind, asked, started, released, ticket): times in time.monotonic() seconds (one clock for every
+# process of the machine); ticket None for a caller granted at its first ask
+Record = tuple[str, float, float, float, "int | None"]
+
+
+class _TicketedSemaphore(FairSemaphore):
+    """FairSemaphore noting the ticket of each acquire's first refused try, by lease token."""
+
+    tickets: dict[str, int]
+
+    def _try(self, ask: Ask) -> Attempt:
+        attempt = super()._try(ask)
+        if isinstance(attempt, Waiting) and attempt.ticket is not None:
+            self.tickets.setdefault(ask.token, attempt.ticket)
+        return attempt
+
+
+class _TicketedAsyncSemaphore(AsyncFairSemaphore):
+    """AsyncFairSemaphore noting the ticket of each acquire's first refused try, by lease token."""
+
+    tickets: dict[str, int]
+
+    async def _try(self, ask: Ask, asking: _Asking, *, urgent: bool = True) -> AsyncAttempt:
+        attempt = await super()._try(ask, asking, urgent=urgent)
+        if isinstance(attempt, Waiting) and attempt.ticket is not None:
+            self.tickets.setdefault(ask.token, attempt.ticket)
+        return attempt
+
+
 def _hold(client: redis.Redis) -> int:
     return int(client.incr(COUNTER))
 
 
 def _process_callers(port: int, threads: int, stop: Any, out: Any) -> None:
     """One worker process: ``threads`` blocking callers in a loop until ``stop`` is set."""
-    records: list[tuple[str, float, float, float]] = []
+    records: list[Record] = []
     most = [0]
     lock = threading.Lock()
 
     def caller() -> None:
         client = redis.Redis(host=LOOPBACK, port=port)
-        sem = FairSemaphore(client, NAME, limit=LIMIT)
+        sem = _TicketedSemaphore(client, NAME, limit=LIMIT)
+        sem.tickets = {}
         while not stop.is_set():
             asked = time.monotonic()
             lease = sem.acquire(timeout=60)
@@ -65,7 +100,7 @@ def _process_callers(port: int, threads: int, stop: Any, out: Any) -> None:
             released = time.monotonic()
             lease.release()
             with lock:
-                records.append(("process", asked, started, released))
+                records.append(("process", asked, started, released, sem.tickets.pop(lease.token, None)))
                 most[0] = max(most[0], held)
 
     workers = [threading.Thread(target=caller) for _ in range(threads)]
@@ -76,25 +111,26 @@ def _process_callers(port: int, threads: int, stop: Any, out: Any) -> None:
     out.put((records, most[0]))
 
 
-async def _coroutines(port: int, count: int, ramp_s: float) -> tuple[list[tuple[str, float, float, float]], int]:
+async def _coroutines(port: int, count: int, ramp_s: float) -> tuple[list[Record], int]:
     client = redis.asyncio.Redis(host=LOOPBACK, port=port, client_name="bench-loop")
     counter = redis.asyncio.Redis(host=LOOPBACK, port=port)
-    sem = AsyncFairSemaphore(client, NAME, limit=LIMIT)
-    records: list[tuple[str, float, float, float]] = []
+    sem = _TicketedAsyncSemaphore(client, NAME, limit=LIMIT)
+    sem.tickets = {}
+    records: list[Record] = []
     most = 0
 
     async def one(delay: float) -> None:
         nonlocal most
         await asyncio.sleep(delay)
         asked = time.monotonic()
-        async with sem.acquire(timeout=60):
+        async with sem.acquire(timeout=60) as lease:
             started = time.monotonic()
             # the shared counter goes through a client of its own: not the loop's connections
             most = max(most, int(await counter.incr(COUNTER)))
             await asyncio.sleep(HOLD_S)
             await counter.decr(COUNTER)
-            released = time.monotonic()
-        records.append(("coroutine", asked, started, released))
+            released = time.monotonic()  # as the release is sent, as a blocking caller's
+        records.append(("coroutine", asked, started, released, sem.tickets.pop(lease.token, None)))
 
     await asyncio.gather(*(one(i * ramp_s) for i in range(count)))
     await client.aclose()
@@ -114,20 +150,27 @@ def _sampler(port: int, stop: threading.Event, out: dict[str, int]) -> None:
         time.sleep(0.01)
 
 
-def _inversions(records: list[tuple[str, float, float, float]]) -> tuple[int, int]:
-    """Pairs started in the other order than they asked (asks >= 1 ms apart), and all such pairs."""
-    by_ask = sorted(records, key=lambda record: record[1])
-    asks = [record[1] for record in by_ask]
-    inverted = pairs = 0
-    for i, (_, asked, started, _) in enumerate(by_ask):
-        later = bisect.bisect_left(asks, asked + 0.001, lo=i + 1)
-        for other in by_ask[later:]:
-            pairs += 1
-            inverted += other[2] < started
-    return inverted, pairs
+def _inversions(records: list[Record]) -> tuple[int, int]:
+    """Pairs of ticketed callers that started in the other order than their tickets, and all
+    such pairs (a merge count: n log n)."""
+    starts = [record[2] for record in sorted(records, key=lambda record: record[4] or 0) if record[4] is not None]
+    return _count_inversions(starts), len(starts) * (len(starts) - 1) // 2
+
+
+def _count_inversions(values: list[float]) -> int:
+    if len(values) < 2:
+        return 0
+    middle = len(values) // 2
+    left, right = sorted(values[:middle]), sorted(values[middle:])
+    inverted = _count_inversions(values[:middle]) + _count_inversions(values[middle:])
+    for value in right:  # each later-ticket start before an earlier-ticket one
+        inverted += len(left) - bisect.bisect_right(left, value)
+    return inverted
 
 
 def _percentile(values: list[float], fraction: float) -> float:
+    if not values:  # no blocking callers (--threads 0)
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
 
@@ -159,13 +202,24 @@ def run(coroutines: int, threads: int, ramp_ms: float) -> dict[str, Any]:
             process.join(60)
         sampling.set()
         sampler.join()
-    starts = sorted(record[2] for record in records)
+    by_start = sorted(records, key=lambda record: record[2])
     releases = sorted(record[3] for record in records)
-    hand_offs = [(starts[k] - releases[k - LIMIT]) * 1000 for k in range(LIMIT, len(starts))]
+    hand_offs = [(by_start[k][2] - releases[k - LIMIT]) * 1000 for k in range(LIMIT, len(by_start))]
+    to_kind = {
+        kind: [ms for ms, record in zip(hand_offs, by_start[LIMIT:], strict=True) if record[0] == kind]
+        for kind in ("coroutine", "process")
+    }
     inverted, pairs = _inversions(records)
+    waits = {
+        kind: [(record[2] - record[1]) * 1000 for record in records if record[0] == kind]
+        for kind in ("coroutine", "process")
+    }
     return {
         "coroutines": coroutines,
         "process_holds": sum(1 for record in records if record[0] == "process"),
+        "granted_at_first_ask": sum(1 for record in records if record[4] is None),
+        "coroutine_wait_p50_ms": round(_percentile(waits["coroutine"], 0.50), 1),
+        "process_wait_p50_ms": round(_percentile(waits["process"], 0.50), 1),
         "coroutine_seconds": round(took, 2),
         "most_holders_counter": most,
         "most_holders_status": sampled["holders"],
@@ -175,6 +229,8 @@ def run(coroutines: int, threads: int, ramp_ms: float) -> dict[str, Any]:
         "fifo_inverted_percent": round(100 * inverted / max(pairs, 1), 3),
         "hand_off_p50_ms": round(_percentile(hand_offs, 0.50), 2),
         "hand_off_p99_ms": round(_percentile(hand_offs, 0.99), 2),
+        "hand_off_to_coroutine_p50_p99_ms": [round(_percentile(to_kind["coroutine"], f), 2) for f in (0.5, 0.99)],
+        "hand_off_to_process_p50_p99_ms": [round(_percentile(to_kind["process"], f), 2) for f in (0.5, 0.99)],
         "loop_connections_max": sampled["connections"],
     }
 
