@@ -26,6 +26,7 @@ import redis.sentinel
 
 from celery_semaphore import AsyncFairSemaphore, AsyncGranted, AsyncLease, FairSemaphore, SemaphoreUnavailable, Waiting
 
+from .commandstats import command_calls
 from .redis_server import LOOPBACK, RedisClusterSet, RedisSentinelSet, RedisServer
 from .waiting import wait_until
 
@@ -432,3 +433,28 @@ def test_a_loop_ends_promptly_after_a_contended_run(redis_server: RedisServer) -
         wait_until(lambda: len(ended) == run, timeout=30, what="the run's last release")  # noqa: B023
         thread.join(10)
         assert not thread.is_alive(), "asyncio.run did not return within 10 s of the run's end"
+
+
+def test_a_batch_after_a_script_flush_loads_each_script_once(redis_server: RedisServer) -> None:
+    """A server that lost its scripts (SCRIPT FLUSH, a restart) answers a batch of 200 calls with
+    200 NOSCRIPTs: the script is loaded once and the 200 calls run again, together: 400 EVALSHA
+    in all. (Run again one by one, as before, the first one's EVALSHA failed once more: 401, and
+    200 round trips in a row.)"""
+    admin = redis_server.client()
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        holder = await sem.acquire()
+        admin.script_flush()
+        admin.config_resetstat()
+        attempts = await asyncio.gather(*(sem.try_acquire(waiter=f"w{n}") for n in range(200)))
+        assert all(isinstance(attempt, Waiting) for attempt in attempts)
+        counts = command_calls(admin)
+        assert counts.get("script|load", 0) + counts.get("script", 0) == 1
+        assert counts["evalsha"] == 2 * 200
+        assert (await sem.status()).waiter_count == 200
+        await holder.release()
+        await client.aclose()
+
+    asyncio.run(main())

@@ -77,30 +77,25 @@ class AsyncScripts:
                 self._sender = asyncio.create_task(self._send(), name="celery-semaphore-scripts")
 
     async def _send_batch(self, batch: list[_Pending]) -> None:
+        calls = [call for call, _ in batch]
         try:
-            if len(batch) == 1:
-                replies = [await self._evalsha(batch[0][0])]
-            elif self._cluster:
-                # redis-py's asyncio cluster pipeline refuses EVALSHA: one after another there
-                replies = [await self._evalsha_or_error(call) for call, _ in batch]
-            else:
-                pipe = self._client.pipeline(transaction=False)
-                for call, _ in batch:
-                    pipe.evalsha(self._shas[call.name], len(call.keys), *call.keys, *call.args)
-                replies = await pipe.execute(raise_on_error=False)
+            replies = await self._replies(calls)
+            missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if missing:
+                # the server lost its script cache (or never had it): load each missing script
+                # once (on a cluster, into every master) and run those calls again, together;
+                # NOSCRIPT means they never ran
+                for name in dict.fromkeys(calls[index].name for index in missing):
+                    await self._client.script_load(self._sources[name])
+                again = await self._replies([calls[index] for index in missing])
+                for index, reply in zip(missing, again, strict=True):
+                    replies[index] = reply
         except Exception as error:  # the whole batch failed (connection lost, say): every caller sees it
             for _, future in batch:
                 if not future.done():
                     future.set_exception(error)
             return
-        for (call, future), reply in zip(batch, replies, strict=True):
-            if isinstance(reply, NoScriptError):
-                # the server lost its script cache: load it (on a cluster, into every master) and
-                # run this call once more; NOSCRIPT means it never ran
-                try:
-                    reply = await self._evalsha(call)
-                except Exception as error:
-                    reply = error
+        for (_, future), reply in zip(batch, replies, strict=True):
             if future.done():
                 continue
             if isinstance(reply, Exception):
@@ -108,19 +103,24 @@ class AsyncScripts:
             else:
                 future.set_result(reply)
 
+    async def _replies(self, calls: list[ScriptCall[Any]]) -> list[Any]:
+        """Run ``calls`` in one round trip (on a cluster, one after another): each one's reply,
+        or the error of that call alone."""
+        if len(calls) == 1:
+            return [await self._evalsha_or_error(calls[0])]
+        if self._cluster:
+            # redis-py's asyncio cluster pipeline refuses EVALSHA: one after another there
+            return [await self._evalsha_or_error(call) for call in calls]
+        pipe = self._client.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(self._shas[call.name], len(call.keys), *call.keys, *call.args)
+        return list(await pipe.execute(raise_on_error=False))
+
     async def _evalsha_or_error(self, call: ScriptCall[Any]) -> Any:
         try:
-            return await self._evalsha(call)
+            return await self._client.evalsha(self._shas[call.name], len(call.keys), *call.keys, *call.args)
         except (redis.RedisError, redis.exceptions.RedisClusterException) as error:
             return error  # this caller's failure only, as in a pipeline
-
-    async def _evalsha(self, call: ScriptCall[Any]) -> Any:
-        sha = self._shas[call.name]
-        try:
-            return await self._client.evalsha(sha, len(call.keys), *call.keys, *call.args)
-        except NoScriptError:
-            await self._client.script_load(self._sources[call.name])
-            return await self._client.evalsha(sha, len(call.keys), *call.keys, *call.args)
 
 
 _per_loop: LoopLocal[AsyncScripts] = LoopLocal(AsyncScripts)
