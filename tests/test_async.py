@@ -84,7 +84,11 @@ def test_timeout_raises_what_the_blocking_class_raises(redis_server: RedisServer
     asyncio.run(main())
 
 
-def test_cancelling_500_waiters_empties_the_line_within_100_ms(redis_server: RedisServer) -> None:
+def test_cancelling_500_waiters_empties_the_line_at_once(redis_server: RedisServer) -> None:
+    """Cancelled waiters leave the line as they are cancelled, not when their places lapse after
+    ``patience`` (5 s). Measured at 20-50 ms for the 500 on 2 shared cores; the bound is 1 s so
+    that a loaded machine does not fail it, and still well under the 5 s of a lapse."""
+
     async def main() -> float:
         client = async_client(redis_server)
         sem = AsyncFairSemaphore(client, "api", limit=1)
@@ -101,7 +105,7 @@ def test_cancelling_500_waiters_empties_the_line_within_100_ms(redis_server: Red
         await client.aclose()
         return took
 
-    assert asyncio.run(main()) < 0.1
+    assert asyncio.run(main()) < 1.0
 
 
 async def _waiting(sem: AsyncFairSemaphore, count: int) -> bool:
@@ -371,6 +375,7 @@ async def _share_the_line(sem: AsyncFairSemaphore, blocking: FairSemaphore) -> N
     assert status.holder_count == 0 and status.waiter_count == 0
 
 
+@pytest.mark.slow
 def test_on_a_cluster_coroutines_and_blocking_callers_share_the_line(redis_cluster: RedisClusterSet) -> None:
     """On a Redis Cluster a batch runs call by call and the reader subscribes on one master; a
     burst of coroutines still joins the line in the order it asked (the coroutine whose first
@@ -386,6 +391,7 @@ def test_on_a_cluster_coroutines_and_blocking_callers_share_the_line(redis_clust
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_on_a_sentinel_set_coroutines_and_blocking_callers_share_the_line(
     redis_sentinel_set: RedisSentinelSet,
 ) -> None:

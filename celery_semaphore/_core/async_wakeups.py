@@ -208,6 +208,8 @@ class AsyncWakeUps:
         forget it and wake its waiters, who then ask without it (the next wait tries again)."""
         try:
             async with self._subscribing:
+                if self._channels.get(channel) is not entry:
+                    return  # forgotten meanwhile (the connection failed): its waiters were woken
                 if self._pubsub is None:
                     self._pubsub = await _pubsub_of(self.client)
                 await self._pubsub.subscribe(channel)
