@@ -176,7 +176,7 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 
 def run(coroutines: int, threads: int, ramp_ms: float) -> dict[str, Any]:
-    with RedisServer().start() as server:
+    with RedisServer() as server:
         context = multiprocessing.get_context("spawn")
         stop, out = context.Event(), context.Queue()
         processes = [context.Process(target=_process_callers, args=(server.port, threads, stop, out)) for _ in range(2)]
