@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from ._celery.task import SemaphoreTask
     from ._celery.why import why
     from ._celery.worker import SemaphoreRequest
+    from ._core.async_lease import AsyncGranted, AsyncLease
+    from ._core.async_semaphore import AsyncFairSemaphore
     from ._core.attempts import Granted, Waiting
     from ._core.lease import Lease
     from ._core.masking import mask_url
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _HOMES = {
+    "AsyncFairSemaphore": "._core.async_semaphore",
+    "AsyncGranted": "._core.async_lease",
+    "AsyncLease": "._core.async_lease",
     "ConfigurationError": ".errors",
     "FairSemaphore": "._core.semaphore",
     "Granted": "._core.attempts",
@@ -53,6 +58,9 @@ _HOMES = {
 }
 
 __all__ = [
+    "AsyncFairSemaphore",
+    "AsyncGranted",
+    "AsyncLease",
     "ConfigurationError",
     "FairSemaphore",
     "Granted",

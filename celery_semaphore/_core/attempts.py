@@ -13,7 +13,10 @@ import os
 import socket
 from dataclasses import dataclass
 
+from ..errors import SemaphoreError
 from .lease import Lease
+from .replies import AcquireReply
+from .storage import RAN, RUNNING, WAIT
 
 _LABEL = f"{socket.gethostname()}:{{pid}}"
 _label_of_pid: tuple[int, str] = (-1, "")
@@ -117,3 +120,24 @@ Attempt = Granted | Waiting | Duplicate
 def limit_of(attempt: Attempt, default: int) -> int:
     """The limit a refused try reported (``default`` for a try that says none)."""
     return attempt.limit if isinstance(attempt, Waiting) else default
+
+
+def refusal_of(reply: AcquireReply, name: str) -> Waiting | Duplicate:
+    """What an acquire reply that granted nothing means (either semaphore class, blocking or
+    asyncio, reads it here): a place in line, or a twin run. An unknown code is a SemaphoreError."""
+    if reply.outcome == WAIT:
+        return Waiting(
+            reply.position,
+            reply.free,
+            reply.limit,
+            hold_time=reply.hold_ms / 1000 if reply.hold_ms >= 0 else None,
+            ticket=reply.ticket,
+            turn=reply.turn,
+            retry_after=reply.retry_ms / 1000 if reply.retry_ms > 0 else None,
+            opens_in=reply.opens_ms / 1000 if reply.opens_ms > 0 else None,
+        )
+    if reply.outcome == RUNNING:
+        return Duplicate(running=True, twin_lease=reply.twin_lease_ms / 1000)
+    if reply.outcome == RAN:
+        return Duplicate(running=False)
+    raise SemaphoreError(f"acquire on {name!r} returned unknown code {reply.outcome!r}", key=name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import redis
 import redis.cluster
@@ -38,10 +38,16 @@ class SlotOwner(Protocol):
     def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]: ...
 
 
-class Lease:
-    """One held slot. Renewed in the background while held; a context manager that releases
-    on exit. ``lost`` turns true when a renewal found the slot gone and could not take it back:
-    from then on the holder no longer counts against the limit."""
+class _Owner(Protocol):
+    name: str
+    lease: float  # seconds a slot is held without a renewal
+
+
+OwnerT = TypeVar("OwnerT", bound=_Owner)
+
+
+class HeldSlot(Generic[OwnerT]):
+    """What a lease knows of its slot, blocking (``Lease``) or asyncio (``AsyncLease``)."""
 
     __slots__ = (
         "__weakref__",
@@ -57,7 +63,7 @@ class Lease:
     )
 
     def __init__(
-        self, semaphore: SlotOwner, token: str, *, label: str, run: str | None = None, remember_ms: int = 0
+        self, semaphore: OwnerT, token: str, *, label: str, run: str | None = None, remember_ms: int = 0
     ) -> None:
         self.semaphore = semaphore
         self.token = token
@@ -68,12 +74,24 @@ class Lease:
         self.acquired_at = time.monotonic()
         self.lost = False
         self.released = False
-        # when the background renewer should next extend this lease (monotonic seconds)
+        # when the renewer should next extend this lease (monotonic seconds)
         self.renew_due = self.acquired_at + semaphore.lease / 3
 
     @property
     def name(self) -> str:
         return self.semaphore.name
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "lost" if self.lost else "held"
+        return f"<{type(self).__name__} {self.semaphore.name!r} {self.token[:8]} {state}>"
+
+
+class Lease(HeldSlot[SlotOwner]):
+    """One held slot. Renewed in the background while held; a context manager that releases
+    on exit. ``lost`` turns true when a renewal found the slot gone and could not take it back:
+    from then on the holder no longer counts against the limit."""
+
+    __slots__ = ()
 
     def renew(self) -> None:
         """Extend the lease now; raises LeaseLost if the slot is no longer held."""
@@ -106,7 +124,3 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "lost" if self.lost else "held"
-        return f"<Lease {self.semaphore.name!r} {self.token[:8]} {state}>"

@@ -7,9 +7,10 @@ window between reading the holders and adding to them, and no lock around the se
 ``SCRIPT FLUSH``, a restarted Redis, a promoted replica).
 
 The contract of each script (its KEYS, its ARGV, its reply) is written once in the header of its
-``.lua`` file and once here, as a function with keyword-only arguments and a named result: a call
-site cannot pass two arguments in the wrong order, and nobody unpacks a reply by position outside
-this module. Milliseconds appear here and in Lua only; callers speak seconds (see validation.to_ms).
+``.lua`` file and once in Python, as a function with keyword-only arguments and a named result
+(here, or for the scripts the asyncio semaphore runs too, in ``script_calls``): a call site cannot
+pass two arguments in the wrong order, and nobody unpacks a reply by position outside these
+modules. Milliseconds appear there and in Lua only; callers speak seconds (see validation.to_ms).
 The codes in the replies, and the marks inside what the scripts store, are ``storage``'s.
 """
 
@@ -20,38 +21,21 @@ import hashlib
 import importlib.resources
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redis.exceptions import NoScriptError
 
-from .replies import (
-    BARE_REPLIES,
-    AcquireReply,
-    GateReply,
-    GateState,
-    HandOffReply,
-    Holder,
-    ListedHolder,
-    ListedWaiter,
-    RenewReply,
-    StatusReply,
-    hand_off_reply,
-    renew_reply,
-    waiters_of,
-)
-from .rules import Rules
+from . import script_calls as calls
+from .replies import waiters_of
 from .script_args import number
+from .script_calls import ScriptCall
 from .scripts_many import ManyScripts
-from .storage import (
-    CLAIMED,
-    GRANTED,
-    INFO_SEPARATOR,
-    RUNNING,
-    as_text,
-    parked_waiter_entry,
-    wake_address,
-)
+from .storage import as_text, parked_waiter_entry, wake_address
+
+R = TypeVar("R")
+P = ParamSpec("P")
 
 _NAMES = (
     "acquire",
@@ -218,149 +202,34 @@ class _Script:
             return self._client.evalsha(self._sha, len(keys), *keys, *args)
 
 
+def _blocking(build: Callable[P, ScriptCall[R]]) -> Callable[Concatenate[Scripts, P], R]:
+    """A method of ``Scripts`` made from a call builder: run the call, return its parsed reply."""
+
+    def method(self: Scripts, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.run(build(*args, **kwargs))
+
+    method.__doc__ = build.__doc__
+    return method
+
+
 class Scripts(ManyScripts):
     """The registered scripts of one Redis client, one typed method per script."""
 
     def __init__(self, client: Any) -> None:
         self._scripts: dict[str, _Script] = {name: _Script(client, script_source(name)) for name in _NAMES}
 
-    def acquire(
-        self,
-        keys: SemaphoreKeys,
-        *,
-        token: str,
-        waiter: str,
-        rules: Rules,
-        lease_ms: int,
-        patience_ms: int,
-        enqueue: bool,
-        fresh: bool,
-        label: str,
-        ticket: int | None,
-        wake: str,
-        run: str = "",
-        remember_ms: int = 0,
-    ) -> AcquireReply:
-        encoded = token.encode()
-        args: list[Any] = [
-            encoded,
-            encoded if waiter is token else waiter.encode(),
-            _settings(rules.arg, lease_ms, patience_ms, enqueue, fresh, label),
-        ]
-        # trailing arguments that are empty are not sent (the script reads them as ""): the
-        # uncontended acquire of a blocked caller or a one-shot try sends three
-        if run:
-            args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms)]
-        elif wake:
-            args += [b"" if ticket is None else number(int(ticket)), wake]
-        elif ticket is not None:
-            args.append(number(int(ticket)))
-        reply = self._scripts["acquire"](keys=keys.encoded if run else keys.line_keys, args=args)
-        if not isinstance(reply, list):
-            return BARE_REPLIES.get(int(reply)) or AcquireReply(int(reply), 0, 0, 0, -1, None, 0)
-        code = int(reply[0])
-        if code == RUNNING:  # with the lease left of the copy that runs
-            return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
-        if code in (GRANTED, CLAIMED):  # a grant that handed slots to waiters its caller wakes
-            return AcquireReply(code, 0, 0, 0, -1, None, 0, to_wake=waiters_of(reply[1:]))
-        outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms, opens_ms = reply[:9]
-        text = as_text(ticket_text)
-        return AcquireReply(
-            outcome=int(outcome),
-            position=int(position),
-            free=int(free),
-            limit=int(limit),
-            hold_ms=int(hold_ms),
-            ticket=int(float(text)) if text else None,
-            turn=int(turn),
-            to_wake=waiters_of(reply[9:]),
-            retry_ms=int(retry_ms),
-            opens_ms=int(opens_ms),
-        )
+    def run(self, call: ScriptCall[R]) -> R:
+        """Run one call (``script_calls``) and parse its reply."""
+        return call.parse(self._scripts[call.name](keys=call.keys, args=call.args))
 
-    def release(
-        self, keys: SemaphoreKeys, *, token: str, rules: Rules, run: str = "", remember_ms: int = 0
-    ) -> HandOffReply:
-        if run:
-            reply = self._scripts["release"](keys=keys.encoded, args=[token, rules.arg, run, number(remember_ms)])
-        else:
-            reply = self._scripts["release"](keys=keys.line_keys, args=[token, rules.arg])
-        return hand_off_reply(reply)
-
-    def renew(
-        self, keys: SemaphoreKeys, *, lease_ms: int, rules: Rules, reclaim: bool, holders: list[Holder]
-    ) -> RenewReply:
-        args: list[Any] = [lease_ms, rules.arg, int(reclaim), *(part for holder in holders for part in holder)]
-        named = keys.encoded if any(run for _, _, run in holders) else keys.line_keys  # runs: their records too
-        return renew_reply(self._scripts["renew"](keys=named, args=args), len(holders))
-
-    def leave(
-        self, keys: SemaphoreKeys, *, waiter: str, away_ms: int | None, rules: Rules, wake: str = ""
-    ) -> HandOffReply:
-        args = [waiter, "" if away_ms is None else away_ms, rules.arg, wake]
-        return hand_off_reply(self._scripts["leave"](keys=keys.line_keys, args=args))
-
-    def status(self, keys: SemaphoreKeys, *, listed: int, rules: Rules) -> StatusReply:
-        now, override, ttl, holder_count, offered_count, waiter_count, holders, waiters, gate = self._scripts["status"](
-            keys=keys.line_keys, args=[listed, rules.arg]
-        )
-        listed_holders = []
-        for i in range(0, len(holders), 3):
-            granted, _, label = as_text(holders[i + 2]).partition(INFO_SEPARATOR)
-            listed_holders.append(
-                ListedHolder(
-                    token=as_text(holders[i]),
-                    deadline_ms=int(float(holders[i + 1])),
-                    granted_ms=int(granted) if granted else None,
-                    label=label,
-                )
-            )
-        listed_waiters = []
-        for i in range(0, len(waiters), 5):
-            first = as_text(waiters[i + 3])
-            listed_waiters.append(
-                ListedWaiter(
-                    waiter=as_text(waiters[i]),
-                    ticket=int(float(waiters[i + 1])),
-                    must_ask_by_ms=int(float(waiters[i + 2])),
-                    first_ask_ms=int(first) if first else None,
-                    state=int(waiters[i + 4]),
-                )
-            )
-        return StatusReply(
-            now_ms=int(now),
-            override=int(override) if override else None,
-            override_ttl_ms=int(ttl),
-            holder_count=int(holder_count),
-            offered_count=int(offered_count),
-            waiter_count=int(waiter_count),
-            holders=listed_holders,
-            waiters=listed_waiters,
-            gate=GateState(
-                rate_count=int(gate[0]),
-                rate_ms=int(gate[1]),
-                spacing_ms=int(gate[2]),
-                paused_ms=int(gate[3]),
-                next_start_ms=int(gate[4]),
-                starts_in_window=int(gate[5]),
-                override=as_text(gate[6]) if gate[6] else None,
-            ),
-        )
-
-    def set_limit(self, keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, rules: Rules) -> int:
-        args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, rules.arg]
-        return int(self._scripts["set_limit"](keys=keys.line_keys, args=args))
-
-    def set_gate(self, keys: SemaphoreKeys, *, kind: str, value: str, ttl_ms: int | None, rules: Rules) -> GateReply:
-        """Store (``value``) or clear (``""``) one runtime rule: ``kind`` "r" a rate ``<count>/<ms>``,
-        "s" a spacing ``<ms>``, "p" a pause ``<ms>`` from now ("0": until resumed)."""
-        args = [kind, value, "" if ttl_ms is None else ttl_ms, rules.arg]
-        reply = self._scripts["set_gate"](keys=keys.line_keys, args=args)
-        limit, rate_count, rate_ms, spacing_ms, paused_ms = (int(value) for value in reply[:5])
-        return GateReply(limit, rate_count, rate_ms, spacing_ms, paused_ms, to_wake=waiters_of(reply[5:]))
-
-    def reset(self, keys: SemaphoreKeys) -> int:
-        return int(self._scripts["reset"](keys=keys.encoded, args=[]))  # the run records too
+    acquire = _blocking(calls.acquire)
+    release = _blocking(calls.release)
+    renew = _blocking(calls.renew)
+    leave = _blocking(calls.leave)
+    status = _blocking(calls.status)
+    set_limit = _blocking(calls.set_limit)
+    set_gate = _blocking(calls.set_gate)
+    reset = _blocking(calls.reset)
 
     def park(
         self,
@@ -423,13 +292,6 @@ def scripts_for(client: Any) -> Scripts:
         if client not in _registered:
             _registered[client] = Scripts(client)
         return _registered[client]
-
-
-@functools.lru_cache(maxsize=1024)
-def _settings(rules: bytes, lease_ms: int, patience_ms: int, enqueue: bool, fresh: bool, label: str) -> bytes:
-    """acquire's ARGV[3]: the arguments that rarely change between calls, packed once (see
-    lua/acquire.lua): every argument sent costs the client a trip through redis-py's encoder."""
-    return b"%s|%d|%d|%d%d|%s" % (rules, lease_ms, patience_ms, enqueue, fresh, label.encode())
 
 
 def preload(client: Any) -> None:

@@ -30,36 +30,28 @@ from typing import Any
 import redis
 import redis.cluster
 
-from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
+from ..errors import ConfigurationError, SemaphoreUnavailable
 from . import renewer
-from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
+from .attempts import Ask, Attempt, Granted, default_label, limit_of, new_token, refusal_of
+from .config import SemaphoreConfig
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
 from .replies import Holder
-from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
-from .scripts import Scripts, SemaphoreKeys, scripts_for
-from .status import STATUS_LISTING_LIMIT, HolderInfo, SemaphoreStatus, WaiterInfo, gate_status
+from .rules import Rate, check_rate, check_spacing
+from .scripts import Scripts, scripts_for
+from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
     GRANTED,
-    OFFERED,
-    PRESENT,
-    RAN,
     RENEW_LOST,
-    RUNNING,
     WAIT,
     as_text,
-    is_extra_slot,
     is_offer,
-    slot_members,
     token_prefix_pattern,
 )
 from .validation import (
     check_limit,
-    check_name,
-    check_prefix,
     check_seconds,
-    check_semaphore_name,
     check_token,
     check_waiter,
     to_ms,
@@ -101,7 +93,7 @@ def tell_to_wake(semaphore: Any, waiters: tuple[str, ...], *, later: bool = Fals
         )
 
 
-class FairSemaphore:
+class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"]):
     """At most ``limit`` holders at once across every process that uses the same Redis, name
     and prefix; waiters get slots in the order they first asked.
 
@@ -116,50 +108,14 @@ class FairSemaphore:
     one master. Every user of a semaphore must give it the same tag (the tag is part of its keys).
     """
 
-    def __init__(
-        self,
-        client: redis.Redis | redis.cluster.RedisCluster,
-        name: str,
-        limit: int | None,
-        *,
-        rate: Rate | str | tuple[int, float] | None = None,
-        spacing: float | None = None,
-        lease: float = 60.0,
-        prefix: str = "semaphore",
-        patience: float = 5.0,
-        hash_tag: str | None = None,
-    ) -> None:
+    def _accept(self, client: redis.Redis | redis.cluster.RedisCluster) -> redis.Redis | redis.cluster.RedisCluster:
         if not isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
             raise ConfigurationError("client", client, "expected a redis.Redis or redis.cluster.RedisCluster client")
-        self.client = client
-        self.name = check_semaphore_name("name", name)
-        self.rate = check_rate("rate", rate)
-        self.spacing = check_spacing("spacing", spacing)
-        if limit is None and self.rate is None and self.spacing is None:
-            raise ConfigurationError("limit", limit, "a semaphore needs a limit, a rate or a spacing")
-        self.limit = UNLIMITED if limit is None else check_limit("limit", limit)
-        self.rules = Rules(self.limit, self.rate, self.spacing)
-        self.lease = check_seconds("lease", lease)
-        self.prefix = check_prefix("prefix", prefix)
-        self.patience = check_seconds("patience", patience)
-        self.hash_tag = None if hash_tag is None else check_name("hash_tag", hash_tag)
-        self.keys = SemaphoreKeys.of(self.prefix, self.name, self.hash_tag)
-        self._lease_ms = to_ms(self.lease)
-        self._patience_ms = to_ms(self.patience)
-        self._scripts: Scripts = scripts_for(client)
-        self._wake_address = WakeAddress(client, self.keys.wake_address)
+        return client
 
-    def __repr__(self) -> str:
-        rules = "".join(
-            f" {name}={value}" for name, value in (("rate", self.rate), ("spacing", self.spacing)) if value is not None
-        )
-        limit = "none" if self.limit == UNLIMITED else self.limit
-        return f"<FairSemaphore {self.name!r} limit={limit}{rules} lease={self.lease}>"
-
-    @property
-    def renewal_key(self) -> str:
-        """Leases with equal renewal keys (and lease lengths, on one client) renew in one call."""
-        return self.keys.holders
+    def _setup(self) -> None:
+        self._scripts: Scripts = scripts_for(self.client)
+        self._wake_address = WakeAddress(self.client, self.keys.wake_address)
 
     # -- acquiring -------------------------------------------------------------------------
 
@@ -304,24 +260,9 @@ class FairSemaphore:
             if reply.to_wake:
                 tell_to_wake(self, reply.to_wake)
             return Granted(lease)
-        if reply.outcome == WAIT:
-            if reply.to_wake:
-                tell_to_wake(self, reply.to_wake)
-            return Waiting(
-                reply.position,
-                reply.free,
-                reply.limit,
-                hold_time=reply.hold_ms / 1000 if reply.hold_ms >= 0 else None,
-                ticket=reply.ticket,
-                turn=reply.turn,
-                retry_after=reply.retry_ms / 1000 if reply.retry_ms > 0 else None,
-                opens_in=reply.opens_ms / 1000 if reply.opens_ms > 0 else None,
-            )
-        if reply.outcome == RUNNING:
-            return Duplicate(running=True, twin_lease=reply.twin_lease_ms / 1000)
-        if reply.outcome == RAN:
-            return Duplicate(running=False)
-        raise SemaphoreError(f"acquire on {self.name!r} returned unknown code {reply.outcome!r}", key=self.name)
+        if reply.outcome == WAIT and reply.to_wake:
+            tell_to_wake(self, reply.to_wake)
+        return refusal_of(reply, self.name)
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
         """``leave``; with ``away_for`` and a ``wake`` address the waiter is *parked* instead:
@@ -393,44 +334,7 @@ class FairSemaphore:
         holders and waiters are listed (0: counts only, for a metrics scrape)."""
         with RedisErrors(self.name, "status"):
             reply = self._scripts.status(self.keys, listed=max(0, int(listed)), rules=self.rules)
-        now = reply.now_ms
-        # a weighted holder's extra slots ("<token>#2".."<token>#w") show as its weight
-        weights = {holder.token: len(slot_members(holder.token)) for holder in reply.holders}
-        holders = [
-            HolderInfo(
-                token=holder.token,
-                label=holder.label,
-                held_for=(now - (holder.granted_ms if holder.granted_ms is not None else now)) / 1000,
-                expires_in=(holder.deadline_ms - now) / 1000,
-                weight=weights[holder.token],
-            )
-            for holder in reply.holders
-            if not is_extra_slot(holder.token)
-        ]
-        waiters = [
-            WaiterInfo(
-                waiter=waiter.waiter,
-                position=position,
-                ticket=waiter.ticket,
-                waited=(now - (waiter.first_ask_ms if waiter.first_ask_ms is not None else now)) / 1000,
-                must_ask_within=(waiter.must_ask_by_ms - now) / 1000,
-                present=waiter.state in (PRESENT, OFFERED),  # parked waiters show as present
-                offered=waiter.state == OFFERED,
-            )
-            for position, waiter in enumerate(reply.waiters)
-        ]
-        return SemaphoreStatus(
-            name=self.name,
-            limit=reply.override if reply.override is not None else self.limit,
-            limit_source="override" if reply.override is not None else "default",
-            holder_count=reply.holder_count,
-            waiter_count=reply.waiter_count,
-            holders=holders,
-            waiters=waiters,
-            override_expires_in=reply.override_ttl_ms / 1000 if reply.override_ttl_ms >= 0 else None,
-            offered_count=reply.offered_count,
-            **gate_status(reply.gate),
-        )
+        return status_of(self.name, self.limit, reply)
 
     def set_limit(self, limit: int, *, ttl: float | None = None) -> None:
         """Store a runtime limit that wins over the one given in code, for every process.

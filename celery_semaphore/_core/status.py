@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .rules import Rate
+from .storage import OFFERED, PRESENT, is_extra_slot, slot_members
 
 if TYPE_CHECKING:
-    from .replies import GateState
+    from .replies import GateState, StatusReply
 
 # a pause "until resumed" is stored as ending in the far future (lua/set_gate.lua); anything
 # left above a year reads as that
@@ -71,3 +72,46 @@ def gate_status(gate: GateState) -> dict[str, Any]:
         "starts_in_window": gate.starts_in_window,
         "rules_source": "override" if gate.override else "default",
     }
+
+
+def status_of(name: str, limit: int, reply: StatusReply) -> SemaphoreStatus:
+    """The status script's reply as reported: server times as seconds, places as positions. One
+    function for either semaphore class, blocking or asyncio, so that both report alike."""
+    now = reply.now_ms
+    # a weighted holder's extra slots ("<token>#2".."<token>#w") show as its weight
+    weights = {holder.token: len(slot_members(holder.token)) for holder in reply.holders}
+    holders = [
+        HolderInfo(
+            token=holder.token,
+            label=holder.label,
+            held_for=(now - (holder.granted_ms if holder.granted_ms is not None else now)) / 1000,
+            expires_in=(holder.deadline_ms - now) / 1000,
+            weight=weights[holder.token],
+        )
+        for holder in reply.holders
+        if not is_extra_slot(holder.token)
+    ]
+    waiters = [
+        WaiterInfo(
+            waiter=waiter.waiter,
+            position=position,
+            ticket=waiter.ticket,
+            waited=(now - (waiter.first_ask_ms if waiter.first_ask_ms is not None else now)) / 1000,
+            must_ask_within=(waiter.must_ask_by_ms - now) / 1000,
+            present=waiter.state in (PRESENT, OFFERED),  # parked waiters show as present
+            offered=waiter.state == OFFERED,
+        )
+        for position, waiter in enumerate(reply.waiters)
+    ]
+    return SemaphoreStatus(
+        name=name,
+        limit=reply.override if reply.override is not None else limit,
+        limit_source="override" if reply.override is not None else "default",
+        holder_count=reply.holder_count,
+        waiter_count=reply.waiter_count,
+        holders=holders,
+        waiters=waiters,
+        override_expires_in=reply.override_ttl_ms / 1000 if reply.override_ttl_ms >= 0 else None,
+        offered_count=reply.offered_count,
+        **gate_status(reply.gate),
+    )

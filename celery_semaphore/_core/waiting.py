@@ -74,13 +74,9 @@ def wait_for_turn(semaphore: Asker, wake_ups: WakeUps, ask: Ask, *, timeout: flo
         while True:
             if attempt.ticket is not None:
                 ticket = attempt.ticket  # if the place ever lapses, come back to it
-            waited = time.monotonic() - started
-            if timeout is not None and waited >= timeout:
+            wait = next_wait(attempt, time.monotonic() - started, timeout, pause)
+            if wait is None:
                 return attempt
-            wait = pause if timeout is None else min(pause, timeout - waited)
-            if isinstance(attempt, Waiting) and attempt.retry_after is not None:
-                # a start a rate, a spacing or a pause reserved for this waiter: claim it then
-                wait = min(wait, attempt.retry_after)
             if subscribed:
                 signal.event.wait(wait)  # takes the flag down: a wake-up from here on is kept
             else:
@@ -92,6 +88,20 @@ def wait_for_turn(semaphore: Asker, wake_ups: WakeUps, ask: Ask, *, timeout: flo
                 attempt = semaphore._try(replace(ask, ticket=ticket, fresh=False))
             if not isinstance(attempt, Waiting):
                 return attempt
+
+
+def next_wait(attempt: Waiting, waited: float, timeout: float | None, pause: float) -> float | None:
+    """How long a refused waiter sleeps before it asks again unless told its turn came: ``pause``
+    (the keep-alive ask, which also claims an offer whose wake-up was lost), less if its time runs
+    out sooner or a start was reserved for it; None when its time is up. For both waits, the
+    blocking one here and the asyncio one (``async_semaphore``)."""
+    if timeout is not None and waited >= timeout:
+        return None
+    wait = pause if timeout is None else min(pause, timeout - waited)
+    if attempt.retry_after is not None:
+        # a start a rate, a spacing or a pause reserved for this waiter: claim it then
+        wait = min(wait, attempt.retry_after)
+    return wait
 
 
 def wait_or_give_up(semaphore: Asker, ask: Ask, *, timeout: float | None, started: float) -> Granted:

@@ -1,0 +1,313 @@
+"""``AsyncFairSemaphore``: the fair semaphore for coroutines, on a ``redis.asyncio`` client.
+
+Same arguments, keys, Lua scripts and line as ``FairSemaphore``: a Celery task, a blocking
+caller and a coroutine asking for the same name stand in one line, served first come, first
+served together. What differs is only how a caller waits:
+
+* Its calls go through the loop's batching sender (:mod:`.async_scripts`), so a thousand
+  coroutines share one command connection and a burst of asks costs one round trip.
+* A refused coroutine sleeps on an ``asyncio.Event`` set by the loop's one wake-up reader
+  (:mod:`.async_wakeups`) when a release offers it the slot, and asks again every
+  ``patience / 3`` seconds anyway.
+* Its lease is renewed by the loop's renewal task (:mod:`.async_renewer`).
+* Cancelled while waiting (a timeout around it, a web client that hung up), it steps out of the
+  line at once, and a slot already offered to it goes on to the next waiter; a try cancelled in
+  flight also gives back the slot it may have been granted. A killed loop's places and slots
+  lapse as a killed process's do: by ``patience`` and by ``lease``.
+
+Offers to parked Celery tasks that a script reports unheard are not sent on from here (that is a
+worker's job, :mod:`.semaphore`'s ``tell_to_wake``): they lapse after their claim window and go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Generator
+from dataclasses import replace
+from types import TracebackType
+from typing import Any, TypeAlias
+
+import redis.asyncio
+
+from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
+from . import async_renewer
+from . import script_calls as calls
+from .async_lease import AsyncGranted, AsyncLease
+from .async_scripts import AsyncScripts, async_scripts_for
+from .async_wakeups import async_wake_ups_for
+from .attempts import Ask, Duplicate, Waiting, default_label, limit_of, new_token, refusal_of
+from .config import SemaphoreConfig
+from .redis_errors import RedisErrors
+from .replies import Holder
+from .rules import Rate, check_rate, check_spacing
+from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
+from .storage import CLAIMED, GRANTED, RENEW_LOST
+from .validation import check_limit, check_seconds, check_token, check_waiter, to_ms
+from .waiting import next_wait
+
+logger = logging.getLogger("celery_semaphore")
+
+AsyncClient: TypeAlias = "redis.asyncio.Redis | redis.asyncio.RedisCluster"
+AsyncAttempt = AsyncGranted | Waiting | Duplicate
+
+
+class _Asking:
+    """Whether a wait has a try in flight: a try cancelled in flight may have been granted."""
+
+    __slots__ = ("in_flight",)
+
+    def __init__(self) -> None:
+        self.in_flight = False
+
+
+class Acquiring:
+    """What ``acquire`` returns: ``await`` it for the lease, or ``async with`` it to hold the
+    slot for the block (the slot goes back however the block ends)."""
+
+    __slots__ = ("_label", "_lease", "_semaphore", "_timeout")
+
+    def __init__(self, semaphore: AsyncFairSemaphore, timeout: float | None, label: str | None) -> None:
+        self._semaphore = semaphore
+        self._timeout = timeout
+        self._label = label
+        self._lease: AsyncLease | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLease]:
+        return self._semaphore._acquire(self._timeout, self._label).__await__()
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self
+        return self._lease
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._lease is not None:
+            await self._lease.release()
+
+
+class AsyncFairSemaphore(SemaphoreConfig[AsyncClient]):
+    """At most ``limit`` holders at once across every process and event loop that uses the same
+    Redis, name and prefix; waiters get slots in the order they first asked, whether they are
+    coroutines, blocking callers or Celery tasks.
+
+    ``async with sem.acquire(timeout=10): ...``. The arguments are ``FairSemaphore``'s (``rate``,
+    ``spacing``, ``lease``, ``patience``, ``prefix``, ``hash_tag``) and mean the same; the client
+    is a ``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``. One object may serve several
+    event loops (each has its own wake-up reader, sender and renewal task)."""
+
+    def _accept(self, client: AsyncClient) -> AsyncClient:
+        if not isinstance(client, (redis.asyncio.Redis, redis.asyncio.RedisCluster)):
+            raise ConfigurationError(
+                "client", client, "expected a redis.asyncio.Redis or redis.asyncio.RedisCluster client"
+            )
+        return client
+
+    @property
+    def _scripts(self) -> AsyncScripts:
+        return async_scripts_for(self.client)
+
+    # -- acquiring -------------------------------------------------------------------------
+
+    def acquire(self, timeout: float | None = None, *, label: str | None = None) -> Acquiring:
+        """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try that
+        never queues). Raises SemaphoreUnavailable when the time runs out, as FairSemaphore does.
+        ``await`` it for an AsyncLease, or ``async with`` it."""
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout, allow_zero=True)
+        return Acquiring(self, timeout, label)
+
+    async def _acquire(self, timeout: float | None, label: str | None) -> AsyncLease:
+        started = time.monotonic()
+        token = new_token()
+        asking = _Asking()
+        if timeout == 0:
+            ask = Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True)
+        else:
+            ask = Ask(token=token, waiter=new_token(), label=label, fresh=True)
+        try:
+            attempt = await (self._try(ask, asking) if timeout == 0 else self._wait(ask, timeout, asking))
+        except BaseException:
+            await self._give_up(ask, release=asking.in_flight)
+            raise
+        if isinstance(attempt, AsyncGranted):
+            return attempt.lease
+        if timeout != 0:
+            await self._give_up(ask, release=False)
+        raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
+
+    async def try_acquire(
+        self, *, waiter: str | None = None, token: str | None = None, enqueue: bool = True, label: str | None = None
+    ) -> AsyncAttempt:
+        """One try, one round trip: AsyncGranted with an AsyncLease, or Waiting with the place in
+        line. As ``FairSemaphore.try_acquire``: the same ``waiter`` on every try keeps the place."""
+        token = new_token() if token is None else token
+        if waiter is None:
+            return await self._try(Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True), _Asking())
+        return await self._try(Ask(token=token, waiter=waiter, enqueue=enqueue, label=label), _Asking())
+
+    async def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
+        """Step out of line at once (``away_for``: keep the place that long, passed by); True if
+        it was in line. A slot offered to it and not claimed goes on to the next waiter."""
+        away_ms = None if away_for is None else to_ms(check_seconds("away_for", away_for))
+        with RedisErrors(self.name, "leave"):
+            reply = await self._scripts.run(calls.leave(self.keys, waiter=waiter, away_ms=away_ms, rules=self.rules))
+        return reply.done
+
+    async def _give_up(self, ask: Ask, *, release: bool) -> None:
+        """Leave the line (and, for a try cancelled in flight, give back the slot it may have got)
+        now, even if the caller is cancelled again meanwhile; never raises but the cancellation:
+        a place not given up lapses by itself after ``patience``, a slot after ``lease``."""
+
+        async def undo() -> None:
+            try:
+                if ask.waiter != ask.token:
+                    await self.leave(ask.waiter)
+                if release:
+                    await self._release(ask.token)
+            except SemaphoreError as error:
+                logger.warning("could not leave the line of %r (the place lapses by itself): %s", self.name, error)
+
+        await asyncio.shield(undo())
+
+    async def _try(self, ask: Ask, asking: _Asking, *, urgent: bool = True) -> AsyncAttempt:
+        check_token("token", ask.token)
+        check_waiter("waiter", ask.waiter)
+        label = default_label() if ask.label is None else ask.label
+        patience_ms = self._patience_ms if ask.patience is None else to_ms(check_seconds("patience", ask.patience))
+        asking.in_flight = True
+        with RedisErrors(self.name, "acquire"):
+            reply = await self._scripts.run(
+                calls.acquire(
+                    self.keys,
+                    token=ask.token,
+                    waiter=ask.waiter,
+                    rules=self.rules,
+                    lease_ms=self._lease_ms,
+                    patience_ms=patience_ms,
+                    enqueue=ask.enqueue,
+                    fresh=ask.fresh,
+                    label=label,
+                    ticket=ask.ticket,
+                    wake=ask.wake,
+                ),
+                urgent=urgent,
+            )
+        asking.in_flight = False
+        if reply.outcome in (GRANTED, CLAIMED):
+            lease = AsyncLease(self, ask.token, label=label)
+            async_renewer.track(lease)
+            return AsyncGranted(lease)
+        return refusal_of(reply, self.name)
+
+    async def _wait(self, ask: Ask, timeout: float | None, asking: _Asking) -> AsyncAttempt:
+        """Try; while refused, sleep until the loop's reader says a slot is offered (or the
+        keep-alive pause passes), then try again; until granted or ``timeout`` (None: no bound).
+
+        A lone first try subscribes to nothing: an uncontended acquire is one round trip. A first
+        try made while another of this loop is in flight on the same line (a burst) waits for the
+        subscription first, so that no offer can be published unheard after it, and it need not
+        ask again once subscribed: a burst of a thousand costs a thousand asks, not two."""
+        started = time.monotonic()
+        wake_ups = async_wake_ups_for(self.client)
+        ask = replace(ask, wake=self.keys.wake_address(wake_ups.listener_id))
+        with wake_ups.first_try(ask.wake) as crowded:
+            if crowded:
+                await wake_ups.subscribed(ask.wake, self.patience / 3)
+            heard_from_start = wake_ups.ready(ask.wake)
+            attempt = await self._try(ask, asking)
+        if not isinstance(attempt, Waiting):
+            return attempt
+        ticket = ask.ticket
+        with wake_ups.signal(ask.wake, ask.waiter) as signal:
+            subscribed = heard_from_start
+            while True:
+                if attempt.ticket is not None:
+                    ticket = attempt.ticket  # if the place ever lapses, come back to it
+                # the keep-alive pause, spread so that waiters who came together ask apart
+                pause = self.patience / 3 * random.uniform(0.8, 1.0)
+                wait = next_wait(attempt, time.monotonic() - started, timeout, pause)
+                if wait is None:
+                    return attempt
+                if subscribed:
+                    told = await signal.wait(wait)
+                else:
+                    # an offer published before the subscription was confirmed is lost: ask again
+                    # as soon as it is
+                    subscribed = told = await signal.subscribe(wait)
+                attempt = await self._try(replace(ask, ticket=ticket, fresh=False), asking, urgent=told)
+                if not isinstance(attempt, Waiting):
+                    return attempt
+
+    # -- holding ---------------------------------------------------------------------------
+
+    async def release(self, token: str) -> bool:
+        """Give a slot back by its token (prefer ``AsyncLease.release``, which also stops its
+        renewal). True if the token held it; False if its lease had already gone."""
+        return await self._release(token)
+
+    async def renew(self, token: str) -> bool:
+        """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""
+        return (await self._renew_many([(token, "", "")], reclaim=False))[0] != RENEW_LOST
+
+    async def _release(self, token: str) -> bool:
+        with RedisErrors(self.name, "release"):
+            reply = await self._scripts.run(calls.release(self.keys, token=token, rules=self.rules))
+        return reply.done
+
+    async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
+        with RedisErrors(self.name, "renew"):
+            reply = await self._scripts.run(
+                calls.renew(self.keys, lease_ms=self._lease_ms, rules=self.rules, reclaim=reclaim, holders=holders)
+            )
+        return reply.codes
+
+    # -- inspecting and steering (as FairSemaphore's) --------------------------------------
+
+    async def status(self, *, listed: int = STATUS_LISTING_LIMIT) -> SemaphoreStatus:
+        """The limit in force, the holders and the line (``FairSemaphore.status``)."""
+        with RedisErrors(self.name, "status"):
+            reply = await self._scripts.run(calls.status(self.keys, listed=max(0, int(listed)), rules=self.rules))
+        return status_of(self.name, self.limit, reply)
+
+    async def set_limit(self, limit: int | None, *, ttl: float | None = None) -> None:
+        """Store a runtime limit for every process (None: clear it; ``FairSemaphore.set_limit``)."""
+        override = None if limit is None else check_limit("limit", limit)
+        ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
+        with RedisErrors(self.name, "set_limit"):
+            await self._scripts.run(calls.set_limit(self.keys, override=override, ttl_ms=ttl_ms, rules=self.rules))
+
+    async def clear_limit(self) -> None:
+        """Drop the runtime limit: the one given in code applies again."""
+        await self.set_limit(None)
+
+    async def set_rate(self, rate: Rate | str | tuple[int, float] | None, *, ttl: float | None = None) -> None:
+        """Store a runtime rate (``"500/m"``) for every process; None clears it."""
+        checked = check_rate("rate", rate)
+        await self._set_gate("r", "" if checked is None else checked.arg, ttl)
+
+    async def set_spacing(self, spacing: float | None, *, ttl: float | None = None) -> None:
+        """Store a runtime spacing (seconds between two starts); None clears it."""
+        checked = check_spacing("spacing", spacing)
+        await self._set_gate("s", "" if checked is None else str(to_ms(checked)), ttl)
+
+    async def pause(self, seconds: float | None = None) -> None:
+        """Let nobody start, anywhere, for ``seconds`` (None: until ``resume``)."""
+        await self._set_gate("p", "0" if seconds is None else str(to_ms(check_seconds("seconds", seconds))), None)
+
+    async def resume(self) -> None:
+        """End a pause now: the head of the line may start at once."""
+        await self._set_gate("p", "", None)
+
+    async def _set_gate(self, kind: str, value: str, ttl: float | None) -> None:
+        ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
+        with RedisErrors(self.name, "set_gate"):
+            await self._scripts.run(calls.set_gate(self.keys, kind=kind, value=value, ttl_ms=ttl_ms, rules=self.rules))
+
+    async def reset(self) -> None:
+        """Forget every holder and waiter (``FairSemaphore.reset``)."""
+        with RedisErrors(self.name, "reset"):
+            await self._scripts.run(calls.reset(self.keys))

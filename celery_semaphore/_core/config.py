@@ -1,0 +1,73 @@
+"""What a semaphore is, apart from the client that reaches it: its name, limit, rules, lease,
+patience and keys, checked once.
+
+Both semaphore classes, ``FairSemaphore`` (a blocking redis-py client) and ``AsyncFairSemaphore``
+(a ``redis.asyncio`` client), take the same arguments and must agree on every key and every
+value they send: a task and a coroutine stand in the same line. So the arguments are checked and
+turned into keys and milliseconds here, in one place, and each class adds only its client.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+from ..errors import ConfigurationError
+from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
+from .scripts import SemaphoreKeys
+from .validation import check_limit, check_name, check_prefix, check_seconds, check_semaphore_name, to_ms
+
+ClientT = TypeVar("ClientT")
+
+
+class SemaphoreConfig(Generic[ClientT]):
+    """The checked arguments of a semaphore on a client of type ``ClientT``; a subclass checks
+    the client (``_accept``) and makes what it needs of it (``_setup``)."""
+
+    def __init__(
+        self,
+        client: ClientT,
+        name: str,
+        limit: int | None,
+        *,
+        rate: Rate | str | tuple[int, float] | None = None,
+        spacing: float | None = None,
+        lease: float = 60.0,
+        prefix: str = "semaphore",
+        patience: float = 5.0,
+        hash_tag: str | None = None,
+    ) -> None:
+        self.client: ClientT = self._accept(client)
+        self.name = check_semaphore_name("name", name)
+        self.rate = check_rate("rate", rate)
+        self.spacing = check_spacing("spacing", spacing)
+        if limit is None and self.rate is None and self.spacing is None:
+            raise ConfigurationError("limit", limit, "a semaphore needs a limit, a rate or a spacing")
+        self.limit = UNLIMITED if limit is None else check_limit("limit", limit)
+        self.rules = Rules(self.limit, self.rate, self.spacing)
+        self.lease = check_seconds("lease", lease)
+        self.prefix = check_prefix("prefix", prefix)
+        self.patience = check_seconds("patience", patience)
+        self.hash_tag = None if hash_tag is None else check_name("hash_tag", hash_tag)
+        self.keys = SemaphoreKeys.of(self.prefix, self.name, self.hash_tag)
+        self._lease_ms = to_ms(self.lease)
+        self._patience_ms = to_ms(self.patience)
+        self._setup()
+
+    def _accept(self, client: ClientT) -> ClientT:
+        """``client``, if it is of a kind this class can use; else a ConfigurationError."""
+        raise NotImplementedError
+
+    def _setup(self) -> None:
+        """Made once the arguments are checked: the scripts on the client, the wake address."""
+
+    def __repr__(self) -> str:
+        rules = "".join(
+            f" {name}={value}" for name, value in (("rate", self.rate), ("spacing", self.spacing)) if value is not None
+        )
+        limit = "none" if self.limit == UNLIMITED else self.limit
+        return f"<{type(self).__name__} {self.name!r} limit={limit}{rules} lease={self.lease}>"
+
+    @property
+    def renewal_key(self) -> str:
+        """Leases with equal renewal keys (and lease lengths, on one client) renew in one call."""
+        return self.keys.holders

@@ -1,0 +1,466 @@
+"""AsyncFairSemaphore: coroutines in the same line as blocking callers, against real Redis.
+
+Coroutines run under ``asyncio.run`` inside plain tests. Every wait is on a condition with a
+deadline (``until``), never a sleep that hopes something happened meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
+
+from celery_semaphore import AsyncFairSemaphore, AsyncGranted, AsyncLease, FairSemaphore, SemaphoreUnavailable, Waiting
+
+from ..commandstats import command_calls
+from ..redis_server import LOOPBACK, RedisClusterSet, RedisSentinelSet, RedisServer
+from ..waiting import wait_until
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0, what: str = "") -> float:
+    """Wait until ``condition()`` is true; the seconds it took. Fails after ``timeout``."""
+    started = time.monotonic()
+    while not await condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - started
+
+
+def async_client(server: RedisServer, name: str = "") -> redis.asyncio.Redis:
+    return redis.asyncio.Redis(host=LOOPBACK, port=server.port, client_name=name or None)
+
+
+def test_acquire_release_and_status(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=2)
+        async with sem.acquire(timeout=1) as lease:
+            status = await sem.status()
+            assert status.holder_count == 1 and status.holders[0].token == lease.token
+        assert lease.released and (await sem.status()).holder_count == 0
+        lease = await sem.acquire()
+        assert await lease.release() and not await lease.release()
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_timeout_raises_what_the_blocking_class_raises(redis_server: RedisServer) -> None:
+    blocking = FairSemaphore(redis_server.client(), "api", limit=1)
+    held = blocking.acquire()
+    with pytest.raises(SemaphoreUnavailable) as blocking_error:
+        blocking.acquire(timeout=0.1)
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        with pytest.raises(SemaphoreUnavailable) as error:
+            await sem.acquire(timeout=0.2)
+        assert type(error.value) is type(blocking_error.value)
+        with pytest.raises(SemaphoreUnavailable):
+            await sem.acquire(timeout=0)
+        assert (await sem.status()).waiter_count == 0  # a waiter that gave up left the line
+        attempt = await sem.try_acquire(waiter="w1")
+        assert isinstance(attempt, Waiting) and attempt.position == 0
+        held.release()
+        assert isinstance(await sem.try_acquire(waiter="w1"), AsyncGranted)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_cancelling_500_waiters_empties_the_line_at_once(redis_server: RedisServer) -> None:
+    """Cancelled waiters leave the line as they are cancelled, not when their places lapse after
+    ``patience`` (5 s). Measured at 20-50 ms for the 500 on 2 shared cores; the bound is 1 s so
+    that a loaded machine does not fail it, and still well under the 5 s of a lapse."""
+
+    async def main() -> float:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        holder = await sem.acquire()
+        waiters = [asyncio.ensure_future(sem.acquire(timeout=60)) for _ in range(500)]  # type: ignore[arg-type]
+        await until(lambda: _waiting(sem, 500), what="500 waiters in line")
+        started = time.monotonic()
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await until(lambda: _waiting(sem, 0), timeout=5, what="an empty line")
+        took = time.monotonic() - started
+        await holder.release()
+        await client.aclose()
+        return took
+
+    assert asyncio.run(main()) < 1.0
+
+
+async def _waiting(sem: AsyncFairSemaphore, count: int) -> bool:
+    return (await sem.status(listed=0)).waiter_count == count
+
+
+def test_an_offer_to_a_cancelled_waiter_goes_on_to_the_next(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        holder = await sem.acquire()
+        first = asyncio.ensure_future(sem.acquire(timeout=30))  # type: ignore[arg-type]
+        await until(lambda: _waiting(sem, 1), what="the first waiter in line")
+        second = asyncio.ensure_future(sem.acquire(timeout=30))  # type: ignore[arg-type]
+        await until(lambda: _waiting(sem, 2), what="the second waiter in line")
+        await holder.release()  # offered to the first ...
+        first.cancel()  # ... which is cancelled before it claims, or as it claims
+        (outcome,) = await asyncio.gather(first, return_exceptions=True)
+        if isinstance(outcome, AsyncLease):  # it had claimed before the cancellation came
+            await outcome.release()
+        lease = await asyncio.wait_for(second, 1.0)  # well within the 2 s an unclaimed offer lasts
+        assert (await sem.status()).holder_count == 1
+        await lease.release()
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_never_over_the_limit_with_blocking_and_async_callers(redis_server: RedisServer) -> None:
+    limit, lock = 3, threading.Lock()
+    held = {"now": 0, "most": 0, "runs": 0}
+
+    def hold() -> None:
+        with lock:
+            held["now"] += 1
+            held["most"] = max(held["most"], held["now"])
+            held["runs"] += 1
+
+    def done() -> None:
+        with lock:
+            held["now"] -= 1
+
+    def blocking_caller() -> None:
+        sem = FairSemaphore(redis_server.client(), "api", limit=limit)
+        for _ in range(15):
+            with sem.acquire(timeout=30):
+                hold()
+                time.sleep(0.003)
+                done()
+
+    threads = [threading.Thread(target=blocking_caller) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=limit)
+
+        async def coroutine_caller() -> None:
+            for _ in range(3):
+                async with sem.acquire(timeout=30):
+                    hold()
+                    await asyncio.sleep(0.003)
+                    done()
+
+        await asyncio.gather(*(coroutine_caller() for _ in range(40)))
+        await client.aclose()
+
+    asyncio.run(main())
+    for thread in threads:
+        thread.join(30)
+    assert held["runs"] == 4 * 15 + 40 * 3
+    assert held["most"] <= limit
+
+
+@pytest.mark.parametrize("coroutine_first", [True, False])
+def test_fifo_between_a_blocking_caller_and_a_coroutine(redis_server: RedisServer, coroutine_first: bool) -> None:
+    order: list[str] = []
+    blocking = FairSemaphore(redis_server.client(), "api", limit=1)
+
+    def blocking_caller() -> None:
+        with blocking.acquire(timeout=30):
+            order.append("blocking")
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        holder = await sem.acquire()
+        thread = threading.Thread(target=blocking_caller)
+
+        async def coroutine_caller() -> None:
+            async with sem.acquire(timeout=30):
+                order.append("coroutine")
+
+        if coroutine_first:
+            task = asyncio.ensure_future(coroutine_caller())
+            await until(lambda: _waiting(sem, 1), what="the coroutine in line")
+            thread.start()
+        else:
+            thread.start()
+            await until(lambda: _waiting(sem, 1), what="the blocking caller in line")
+            task = asyncio.ensure_future(coroutine_caller())
+        await until(lambda: _waiting(sem, 2), what="both in line")
+        await holder.release()
+        await asyncio.wait_for(task, 10)
+        await asyncio.to_thread(thread.join, 10)
+        await client.aclose()
+
+    asyncio.run(main())
+    assert order == (["coroutine", "blocking"] if coroutine_first else ["blocking", "coroutine"])
+
+
+def test_the_loop_holds_few_connections_whatever_the_number_of_waiters(redis_server: RedisServer) -> None:
+    observer = redis_server.client()
+
+    def connections(name: str) -> int:
+        return sum(1 for entry in observer.client_list() if entry.get("name") == name)
+
+    async def main() -> int:
+        client = async_client(redis_server, "async-loop")
+        sem = AsyncFairSemaphore(client, "api", limit=2)
+        most = 0
+
+        async def caller() -> None:
+            nonlocal most
+            async with sem.acquire(timeout=30):
+                most = max(most, await asyncio.to_thread(connections, "async-loop"))
+                await asyncio.sleep(0.002)
+
+        await asyncio.gather(*(caller() for _ in range(300)))
+        await client.aclose()
+        return most
+
+    assert 1 <= asyncio.run(main()) <= 3
+
+
+def test_spacing_and_rate_are_honoured(redis_server: RedisServer) -> None:
+    async def starts(sem: AsyncFairSemaphore, count: int) -> list[float]:
+        times: list[float] = []
+
+        async def caller() -> None:
+            async with sem.acquire(timeout=30):
+                times.append(time.monotonic())
+
+        await asyncio.gather(*(caller() for _ in range(count)))
+        return sorted(times)
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        spaced = await starts(AsyncFairSemaphore(client, "spaced", limit=None, spacing=0.05), 8)
+        assert min(b - a for a, b in itertools.pairwise(spaced)) >= 0.04  # 10 ms for clock and loop
+        rated = await starts(AsyncFairSemaphore(client, "rated", limit=None, rate=(4, 0.4)), 10)
+        assert all(rated[i + 4] - rated[i] >= 0.35 for i in range(len(rated) - 4))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+_KILLED_LOOP = textwrap.dedent(
+    """
+    import asyncio, sys
+    import redis.asyncio
+    from celery_semaphore import AsyncFairSemaphore
+
+    async def main():
+        client = redis.asyncio.Redis(host="127.0.0.1", port=int(sys.argv[1]))
+        sem = AsyncFairSemaphore(client, "api", limit=1, lease=1.0, patience=1.0)
+        await sem.acquire()  # held, renewed by the loop
+        waiter = asyncio.ensure_future(sem.acquire())  # in line behind it
+        while (await sem.status()).waiter_count < 1:
+            await asyncio.sleep(0.01)
+        print("ready", flush=True)
+        await waiter
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_killed_loop_s_places_and_slots_lapse(redis_server: RedisServer) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_LOOP, str(redis_server.port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        blocking = FairSemaphore(redis_server.client(), "api", limit=1)
+        status = blocking.status()
+        assert (status.holder_count, status.waiter_count) == (1, 1)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        # the lease (1 s) and the place (patience 1 s) lapse as a killed process's do
+        wait_until(lambda: blocking.status().holder_count == 0, timeout=5, what="the slot to lapse")
+
+        async def main() -> None:
+            client = async_client(redis_server)
+            async with AsyncFairSemaphore(client, "api", limit=1).acquire(timeout=5):
+                assert (await AsyncFairSemaphore(client, "api", limit=1).status()).waiter_count == 0
+            await client.aclose()
+
+        asyncio.run(main())
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+
+
+def test_leases_are_renewed_by_the_loop(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1, lease=0.3)
+        async with sem.acquire():
+            await until(lambda: _later(0.6), what="two leases' time")
+            status = await sem.status()
+            assert status.holder_count == 1 and status.holders[0].expires_in > 0
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+async def _later(seconds: float, _marks: dict[float, float] = {}) -> bool:  # noqa: B006
+    mark = _marks.setdefault(seconds, time.monotonic())
+    if time.monotonic() - mark >= seconds:
+        _marks.pop(seconds)
+        return True
+    return False
+
+
+async def _share_the_line(sem: AsyncFairSemaphore, blocking: FairSemaphore) -> None:
+    """A blocking holder fills ``sem`` (limit 1: each holder notes its turn before it releases,
+    so the notes are in grant order); ten coroutines, a blocking caller, then ten more coroutines
+    join the line; the holder leaves. Every one gets its slot, in the order it joined, and never
+    more than one holds at once (each coroutine reads the status while it holds)."""
+    held = blocking.acquire()
+    order: list[str] = []
+    most = 0
+
+    async def hold(name: str, lease: Any) -> None:
+        nonlocal most
+        order.append(name)
+        most = max(most, (await sem.status()).holder_count)
+        await lease.release()
+
+    async def coroutine(name: str) -> None:
+        await hold(name, await sem.acquire(timeout=30))
+
+    def blocking_caller() -> None:
+        lease = blocking.acquire(timeout=30)
+        order.append("blocking")
+        lease.release()
+
+    first = [asyncio.ensure_future(coroutine(f"c{n}")) for n in range(10)]
+    await until(lambda: _waiting(sem, 10), what="10 coroutines in line")
+    thread = threading.Thread(target=blocking_caller)
+    thread.start()
+    await until(lambda: _waiting(sem, 11), what="the blocking caller in line")
+    second = [asyncio.ensure_future(coroutine(f"c{n}")) for n in range(10, 20)]
+    await until(lambda: _waiting(sem, 21), what="21 waiters in line")
+    await asyncio.to_thread(held.release)
+    await asyncio.wait_for(asyncio.gather(*first, *second), 30)
+    await asyncio.to_thread(thread.join, 30)
+    assert order == [f"c{n}" for n in range(10)] + ["blocking"] + [f"c{n}" for n in range(10, 20)]
+    assert most == 1
+    status = await sem.status()
+    assert status.holder_count == 0 and status.waiter_count == 0
+
+
+@pytest.mark.slow
+def test_on_a_cluster_coroutines_and_blocking_callers_share_the_line(redis_cluster: RedisClusterSet) -> None:
+    """On a Redis Cluster a batch runs call by call and the reader subscribes on one master; a
+    burst of coroutines still joins the line in the order it asked (the coroutine whose first
+    try opened the subscription included) and every grant reaches its coroutine."""
+    blocking = FairSemaphore(redis_cluster.client(), "api", limit=1)
+
+    async def main() -> None:
+        nodes = [redis.asyncio.cluster.ClusterNode(LOOPBACK, node.port) for node in redis_cluster.nodes]
+        client = redis.asyncio.RedisCluster(startup_nodes=nodes, password=redis_cluster.password)
+        await _share_the_line(AsyncFairSemaphore(client, "api", limit=1), blocking)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_on_a_sentinel_set_coroutines_and_blocking_callers_share_the_line(
+    redis_sentinel_set: RedisSentinelSet,
+) -> None:
+    """Through Sentinel (redis.asyncio.sentinel's master client) as through one server."""
+    addresses = [(LOOPBACK, sentinel.port) for sentinel in redis_sentinel_set.sentinels]
+    name = redis_sentinel_set.service_name
+    blocking_client = redis.sentinel.Sentinel(addresses).master_for(name, password=redis_sentinel_set.password)
+    blocking = FairSemaphore(blocking_client, "api", limit=1)
+
+    async def main() -> None:
+        sentinel = redis.asyncio.sentinel.Sentinel(addresses)
+        client = sentinel.master_for(name, password=redis_sentinel_set.password)
+        await _share_the_line(AsyncFairSemaphore(client, "api", limit=1), blocking)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_loop_ends_promptly_after_a_contended_run(redis_server: RedisServer) -> None:
+    """asyncio.run cancels the loop's wake-up reader at its end; redis-py's read can swallow that
+    cancellation when it lands as a reply arrives, and the reader then lived on until its channel
+    had been idle for a minute. Each run must end within seconds of its last release."""
+
+    async def main() -> float:
+        client = async_client(redis_server)
+        other = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=10)
+
+        async def one(delay: float) -> None:
+            await asyncio.sleep(delay)
+            async with sem.acquire(timeout=30):
+                await other.incr("held")
+                await asyncio.sleep(0.01)
+                await other.decr("held")
+
+        await asyncio.gather(*(one(n * 0.001) for n in range(1000)))
+        await client.aclose()
+        await other.aclose()
+        return time.monotonic()
+
+    ended: list[float] = []
+    for run in range(1, 5):  # the race is hit in about half the runs without the fix
+        thread = threading.Thread(target=lambda: ended.append(asyncio.run(main())))
+        thread.start()
+        wait_until(lambda: len(ended) == run, timeout=30, what="the run's last release")  # noqa: B023
+        thread.join(10)
+        assert not thread.is_alive(), "asyncio.run did not return within 10 s of the run's end"
+
+
+def test_a_batch_after_a_script_flush_loads_each_script_once(redis_server: RedisServer) -> None:
+    """A server that lost its scripts (SCRIPT FLUSH, a restart) answers a batch of 200 calls with
+    200 NOSCRIPTs: the script is loaded once and the 200 calls run again, together: 400 EVALSHA
+    in all. (Run again one by one, as before, the first one's EVALSHA failed once more: 401, and
+    200 round trips in a row.)"""
+    admin = redis_server.client()
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        holder = await sem.acquire()
+        admin.script_flush()
+        admin.config_resetstat()
+        attempts = await asyncio.gather(*(sem.try_acquire(waiter=f"w{n}") for n in range(200)))
+        assert all(isinstance(attempt, Waiting) for attempt in attempts)
+        counts = command_calls(admin)
+        assert counts.get("script|load", 0) + counts.get("script", 0) == 1
+        assert counts["evalsha"] == 2 * 200
+        assert (await sem.status()).waiter_count == 200
+        await holder.release()
+        await client.aclose()
+
+    asyncio.run(main())
