@@ -67,8 +67,15 @@ app.conf.update(
 # -- story 1: a paid API ----------------------------------------------------------------------
 
 
+# shared=False throughout: the demo's tasks belong to its app alone (a shared task joins every app
+# of the process, and the tests build many)
 @app.task(  # type: ignore[untyped-decorator]
-    base=SemaphoreTask, bind=True, semaphore_limit=API_LIMIT, semaphore_rate=API_QUOTA, name="demo.call_api"
+    base=SemaphoreTask,
+    bind=True,
+    semaphore_limit=API_LIMIT,
+    semaphore_rate=API_QUOTA,
+    name="demo.call_api",
+    shared=False,
 )
 def call_api(self: SemaphoreTask, i: int) -> int:
     """Call the paid API while holding one of its ``API_LIMIT`` slots, started within its
@@ -84,7 +91,7 @@ def call_api(self: SemaphoreTask, i: int) -> int:
     return reply.status
 
 
-@app.task(name="demo.call_api_unprotected")  # type: ignore[untyped-decorator]
+@app.task(name="demo.call_api_unprotected", shared=False)  # type: ignore[untyped-decorator]
 def call_api_unprotected(i: int) -> int:
     """The same call with no semaphore: as many at once as there are pool processes, and no
     heed of the quota."""
@@ -126,7 +133,7 @@ def schedule(host: str, path: str) -> bool:
     return True
 
 
-@app.task(name="demo.fetch_robots")  # type: ignore[untyped-decorator]
+@app.task(name="demo.fetch_robots", shared=False)  # type: ignore[untyped-decorator]
 def fetch_robots(host: str, path: str) -> dict[str, float | None]:
     """Read a host's robots.txt, store its Crawl-concurrency as the limit of ``crawl:{host}``
     and its Crawl-delay as the spacing, for every worker, then crawl the page that led here.
@@ -148,7 +155,7 @@ def fetch_robots(host: str, path: str) -> dict[str, float | None]:
     return {"crawl_concurrency": allowance, "crawl_delay": delay}
 
 
-@limit_concurrency(key="crawl:{host}", app=app, name="demo.crawl")
+@limit_concurrency(key="crawl:{host}", app=app, name="demo.crawl", shared=False)
 def crawl(host: str, path: str) -> int:
     """Fetch one page while holding a slot of ``crawl:{host}``, then schedule its unseen links.
     Returns the HTTP status."""

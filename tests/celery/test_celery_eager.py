@@ -118,7 +118,7 @@ def test_a_nested_eager_call_with_a_slot_free_runs(redis_server: RedisServer) ->
 def test_fail_open_runs_an_eager_task_when_redis_is_unreachable() -> None:
     """semaphore_fail_open holds in eager mode too: with the semaphore's Redis unreachable the
     task runs (with a warning) instead of failing."""
-    from .redis_server import free_port
+    from ..redis_server import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
     app = Celery("eager", broker="memory://", set_as_current=False)

@@ -299,7 +299,7 @@ def test_eager_multi_key_weighted_tasks_hold_every_limit(redis_server: Any) -> N
 
     from celery_semaphore import limit_concurrency
 
-    from .concurrency_probe import ConcurrencyProbe
+    from ..concurrency_probe import ConcurrencyProbe
 
     app = Celery("eager-multi", broker=redis_server.url, set_as_current=False)
     app.conf.update(

@@ -99,7 +99,7 @@ def test_a_task_that_waited_then_pauses_runs_after_the_pause(proj: Any, celery_s
     on, and runs the body again once the pause ends."""
     from celery_semaphore import semaphore_for
 
-    from .waiting import wait_until
+    from ..waiting import wait_until
 
     key = "throttled_after_wait"
     semaphore = semaphore_for(proj.app, "proj.throttled_api")
@@ -122,7 +122,7 @@ def test_a_task_that_waited_then_pauses_runs_after_the_pause(proj: Any, celery_s
 def test_a_rate_and_a_spacing_hold_on_a_rabbitmq_broker(celery_stack: CeleryStack) -> None:
     """The same rules over RabbitMQ (2 workers x 4): a reserved start's copy waits in the
     backstop queue, not as an ETA, and still starts on time."""
-    from .test_rabbitmq import amqp_url_or_skip
+    from ..operations.test_rabbitmq import amqp_url_or_skip
 
     amqp_url = amqp_url_or_skip()
     import tests.proj.app as proj

@@ -321,7 +321,7 @@ def test_fail_open_runs_the_task_unprotected_with_a_warning(celery_stack: Celery
     logs that it ran without its semaphore."""
     import tests.proj.app as proj
 
-    from .redis_server import free_port
+    from ..redis_server import free_port
 
     env = {
         **celery_stack.env,

@@ -156,7 +156,7 @@ def amqp_worker_group(
     from celery import Celery
     from kombu import Connection
 
-    from .test_rabbitmq import amqp_url_or_skip
+    from ..operations.test_rabbitmq import amqp_url_or_skip
 
     url = amqp_url_or_skip()
     queue = f"celery-semaphore-once-{time.time_ns()}"

@@ -87,8 +87,8 @@ def test_hand_off_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str,
     0.1 s tasks takes far less than one countdown per task."""
     import tests.proj.app as proj
 
-    from .test_celery_handoff import starts
-    from .waiting import wait_until
+    from ..celery.test_celery_handoff import starts
+    from ..waiting import wait_until
 
     env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
     workers = [Worker(env, name=f"amqp-handoff{i}", concurrency=3).start() for i in (1, 2)]

@@ -402,7 +402,7 @@ def test_the_tasks_module_loads_none_of_the_demo_harness() -> None:
 def test_the_demo_runs_its_semaphore_on_a_cluster_or_sentinel(demo: DemoRun, topology: str) -> None:
     """With REDIS_URL a ``redis+cluster://`` or ``redis+sentinel://`` URL, the semaphore lives
     there (the broker on an embedded Redis), every check holds, and no key is left behind."""
-    from .redis_server import RedisClusterSet, RedisSentinelSet
+    from ..redis_server import RedisClusterSet, RedisSentinelSet
 
     servers: RedisClusterSet | RedisSentinelSet = RedisClusterSet() if topology == "cluster" else RedisSentinelSet()
     with servers:

@@ -121,7 +121,7 @@ def test_what_the_user_docs_recommend_is_public() -> None:
 def test_a_bare_install_runs_a_worker_on_a_redis_broker(wheel: zipfile.ZipFile, tmp_path: Path) -> None:
     """A venv with nothing but the wheel and its declared dependencies (what ``pip install
     celery-semaphore`` gives a new user) runs a worker on a Redis broker and a limited task in it."""
-    from .redis_server import RedisServer
+    from ..redis_server import RedisServer
 
     assert wheel.filename is not None
     venv = tmp_path / "venv"
@@ -195,7 +195,7 @@ def test_the_core_works_on_the_lowest_redis_py_it_declares(wheel: zipfile.ZipFil
     reset (the operator calls once failed on a cluster with older redis-py pipelines)."""
     from celery_semaphore.testing import RedisClusterSet
 
-    from .redis_server import RedisServer
+    from ..redis_server import RedisServer
 
     assert wheel.filename is not None
     floor = _declared_redis_floor()
