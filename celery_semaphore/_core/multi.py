@@ -28,16 +28,15 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 
 import redis.cluster
 from redis.crc import key_slot
 
-from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
+from ..errors import ConfigurationError, SemaphoreError
 from . import renewer
-from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, limit_of, new_token
+from .attempts import Ask, Attempt, Duplicate, Granted, Waiting, default_label, new_token
 from .lease import Lease
 from .redis_errors import RedisErrors
 from .replies import Holder
@@ -57,7 +56,7 @@ from .storage import (
     weighted_waiter,
 )
 from .validation import check_limit, check_seconds, to_ms
-from .waiting import WakeAddress, wait_for_turn, wait_or_give_up
+from .waiting import WakeAddress, acquire_within, wait_for_turn
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -176,17 +175,15 @@ class MultiSemaphore:
         limit in force."""
         if weight is not None and weight != self.weight:
             return MultiSemaphore(self.semaphores, weight=weight).acquire(timeout, label=label)
-        if timeout is not None:
-            timeout = check_seconds("timeout", timeout, allow_zero=True)
-        started = time.monotonic()
         token = self.token_for()
-        if timeout == 0:
-            attempt = self.try_acquire(token=token, enqueue=False, label=label)
-            if isinstance(attempt, Granted):
-                return attempt.lease
-            raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
-        ask = Ask(token=token, waiter=self.waiter_id(), label=label, fresh=True)
-        return wait_or_give_up(self, ask, timeout=timeout, started=started).lease
+        return acquire_within(
+            self,
+            timeout,
+            token=token,
+            waiter=self.waiter_id(),
+            label=label,
+            one_try=lambda: self.try_acquire(token=token, enqueue=False, label=label),
+        )
 
     def try_acquire(
         self,

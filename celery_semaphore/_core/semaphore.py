@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -30,9 +29,9 @@ from typing import Any
 import redis
 import redis.cluster
 
-from ..errors import ConfigurationError, SemaphoreUnavailable
+from ..errors import ConfigurationError
 from . import renewer
-from .attempts import Ask, Attempt, Granted, default_label, limit_of, new_token, refusal_of
+from .attempts import Ask, Attempt, Granted, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
@@ -56,7 +55,7 @@ from .validation import (
     check_waiter,
     to_ms,
 )
-from .waiting import WakeAddress, wait_for_turn, wait_or_give_up
+from .waiting import WakeAddress, acquire_within, wait_for_turn
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -129,18 +128,16 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
         of its own: it holds none while asleep), and asks again every ``patience / 3`` seconds
         anyway: that keeps its place in line and claims an offer whose wake-up was lost.
         """
-        if timeout is not None:
-            timeout = check_seconds("timeout", timeout, allow_zero=True)
-        started = time.monotonic()
         token = new_token()
-        if timeout == 0:
+        return acquire_within(
+            self,
+            timeout,
+            token=token,
+            waiter=new_token(),
+            label=label,
             # a token made here needs no checking: straight to the one round trip
-            attempt = self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0)
-            if isinstance(attempt, Granted):
-                return attempt.lease
-            raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
-        ask = Ask(token=token, waiter=new_token(), label=label, fresh=True)
-        return wait_or_give_up(self, ask, timeout=timeout, started=started).lease
+            one_try=lambda: self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0),
+        )
 
     def try_acquire(
         self,

@@ -12,6 +12,8 @@ from typing import Protocol
 
 from ..errors import SemaphoreError, SemaphoreUnavailable
 from .attempts import Ask, Attempt, Granted, Waiting, limit_of
+from .lease import Lease
+from .validation import check_seconds
 from .wakeups import WakeUps, wake_ups_for
 
 logger = logging.getLogger("celery_semaphore")
@@ -102,6 +104,30 @@ def next_wait(attempt: Waiting, waited: float, timeout: float | None, pause: flo
         # a start a rate, a spacing or a pause reserved for this waiter: claim it then
         wait = min(wait, attempt.retry_after)
     return wait
+
+
+def acquire_within(
+    semaphore: Asker,
+    timeout: float | None,
+    *,
+    token: str,
+    waiter: str,
+    label: str | None,
+    one_try: Callable[[], Attempt],
+) -> Lease:
+    """``acquire(timeout)`` of either semaphore class: ``timeout`` 0 is ``one_try`` (one round
+    trip that never queues), anything else a wait under ``waiter`` for at most ``timeout``
+    seconds (None: as long as it takes). Raises SemaphoreUnavailable when the time runs out."""
+    if timeout is not None:
+        timeout = check_seconds("timeout", timeout, allow_zero=True)
+    started = time.monotonic()
+    if timeout == 0:
+        attempt = one_try()
+        if isinstance(attempt, Granted):
+            return attempt.lease
+        raise SemaphoreUnavailable(semaphore.name, limit_of(attempt, semaphore.limit), time.monotonic() - started)
+    ask = Ask(token=token, waiter=waiter, label=label, fresh=True)
+    return wait_or_give_up(semaphore, ask, timeout=timeout, started=started).lease
 
 
 def wait_or_give_up(semaphore: Asker, ask: Ask, *, timeout: float | None, started: float) -> Granted:
