@@ -163,3 +163,37 @@ def test_a_killed_weighted_holder_gives_back_all_its_slots_at_once(proj: Any, ce
     assert started is not None
     print(f"the next weight-3 task started {started - killed_at:.2f} s after its holder's process was killed")
     assert started - killed_at < 10
+
+
+def test_a_raised_limit_starts_a_parked_waiter_at_once(proj: Any, celery_stack: CeleryStack) -> None:
+    """Limit 1 held by a running task, a waiter parked outside the worker: ``set-limit KEY 2``
+    from the CLI offers it the new slot at once (set_limit.lua hands it on), and the process
+    that parked it hears the offer and sends its wake copy: it starts within a second."""
+    key, probe = "proj.gated_slot", "raised-line"
+    gate = f"raise-{uuid.uuid4().hex[:8]}"
+    semaphore = semaphore_for(proj.app, key)
+    with worker_group(celery_stack.env, queue="raise", names=("raise",), concurrency=2) as group:
+        holder = proj.gated_slot.apply_async((gate,), {"key": probe}, queue="raise")
+        wait_until(lambda: started_at(proj, probe, holder.id), timeout=30, what="the holder runs")
+        waiter = proj.gated_slot.apply_async(("",), {"key": probe}, queue="raise")
+        retries = proj.probe(key).client
+        wait_until(
+            lambda: (
+                any(w.waiter == task_key(waiter.id) for w in semaphore.status().waiters)
+                and waiter.id.encode() in retries.lrange(f"probe:{key}:retries", 0, -1)
+            ),
+            timeout=30,
+            what="the waiter parked outside the worker",
+        )
+        try:
+            raised_at = time.time()
+            semaphore_cli(celery_stack, "set-limit", key, "2")
+            assert waiter.get(timeout=60) == waiter.id, group[0].log()[-4000:]
+        finally:
+            semaphore_cli(celery_stack, "unset-limit", key)
+            proj.probe(gate).client.rpush(f"gate:{gate}", 1)
+        assert holder.get(timeout=30) == holder.id
+    started = started_at(proj, probe, waiter.id)
+    assert started is not None
+    print(f"the parked waiter started {started - raised_at:.2f} s after the limit was raised")
+    assert started - raised_at < 1.5
