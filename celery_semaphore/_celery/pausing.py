@@ -32,11 +32,7 @@ def members(semaphore: FairSemaphore | MultiSemaphore) -> list[FairSemaphore]:
 def front_ticket(semaphore: FairSemaphore | MultiSemaphore) -> int | None:
     """A ticket ahead of everyone in any of the semaphore's lines; None when nobody waits (a
     new ticket is then the front)."""
-    fronts = []
-    for member in members(semaphore):
-        head = member.client.zrange(member.keys.queue, 0, 0, withscores=True)
-        if head:
-            fronts.append(int(head[0][1]) - 1)
+    fronts = [front - 1 for front in (member._line_front() for member in members(semaphore)) if front is not None]
     return min(fronts) if fronts else None
 
 

@@ -90,7 +90,7 @@ def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, hist
     runs, running it if nobody did). Otherwise the fresh history."""
     home = home_of(semaphore)
     try:
-        wait_id = home.client.hget(home.keys.runs, _first_delivery_note(request))
+        wait_id = home._noted_run(_first_delivery_note(request))
     except Exception as error:
         logger.debug(
             "could not look up the wait of a redelivered %s[%s]: %s", getattr(request, "task", "?"), request.id, error
@@ -98,13 +98,12 @@ def continued_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, hist
         return history
     if not wait_id:
         return history
-    text = wait_id.decode() if isinstance(wait_id, bytes) else str(wait_id)
     logger.info(
         "%s[%s]: a redelivery of a message whose wait began already; it continues that wait",
         getattr(request, "task", "?"),
         request.id,
     )
-    return dataclasses.replace(history, waits=1, run_part=text)
+    return dataclasses.replace(history, waits=1, run_part=wait_id)
 
 
 def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:

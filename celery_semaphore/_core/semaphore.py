@@ -283,6 +283,19 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             tell_to_wake(self, reply.to_wake)
         return reply.done
 
+    def _line_front(self) -> int | None:
+        """The ticket of the head of the line; None when nobody waits (read by a task that pauses
+        its key and must stand first)."""
+        with RedisErrors(self.name, "status"):
+            head = self.client.zrange(self.keys.queue, 0, 0, withscores=True)
+        return int(head[0][1]) if head else None
+
+    def _noted_run(self, note: str) -> str | None:
+        """What the run records hold under ``note`` (a first delivery's note, ``remember_wait``)."""
+        with RedisErrors(self.name, "status"):
+            value = self.client.hget(self.keys.runs, note)
+        return None if value is None else as_text(value)
+
     def _finish_run(self, run: str, remember_ms: int) -> None:
         """Mark the run ``run`` finished for ``remember_ms`` (its later copies are told so and
         dropped) without giving back a slot: a run that ends holding nothing."""

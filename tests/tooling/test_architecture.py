@@ -120,7 +120,7 @@ def test_public_methods_take_at_most_four_keyword_arguments(semaphore_class: typ
 
 def test_the_private_protocol_is_spoken_by_both_semaphore_classes() -> None:
     """The Celery glue drives either class through the same underscored methods."""
-    protocol = {"_try", "_wait", "_leave", "_release", "_release_holders_with_prefix", "_renew_many"}
+    protocol = {"_try", "_wait", "_leave", "_release", "_finish_run", "_release_holders_with_prefix", "_renew_many"}
     for semaphore_class in (FairSemaphore, MultiSemaphore):
         assert protocol <= set(dir(semaphore_class)), semaphore_class
 
