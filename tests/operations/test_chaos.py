@@ -776,8 +776,11 @@ def test_a_semaphore_redis_restarted_empty_runs_no_completed_task_again(
         return min(ended_at, default=faults.at.get(pid, inf))
 
     def ack_maybe_lost(pid: int, ended_at: float) -> bool:
+        # killed within the grace after the body ended, or before it ended: a whole worker's
+        # SIGKILL leaves its pool children running for a moment, and a body that ends then has
+        # nobody left to ack it (seen: a body ended 7 ms after its worker's main process died)
         killed_at = faults.at.get(pid)
-        return acks_late and killed_at is not None and ended_at <= killed_at <= ended_at + ACK_GRACE_S
+        return acks_late and killed_at is not None and killed_at <= ended_at + ACK_GRACE_S
 
     # each task under every case that one of its later starts falls in
     again_after_restart: set[str] = set()  # the target: completed before the restart, started after it
