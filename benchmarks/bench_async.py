@@ -35,7 +35,7 @@ import redis
 import redis.asyncio
 
 from celery_semaphore import AsyncFairSemaphore, FairSemaphore, Waiting
-from celery_semaphore._core.async_semaphore import AsyncAttempt, _Asking
+from celery_semaphore._core.async_waiting import Asking, AsyncAttempt
 from celery_semaphore._core.attempts import Ask, Attempt
 from tests.redis_server import LOOPBACK, RedisServer
 
@@ -68,7 +68,7 @@ class _TicketedAsyncSemaphore(AsyncFairSemaphore):
 
     tickets: dict[str, int]
 
-    async def _try(self, ask: Ask, asking: _Asking, *, urgent: bool = True) -> AsyncAttempt:
+    async def _try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> AsyncAttempt:
         attempt = await super()._try(ask, asking, urgent=urgent)
         if isinstance(attempt, Waiting) and attempt.ticket is not None:
             self.tickets.setdefault(ask.token, attempt.ticket)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ._celery.why import why
     from ._celery.worker import SemaphoreRequest
     from ._core.async_lease import AsyncGranted, AsyncLease
+    from ._core.async_multi import AsyncMultiSemaphore
     from ._core.async_semaphore import AsyncFairSemaphore
     from ._core.attempts import Granted, Waiting
     from ._core.lease import Lease
@@ -37,6 +38,7 @@ _HOMES = {
     "AsyncFairSemaphore": "._core.async_semaphore",
     "AsyncGranted": "._core.async_lease",
     "AsyncLease": "._core.async_lease",
+    "AsyncMultiSemaphore": "._core.async_multi",
     "ConfigurationError": ".errors",
     "FairSemaphore": "._core.semaphore",
     "Granted": "._core.attempts",
@@ -61,6 +63,7 @@ __all__ = [
     "AsyncFairSemaphore",
     "AsyncGranted",
     "AsyncLease",
+    "AsyncMultiSemaphore",
     "ConfigurationError",
     "FairSemaphore",
     "Granted",

@@ -30,8 +30,11 @@ from .scripts import script_source
 
 R = TypeVar("R")
 
-# The scripts an asyncio semaphore runs (``script_calls``' builders).
-_ASYNC_NAMES = ("acquire", "release", "renew", "leave", "status", "set_limit", "set_gate", "reset")
+# The scripts the asyncio semaphores run (the builders of ``script_calls`` and ``script_calls_many``).
+_ASYNC_NAMES = (
+    *("acquire", "release", "renew", "leave", "status", "set_limit", "set_gate", "reset"),
+    *("acquire_many", "release_many", "renew_many", "leave_many"),
+)
 # Keep-alive asks sent in one batch at most (after every urgent call queued).
 LATER_PER_BATCH = 64
 _Pending = tuple[ScriptCall[Any], "asyncio.Future[Any]"]

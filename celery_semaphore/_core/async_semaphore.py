@@ -2,7 +2,8 @@
 
 Same arguments, keys, Lua scripts and line as ``FairSemaphore``: a Celery task, a blocking
 caller and a coroutine asking for the same name stand in one line, served first come, first
-served together. What differs is only how a caller waits:
+served together. What differs is only how a caller waits (the wait, shared with
+``AsyncMultiSemaphore``, is :mod:`.async_waiting`'s):
 
 * Its calls go through the loop's batching sender (:mod:`.async_scripts`), so a thousand
   coroutines share one command connection and a burst of asks costs one round trip.
@@ -21,75 +22,32 @@ worker's job, :mod:`.semaphore`'s ``tell_to_wake``): they lapse after their clai
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
-import time
-from collections.abc import Generator
-from dataclasses import replace
-from types import TracebackType
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import redis.asyncio
 
-from ..errors import ConfigurationError, SemaphoreError, SemaphoreUnavailable
+from ..errors import ConfigurationError
 from . import async_renewer
 from . import script_calls as calls
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
-from .async_wakeups import async_wake_ups_for
-from .attempts import Ask, Duplicate, Waiting, default_label, limit_of, new_token, refusal_of
+from .async_waiting import Asking, AsyncAttempt, AsyncWaiting
+from .attempts import Ask, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .redis_errors import RedisErrors
 from .replies import Holder
 from .rules import Rate, check_rate, check_spacing
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
-from .storage import CLAIMED, GRANTED, RENEW_LOST
+from .storage import CLAIMED, GRANTED
 from .validation import check_limit, check_seconds, check_token, check_waiter, to_ms
-from .waiting import next_wait
 
 logger = logging.getLogger("celery_semaphore")
 
 AsyncClient: TypeAlias = "redis.asyncio.Redis | redis.asyncio.RedisCluster"
-AsyncAttempt = AsyncGranted | Waiting | Duplicate
 
 
-class _Asking:
-    """Whether a wait has a try in flight: a try cancelled in flight may have been granted."""
-
-    __slots__ = ("in_flight",)
-
-    def __init__(self) -> None:
-        self.in_flight = False
-
-
-class Acquiring:
-    """What ``acquire`` returns: ``await`` it for the lease, or ``async with`` it to hold the
-    slot for the block (the slot goes back however the block ends)."""
-
-    __slots__ = ("_label", "_lease", "_semaphore", "_timeout")
-
-    def __init__(self, semaphore: AsyncFairSemaphore, timeout: float | None, label: str | None) -> None:
-        self._semaphore = semaphore
-        self._timeout = timeout
-        self._label = label
-        self._lease: AsyncLease | None = None
-
-    def __await__(self) -> Generator[Any, None, AsyncLease]:
-        return self._semaphore._acquire(self._timeout, self._label).__await__()
-
-    async def __aenter__(self) -> AsyncLease:
-        self._lease = await self
-        return self._lease
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._lease is not None:
-            await self._lease.release()
-
-
-class AsyncFairSemaphore(SemaphoreConfig[AsyncClient]):
+class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
     """At most ``limit`` holders at once across every process and event loop that uses the same
     Redis, name and prefix; waiters get slots in the order they first asked, whether they are
     coroutines, blocking callers or Celery tasks.
@@ -112,32 +70,11 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient]):
 
     # -- acquiring -------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None, *, label: str | None = None) -> Acquiring:
-        """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try that
-        never queues). Raises SemaphoreUnavailable when the time runs out, as FairSemaphore does.
-        ``await`` it for an AsyncLease, or ``async with`` it."""
-        if timeout is not None:
-            timeout = check_seconds("timeout", timeout, allow_zero=True)
-        return Acquiring(self, timeout, label)
-
-    async def _acquire(self, timeout: float | None, label: str | None) -> AsyncLease:
-        started = time.monotonic()
+    def _first_ask(self, label: str | None, *, once: bool) -> Ask:
         token = new_token()
-        asking = _Asking()
-        if timeout == 0:
-            ask = Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True)
-        else:
-            ask = Ask(token=token, waiter=new_token(), label=label, fresh=True)
-        try:
-            attempt = await (self._try(ask, asking) if timeout == 0 else self._wait(ask, timeout, asking))
-        except BaseException:
-            await self._give_up(ask, release=asking.in_flight)
-            raise
-        if isinstance(attempt, AsyncGranted):
-            return attempt.lease
-        if timeout != 0:
-            await self._give_up(ask, release=False)
-        raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
+        if once:
+            return Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True)
+        return Ask(token=token, waiter=new_token(), label=label, fresh=True)
 
     async def try_acquire(
         self, *, waiter: str | None = None, token: str | None = None, enqueue: bool = True, label: str | None = None
@@ -146,8 +83,8 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient]):
         line. As ``FairSemaphore.try_acquire``: the same ``waiter`` on every try keeps the place."""
         token = new_token() if token is None else token
         if waiter is None:
-            return await self._try(Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True), _Asking())
-        return await self._try(Ask(token=token, waiter=waiter, enqueue=enqueue, label=label), _Asking())
+            return await self._try(Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True), Asking())
+        return await self._try(Ask(token=token, waiter=waiter, enqueue=enqueue, label=label), Asking())
 
     async def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
         """Step out of line at once (``away_for``: keep the place that long, passed by); True if
@@ -157,23 +94,7 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient]):
             reply = await self._scripts.run(calls.leave(self.keys, waiter=waiter, away_ms=away_ms, rules=self.rules))
         return reply.done
 
-    async def _give_up(self, ask: Ask, *, release: bool) -> None:
-        """Leave the line (and, for a try cancelled in flight, give back the slot it may have got)
-        now, even if the caller is cancelled again meanwhile; never raises but the cancellation:
-        a place not given up lapses by itself after ``patience``, a slot after ``lease``."""
-
-        async def undo() -> None:
-            try:
-                if ask.waiter != ask.token:
-                    await self.leave(ask.waiter)
-                if release:
-                    await self._release(ask.token)
-            except SemaphoreError as error:
-                logger.warning("could not leave the line of %r (the place lapses by itself): %s", self.name, error)
-
-        await asyncio.shield(undo())
-
-    async def _try(self, ask: Ask, asking: _Asking, *, urgent: bool = True) -> AsyncAttempt:
+    async def _try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> AsyncAttempt:
         check_token("token", ask.token)
         check_waiter("waiter", ask.waiter)
         label = default_label() if ask.label is None else ask.label
@@ -203,55 +124,7 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient]):
             return AsyncGranted(lease)
         return refusal_of(reply, self.name)
 
-    async def _wait(self, ask: Ask, timeout: float | None, asking: _Asking) -> AsyncAttempt:
-        """Try; while refused, sleep until the loop's reader says a slot is offered (or the
-        keep-alive pause passes), then try again; until granted or ``timeout`` (None: no bound).
-
-        A lone first try subscribes to nothing: an uncontended acquire is one round trip. A first
-        try made while another of this loop is in flight on the same line (a burst) waits for the
-        subscription first, so that no offer can be published unheard after it, and it need not
-        ask again once subscribed: a burst of a thousand costs a thousand asks, not two."""
-        started = time.monotonic()
-        wake_ups = async_wake_ups_for(self.client)
-        ask = replace(ask, wake=self.keys.wake_address(wake_ups.listener_id))
-        with wake_ups.first_try(ask.wake) as crowded:
-            if crowded:
-                await wake_ups.subscribed(ask.wake, self.patience / 3)
-            heard_from_start = wake_ups.ready(ask.wake)
-            attempt = await self._try(ask, asking)
-        if not isinstance(attempt, Waiting):
-            return attempt
-        ticket = ask.ticket
-        with wake_ups.signal(ask.wake, ask.waiter) as signal:
-            subscribed = heard_from_start
-            while True:
-                if attempt.ticket is not None:
-                    ticket = attempt.ticket  # if the place ever lapses, come back to it
-                # the keep-alive pause, spread so that waiters who came together ask apart
-                pause = self.patience / 3 * random.uniform(0.8, 1.0)
-                wait = next_wait(attempt, time.monotonic() - started, timeout, pause)
-                if wait is None:
-                    return attempt
-                if subscribed:
-                    told = await signal.wait(wait)
-                else:
-                    # an offer published before the subscription was confirmed is lost: ask again
-                    # as soon as it is
-                    subscribed = told = await signal.subscribe(wait)
-                attempt = await self._try(replace(ask, ticket=ticket, fresh=False), asking, urgent=told)
-                if not isinstance(attempt, Waiting):
-                    return attempt
-
     # -- holding ---------------------------------------------------------------------------
-
-    async def release(self, token: str) -> bool:
-        """Give a slot back by its token (prefer ``AsyncLease.release``, which also stops its
-        renewal). True if the token held it; False if its lease had already gone."""
-        return await self._release(token)
-
-    async def renew(self, token: str) -> bool:
-        """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""
-        return (await self._renew_many([(token, "", "")], reclaim=False))[0] != RENEW_LOST
 
     async def _release(self, token: str) -> bool:
         with RedisErrors(self.name, "release"):

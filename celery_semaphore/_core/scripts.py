@@ -8,10 +8,11 @@ window between reading the holders and adding to them, and no lock around the se
 
 The contract of each script (its KEYS, its ARGV, its reply) is written once in the header of its
 ``.lua`` file and once in Python, as a function with keyword-only arguments and a named result
-(here, or for the scripts the asyncio semaphore runs too, in ``script_calls``): a call site cannot
-pass two arguments in the wrong order, and nobody unpacks a reply by position outside these
-modules. Milliseconds appear there and in Lua only; callers speak seconds (see validation.to_ms).
-The codes in the replies, and the marks inside what the scripts store, are ``storage``'s.
+(here, or for the scripts the asyncio semaphores run too, in ``script_calls`` and
+``script_calls_many``): a call site cannot pass two arguments in the wrong order, and nobody
+unpacks a reply by position outside these modules. Milliseconds appear there and in Lua only;
+callers speak seconds (see validation.to_ms). The codes in the replies, and the marks inside
+what the scripts store, are ``storage``'s.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from redis.exceptions import NoScriptError
 
 from . import script_calls as calls
+from . import script_calls_many as calls_many
 from .replies import waiters_of
 from .script_args import number
 from .script_calls import ScriptCall
-from .scripts_many import ManyScripts
 from .storage import as_text, parked_waiter_entry, wake_address
 
 R = TypeVar("R")
@@ -212,7 +213,7 @@ def _blocking(build: Callable[P, ScriptCall[R]]) -> Callable[Concatenate[Scripts
     return method
 
 
-class Scripts(ManyScripts):
+class Scripts:
     """The registered scripts of one Redis client, one typed method per script."""
 
     def __init__(self, client: Any) -> None:
@@ -230,6 +231,10 @@ class Scripts(ManyScripts):
     set_limit = _blocking(calls.set_limit)
     set_gate = _blocking(calls.set_gate)
     reset = _blocking(calls.reset)
+    acquire_many = _blocking(calls_many.acquire_many)
+    release_many = _blocking(calls_many.release_many)
+    renew_many = _blocking(calls_many.renew_many)
+    leave_many = _blocking(calls_many.leave_many)
 
     def park(
         self,

@@ -94,18 +94,26 @@ def test_cancelling_500_waiters_empties_the_line_at_once(redis_server: RedisServ
         sem = AsyncFairSemaphore(client, "api", limit=1)
         holder = await sem.acquire()
         waiters = [asyncio.ensure_future(sem.acquire(timeout=60)) for _ in range(500)]  # type: ignore[arg-type]
-        await until(lambda: _waiting(sem, 500), what="500 waiters in line")
-        started = time.monotonic()
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-        await until(lambda: _waiting(sem, 0), timeout=5, what="an empty line")
-        took = time.monotonic() - started
+        took = await time_to_empty_the_line(waiters, lambda count: _waiting(sem, count))
         await holder.release()
         await client.aclose()
         return took
 
     assert asyncio.run(main()) < 1.0
+
+
+async def time_to_empty_the_line(
+    waiters: list[asyncio.Future[Any]], waiting: Callable[[int], Awaitable[bool]]
+) -> float:
+    """Once every one of ``waiters`` is in line (``waiting(count)``), cancel them all: the seconds
+    until the line is empty. Shared with the AsyncMultiSemaphore tests."""
+    await until(lambda: waiting(len(waiters)), what=f"{len(waiters)} waiters in line")
+    started = time.monotonic()
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    await until(lambda: waiting(0), timeout=5, what="an empty line")
+    return time.monotonic() - started
 
 
 async def _waiting(sem: AsyncFairSemaphore, count: int) -> bool:
@@ -116,22 +124,30 @@ def test_an_offer_to_a_cancelled_waiter_goes_on_to_the_next(redis_server: RedisS
     async def main() -> None:
         client = async_client(redis_server)
         sem = AsyncFairSemaphore(client, "api", limit=1)
-        holder = await sem.acquire()
-        first = asyncio.ensure_future(sem.acquire(timeout=30))  # type: ignore[arg-type]
-        await until(lambda: _waiting(sem, 1), what="the first waiter in line")
-        second = asyncio.ensure_future(sem.acquire(timeout=30))  # type: ignore[arg-type]
-        await until(lambda: _waiting(sem, 2), what="the second waiter in line")
-        await holder.release()  # offered to the first ...
-        first.cancel()  # ... which is cancelled before it claims, or as it claims
-        (outcome,) = await asyncio.gather(first, return_exceptions=True)
-        if isinstance(outcome, AsyncLease):  # it had claimed before the cancellation came
-            await outcome.release()
-        lease = await asyncio.wait_for(second, 1.0)  # well within the 2 s an unclaimed offer lasts
-        assert (await sem.status()).holder_count == 1
-        await lease.release()
+        await offer_to_a_cancelled_waiter_goes_on(sem, lambda count: _waiting(sem, count))
+        assert (await sem.status()).holder_count == 0
         await client.aclose()
 
     asyncio.run(main())
+
+
+async def offer_to_a_cancelled_waiter_goes_on(sem: Any, waiting: Callable[[int], Awaitable[bool]]) -> None:
+    """A holder of ``sem`` (whose line holds ``waiting(count)`` waiters) releases; the first of
+    two waiters is offered the slot and cancelled: the second gets it within the claim window.
+    Shared with the AsyncMultiSemaphore tests."""
+    holder = await sem.acquire()
+    first = asyncio.ensure_future(sem.acquire(timeout=30))
+    await until(lambda: waiting(1), what="the first waiter in line")
+    second = asyncio.ensure_future(sem.acquire(timeout=30))
+    await until(lambda: waiting(2), what="the second waiter in line")
+    await holder.release()  # offered to the first ...
+    first.cancel()  # ... which is cancelled before it claims, or as it claims
+    (outcome,) = await asyncio.gather(first, return_exceptions=True)
+    if isinstance(outcome, AsyncLease):  # it had claimed before the cancellation came
+        await outcome.release()
+    lease = await asyncio.wait_for(second, 1.0)  # well within the 2 s an unclaimed offer lasts
+    assert await waiting(0)
+    await lease.release()
 
 
 def test_never_over_the_limit_with_blocking_and_async_callers(redis_server: RedisServer) -> None:
@@ -183,39 +199,49 @@ def test_never_over_the_limit_with_blocking_and_async_callers(redis_server: Redi
 
 @pytest.mark.parametrize("coroutine_first", [True, False])
 def test_fifo_between_a_blocking_caller_and_a_coroutine(redis_server: RedisServer, coroutine_first: bool) -> None:
-    order: list[str] = []
     blocking = FairSemaphore(redis_server.client(), "api", limit=1)
+
+    async def main() -> list[str]:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1)
+        order = await blocking_and_coroutine_in_line(sem, blocking, lambda count: _waiting(sem, count), coroutine_first)
+        await client.aclose()
+        return order
+
+    assert asyncio.run(main()) == (["coroutine", "blocking"] if coroutine_first else ["blocking", "coroutine"])
+
+
+async def blocking_and_coroutine_in_line(
+    sem: Any, blocking: Any, waiting: Callable[[int], Awaitable[bool]], coroutine_first: bool
+) -> list[str]:
+    """A holder of ``sem`` fills it; a coroutine and a blocking caller (a thread on ``blocking``,
+    the same line) join it, in the order ``coroutine_first`` says; the holder leaves. The order
+    in which the two got their slot. Shared with the AsyncMultiSemaphore tests."""
+    order: list[str] = []
 
     def blocking_caller() -> None:
         with blocking.acquire(timeout=30):
             order.append("blocking")
 
-    async def main() -> None:
-        client = async_client(redis_server)
-        sem = AsyncFairSemaphore(client, "api", limit=1)
-        holder = await sem.acquire()
-        thread = threading.Thread(target=blocking_caller)
+    async def coroutine_caller() -> None:
+        async with sem.acquire(timeout=30):
+            order.append("coroutine")
 
-        async def coroutine_caller() -> None:
-            async with sem.acquire(timeout=30):
-                order.append("coroutine")
-
-        if coroutine_first:
-            task = asyncio.ensure_future(coroutine_caller())
-            await until(lambda: _waiting(sem, 1), what="the coroutine in line")
-            thread.start()
-        else:
-            thread.start()
-            await until(lambda: _waiting(sem, 1), what="the blocking caller in line")
-            task = asyncio.ensure_future(coroutine_caller())
-        await until(lambda: _waiting(sem, 2), what="both in line")
-        await holder.release()
-        await asyncio.wait_for(task, 10)
-        await asyncio.to_thread(thread.join, 10)
-        await client.aclose()
-
-    asyncio.run(main())
-    assert order == (["coroutine", "blocking"] if coroutine_first else ["blocking", "coroutine"])
+    holder = await sem.acquire()
+    thread = threading.Thread(target=blocking_caller)
+    if coroutine_first:
+        task = asyncio.ensure_future(coroutine_caller())
+        await until(lambda: waiting(1), what="the coroutine in line")
+        thread.start()
+    else:
+        thread.start()
+        await until(lambda: waiting(1), what="the blocking caller in line")
+        task = asyncio.ensure_future(coroutine_caller())
+    await until(lambda: waiting(2), what="both in line")
+    await holder.release()
+    await asyncio.wait_for(task, 10)
+    await asyncio.to_thread(thread.join, 10)
+    return order
 
 
 def test_the_loop_holds_few_connections_whatever_the_number_of_waiters(redis_server: RedisServer) -> None:

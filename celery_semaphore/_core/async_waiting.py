@@ -1,0 +1,196 @@
+"""How a coroutine waits for its turn, whichever asyncio semaphore it asks (``AsyncWaiting``):
+one slot of one key (``AsyncFairSemaphore``) or slots of several, all or nothing
+(``AsyncMultiSemaphore``).
+
+The wait is the same for both, and so is what a cancelled waiter undoes; only the try differs
+(acquire or acquire_many, one line or several). So the wait lives here once and asks its
+semaphore for what differs: its first ``Ask``, one ``_try``, a ``leave`` of every line it
+stands in, and a ``_release`` of every slot a grant holds.
+
+* Its calls go through the loop's batching sender (:mod:`.async_scripts`).
+* A refused coroutine sleeps on an ``asyncio.Event`` set by the loop's one wake-up reader
+  (:mod:`.async_wakeups`) when a release offers it the slot, on its semaphore's wake address (a
+  key list's: its home member's), and asks again every ``patience / 3`` seconds anyway.
+* Cancelled while waiting, it steps out of every line at once, and a slot already offered to it
+  goes on to the next waiter; a try cancelled in flight also gives back what it may have been
+  granted. A killed loop's places and slots lapse as a killed process's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Generator
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+from ..errors import SemaphoreError, SemaphoreUnavailable
+from .async_lease import AsyncGranted, AsyncLease
+from .async_wakeups import async_wake_ups_for
+from .attempts import Ask, Duplicate, Waiting, limit_of
+from .replies import Holder
+from .scripts import SemaphoreKeys
+from .storage import RENEW_LOST
+from .validation import check_seconds
+from .waiting import next_wait
+
+logger = logging.getLogger("celery_semaphore")
+
+AsyncAttempt = AsyncGranted | Waiting | Duplicate
+
+
+class Asking:
+    """Whether a wait has a try in flight: a try cancelled in flight may have been granted."""
+
+    __slots__ = ("in_flight",)
+
+    def __init__(self) -> None:
+        self.in_flight = False
+
+
+class Acquiring:
+    """What ``acquire`` returns: ``await`` it for the lease, or ``async with`` it to hold the
+    slots for the block (they go back however the block ends)."""
+
+    __slots__ = ("_label", "_lease", "_semaphore", "_timeout")
+
+    def __init__(self, semaphore: AsyncWaiting, timeout: float | None, label: str | None) -> None:
+        self._semaphore = semaphore
+        self._timeout = timeout
+        self._label = label
+        self._lease: AsyncLease | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLease]:
+        return self._semaphore._acquire(self._timeout, self._label).__await__()
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self
+        return self._lease
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._lease is not None:
+            await self._lease.release()
+
+
+class AsyncWaiting:
+    """The acquire, wait, give-up, release and renew of an asyncio semaphore; a subclass says
+    how to ask (``_first_ask``, ``_try``), leave (``leave``), release and renew (``_release``,
+    ``_renew_many``)."""
+
+    name: str
+    limit: int
+    patience: float
+    client: Any
+    keys: SemaphoreKeys  # the keys whose wake address the wait listens on
+
+    def _first_ask(self, label: str | None, *, once: bool) -> Ask:
+        """The first try of an acquire (``once``: a one-shot try that never queues)."""
+        raise NotImplementedError
+
+    async def _try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> AsyncAttempt:
+        raise NotImplementedError
+
+    async def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
+        raise NotImplementedError
+
+    async def _release(self, token: str) -> bool:
+        raise NotImplementedError
+
+    async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
+        raise NotImplementedError
+
+    # -- acquiring -------------------------------------------------------------------------
+
+    def acquire(self, timeout: float | None = None, *, label: str | None = None) -> Acquiring:
+        """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try that
+        never queues). Raises SemaphoreUnavailable when the time runs out, as the blocking class
+        does. ``await`` it for an AsyncLease, or ``async with`` it."""
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout, allow_zero=True)
+        return Acquiring(self, timeout, label)
+
+    async def _acquire(self, timeout: float | None, label: str | None) -> AsyncLease:
+        started = time.monotonic()
+        asking = Asking()
+        ask = self._first_ask(label, once=timeout == 0)
+        try:
+            attempt = await (self._try(ask, asking) if timeout == 0 else self._wait(ask, timeout, asking))
+        except BaseException:
+            await self._give_up(ask, release=asking.in_flight)
+            raise
+        if isinstance(attempt, AsyncGranted):
+            return attempt.lease
+        if timeout != 0:
+            await self._give_up(ask, release=False)
+        raise SemaphoreUnavailable(self.name, limit_of(attempt, self.limit), time.monotonic() - started)
+
+    async def _give_up(self, ask: Ask, *, release: bool) -> None:
+        """Leave the lines (and, for a try cancelled in flight, give back what it may have got)
+        now, even if the caller is cancelled again meanwhile; never raises but the cancellation:
+        a place not given up lapses by itself after ``patience``, a slot after ``lease``."""
+
+        async def undo() -> None:
+            try:
+                if ask.enqueue:
+                    await self.leave(ask.waiter)
+                if release:
+                    await self._release(ask.token)
+            except SemaphoreError as error:
+                logger.warning("could not leave the line of %r (the place lapses by itself): %s", self.name, error)
+
+        await asyncio.shield(undo())
+
+    async def _wait(self, ask: Ask, timeout: float | None, asking: Asking) -> AsyncAttempt:
+        """Try; while refused, sleep until the loop's reader says a slot is offered (or the
+        keep-alive pause passes), then try again; until granted or ``timeout`` (None: no bound).
+
+        A lone first try subscribes to nothing: an uncontended acquire is one round trip. A first
+        try made while another of this loop is in flight on the same line (a burst) waits for the
+        subscription first, so that no offer can be published unheard after it, and it need not
+        ask again once subscribed: a burst of a thousand costs a thousand asks, not two."""
+        started = time.monotonic()
+        wake_ups = async_wake_ups_for(self.client)
+        ask = replace(ask, wake=self.keys.wake_address(wake_ups.listener_id))
+        with wake_ups.first_try(ask.wake) as crowded:
+            if crowded:
+                await wake_ups.subscribed(ask.wake, self.patience / 3)
+            heard_from_start = wake_ups.ready(ask.wake)
+            attempt = await self._try(ask, asking)
+        if not isinstance(attempt, Waiting):
+            return attempt
+        ticket = ask.ticket
+        with wake_ups.signal(ask.wake, ask.waiter) as signal:
+            subscribed = heard_from_start
+            while True:
+                if attempt.ticket is not None:
+                    ticket = attempt.ticket  # if the place ever lapses, come back to it
+                # the keep-alive pause, spread so that waiters who came together ask apart
+                pause = self.patience / 3 * random.uniform(0.8, 1.0)
+                wait = next_wait(attempt, time.monotonic() - started, timeout, pause)
+                if wait is None:
+                    return attempt
+                if subscribed:
+                    told = await signal.wait(wait)
+                else:
+                    # an offer published before the subscription was confirmed is lost: ask again
+                    # as soon as it is
+                    subscribed = told = await signal.subscribe(wait)
+                attempt = await self._try(replace(ask, ticket=ticket, fresh=False), asking, urgent=told)
+                if not isinstance(attempt, Waiting):
+                    return attempt
+
+    # -- holding ---------------------------------------------------------------------------
+
+    async def release(self, token: str) -> bool:
+        """Give back what a token holds (prefer ``AsyncLease.release``, which also stops its
+        renewal). True if the token held it; False if its lease had already gone."""
+        return await self._release(token)
+
+    async def renew(self, token: str) -> bool:
+        """Extend one token's lease by ``lease`` seconds from now; False if it was lost."""
+        return (await self._renew_many([(token, "", "")], reclaim=False))[0] != RENEW_LOST
