@@ -420,7 +420,8 @@ class PaidApiServer(_DemoServer):
         ``ARRIVAL_SLACK``. ``maintenance``: the window, if one started: the path of the call
         it ``told`` to wait, ``calls_during`` it besides that one, ``quiet_for`` (seconds from
         that call to the next), ``first_after`` (the path of the first call after it) and
-        ``told_lag`` (seconds from that first call to the told call's return; 0: it was first)."""
+        ``told_lag`` (seconds from that first call to the told call's return; 0: it was first)
+        and ``told_place`` (how many calls after the window came before the told call's return)."""
         snap = self._gate.snapshot()  # of the calls that got as far as the concurrency allowance
         with self._lock:
             calls = list(self._calls)
@@ -517,6 +518,7 @@ def _maintenance_report(maintenance: _Maintenance | None, calls: list[_Call]) ->
         "quiet_for": later[0].at - maintenance.started if later else None,
         "first_after": after[0].path if after else None,
         "told_lag": back - after[0].at if back is not None else None,
+        "told_place": next((place for place, call in enumerate(after) if call.path == told), None),
     }
 
 

@@ -267,6 +267,7 @@ def test_paid_api_maintenance_window(paid_api: Callable[[int, float], PaidApiSer
     assert (report["seconds"], report["told"], report["calls_during"]) == (0.4, "/v1/reports/0", 1)
     assert report["first_after"] == "/v1/reports/2"
     assert 0 < report["told_lag"] < DEADLINE
+    assert report["told_place"] == 1  # one call after the window came back before it
     assert 0 < report["quiet_for"] < 0.4
     with pytest.raises(ValueError, match="more than zero"):
         server.begin_maintenance(0)
@@ -592,3 +593,18 @@ def test_crawl_site_validation() -> None:
         CrawlSiteServer({})
     with pytest.raises(ValueError, match="unique"):
         CrawlSiteServer({"a.test": SiteSpec(1, 1, 0), "A.TEST": SiteSpec(1, 1, 0)})
+
+
+def test_the_pause_check_takes_the_told_call_in_the_first_wave() -> None:
+    """The end of a pause frees every slot at once: the told call, offered the first, may reach
+    the API after the waiters already present took the others. Among the first ``limit`` calls
+    after the window it passes; behind them it fails."""
+    from example_project.demo.report import Pause, _pause_check
+
+    def pause(place: int, lag: float) -> Pause:
+        return Pause(2.0, "/v1/reports/0", 0, 2.0, "/v1/reports/2", lag, place)
+
+    assert _pause_check("k", pause(0, 0.0), 4).ok
+    assert _pause_check("k", pause(3, 0.4), 4).ok
+    assert not _pause_check("k", pause(4, 0.4), 4).ok
+    assert "first, not report 0" in _pause_check("k", pause(4, 0.4), 4).text
