@@ -65,6 +65,7 @@ def acquire(
     wake: str,
     run: str = "",
     remember_ms: int = 0,
+    tenant: str = "",
 ) -> ScriptCall[AcquireReply]:
     encoded = token.encode()
     args: list[Any] = [
@@ -74,6 +75,9 @@ def acquire(
     ]
     # trailing arguments that are empty are not sent (the script reads them as ""): the
     # uncontended acquire of a blocked caller or a one-shot try sends three
+    if tenant:  # "<share>|<tenant>" (see Shares.tenant_arg)
+        args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms), tenant]
+        return ScriptCall("acquire", keys.tenant_keys, args, acquire_reply)
     if run:
         args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms)]
     elif wake:
@@ -199,7 +203,7 @@ def gate_reply(reply: Any) -> GateReply:
 
 
 def reset(keys: SemaphoreKeys) -> ScriptCall[int]:
-    return ScriptCall("reset", keys.encoded, [], int)  # the run records too
+    return ScriptCall("reset", keys.tenant_keys, [], int)  # the run records and tenants' clocks too
 
 
 @functools.lru_cache(maxsize=1024)
