@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 from .._core.rules import check_rate, check_spacing
 from .._core.tenants import check_tenant
-from .._core.validation import check_limit, check_seconds
+from .._core.validation import check_limit, check_seconds, priority_ms
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
 from .keys import KeyFunction, call_key, check_template
@@ -85,6 +85,31 @@ def tenant_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return check_tenant(
         f"{task.name}.semaphore_fair_by", call_key(f"{task.name}.semaphore_fair_by", fair_by, task.run, args, kwargs)
     )
+
+
+# the message header a caller sets to give one call its own priority (the option's name, so that
+# ``send_task(..., headers={"semaphore_priority": 60})`` works too)
+PRIORITY_HEADER = "semaphore_priority"
+PriorityFunction = Callable[[tuple[Any, ...], dict[str, Any]], float]
+
+
+def priority_option(cls: type) -> float | PriorityFunction | None:
+    """The ``semaphore_priority`` option as declared (None: none)."""
+    return _unbound(inspect.getattr_static(cls, "semaphore_priority", None))  # type: ignore[no-any-return]
+
+
+def priority_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """Seconds one call is placed earlier in line: the message's ``semaphore_priority`` header
+    (set per call), else the task's option (a number, or a function of the arguments), else 0.
+    Checked here, so a bad header or function answer fails the task naming where it came from."""
+    header = getattr(task.request, PRIORITY_HEADER, None)
+    if header is not None:
+        return priority_ms(f"{task.name}: header {PRIORITY_HEADER}", header) / 1000
+    option = priority_option(type(task))
+    if option is None:
+        return 0.0
+    value = option(args, kwargs) if callable(option) else option
+    return priority_ms(f"{task.name}.semaphore_priority", value) / 1000
 
 
 def _check_fair_by(name: str, cls: type, parameters: list[inspect.Parameter] | None) -> None:
@@ -174,6 +199,9 @@ def check_task_options(cls: type) -> None:
         if parameters is not None:
             check_template(f"{name}.semaphore_key", item, parameters)
     _check_fair_by(name, cls, parameters)
+    priority = priority_option(cls)
+    if priority is not None and not callable(priority):
+        priority_ms(f"{name}.semaphore_priority", priority)
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,11 @@ def test_fair_by_is_checked_at_declaration() -> None:
         )
         def two_levels(org: str, user: str) -> None: ...
 
+    with pytest.raises(ConfigurationError, match="semaphore_priority"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_priority="high", shared=False, lazy=False)
+        def bad_priority() -> None: ...
+
     with pytest.raises(ConfigurationError, match="one semaphore_key"):
 
         @app.task(
@@ -122,3 +127,25 @@ def test_bad_shares_stop_the_app_with_the_entry_named() -> None:
 
     with pytest.raises(ConfigurationError, match=r"semaphore_shares\['enterprise:\*'\]"):
         semaphore_for(app, "export")
+
+
+@pytest.mark.workers
+def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_asked_after_it(proj: Any) -> None:
+    """Limit 1: one task runs, four wait; then one with urgency 60 (the option's function), and
+    one sent with the header semaphore_priority=120: they start right after the running one,
+    the header's first, ahead of the four that asked up to a few seconds before them."""
+    key = "ranked"
+    semaphore = semaphore_for(proj.app, "proj.ranked")
+    # the first holds 4 s: the others all join the line while it runs
+    plain = [proj.ranked.apply_async((4 if n == 0 else 0.2, key), queue=QUEUE) for n in range(5)]
+    wait_until(lambda: semaphore.status().waiter_count >= 4, timeout=30, what="four tasks in line")
+    urgent = proj.ranked.apply_async((0.2, key), {"urgency": 60}, queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count >= 5, timeout=30, what="the urgent task in line")
+    most_urgent = proj.ranked.apply_async((0.2, key), queue=QUEUE, headers={"semaphore_priority": 120})
+    wait_until(lambda: semaphore.status().waiter_count >= 6, timeout=30, what="the most urgent task in line")
+    assert started_ids(proj, key) == [plain[0].id], "all joined the line while the first ran"
+    for result in [*plain, urgent, most_urgent]:
+        result.get(timeout=120)
+    started = started_ids(proj, key)
+    assert started[1:3] == [most_urgent.id, urgent.id], started
+    assert sorted(started) == sorted(r.id for r in [*plain, urgent, most_urgent])

@@ -187,3 +187,49 @@ def test_waiting_threads_of_a_second_tenant_start_soon_after_they_arrive(redis_s
     assert b_places[0] <= 3, started
     assert b_places[-1] <= 7, started
     client.close()
+
+
+# -- priority ----------------------------------------------------------------------------------
+
+
+def join_with_priority(semaphore: FairSemaphore, waiter: str, priority: float, tenant: str | None = None) -> None:
+    attempt = semaphore._try(Ask(token=new_token(), waiter=waiter, patience=60, priority=priority, tenant=tenant))
+    assert not attempt.granted
+
+
+def test_a_priority_places_a_call_as_if_it_had_asked_that_much_earlier(held: FairSemaphore) -> None:
+    """w0 asks; 0.5 s later w1 asks, then p with priority 0.3 s: p goes before w1 (asked less
+    than 0.3 s before it) and after w0 (asked more than 0.3 s before it). Then low, priority
+    -0.3 s, goes after w2 that asks just after it."""
+    join(held, "w0", None)
+    first_asked = time.monotonic()
+    wait_until(lambda: time.monotonic() - first_asked > 0.5, timeout=5, what="half a second")
+    join(held, "w1", None)
+    join_with_priority(held, "p", 0.3)
+    join_with_priority(held, "low", -0.3)
+    join(held, "w2", None)
+    assert line(held) == ["w0", "p", "w1", "w2", "low"]
+
+
+def test_a_priority_is_capped_at_600_seconds(held: FairSemaphore) -> None:
+    join(held, "w0", None)
+    join_with_priority(held, "urgent", 1e9)
+    tickets = {waiter.waiter: waiter.ticket for waiter in held.status().waiters}
+    assert 599_000 * 1024 < tickets["w0"] - tickets["urgent"] < 601_000 * 1024
+
+
+def test_a_priority_with_a_tenant_moves_the_call_ahead_by_its_tenants_starts(held: FairSemaphore) -> None:
+    """With a tenant, 3 s of priority is three starts of a share-1 tenant: A's fifth call with
+    priority 3 goes three places earlier in A's turns (after a1, which asked first)."""
+    for n in range(4):
+        join(held, f"a{n}", "A")
+    join_with_priority(held, "a-urgent", 3, tenant="A")
+    assert line(held) == ["a0", "a1", "a-urgent", "a2", "a3"]
+
+
+@pytest.mark.parametrize("priority", ["60", True, float("nan"), [1]])
+def test_a_bad_priority_is_refused_naming_it(redis_client: redis.Redis, priority: object) -> None:
+    semaphore = FairSemaphore(redis_client, "api", 1)
+    semaphore.acquire(timeout=0)
+    with pytest.raises(ConfigurationError, match="priority"):
+        semaphore.acquire(timeout=1, priority=priority)  # type: ignore[arg-type]
