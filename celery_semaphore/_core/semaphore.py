@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SemaphoreUnavailable
 from . import renewer
 from .attempts import Ask, Attempt, Granted, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
@@ -42,6 +42,7 @@ from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
     GRANTED,
+    LINE_FULL,
     RENEW_LOST,
     WAIT,
     as_text,
@@ -268,6 +269,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
                 remember_ms=remember_ms,
                 tenant=tenant_arg,
                 priority_ms=priority,
+                max_waiters=(self.max_waiters or 0) if enqueue else 0,
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "acquire") from error
@@ -279,6 +281,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             return Granted(lease)
         if reply.outcome == WAIT and reply.to_wake:
             tell_to_wake(self, reply.to_wake)
+        if reply.outcome == LINE_FULL:
+            raise SemaphoreUnavailable(self.name, self.limit, 0.0, max_waiters=self.max_waiters)
         return refusal_of(reply, self.name)
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
