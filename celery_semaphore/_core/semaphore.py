@@ -49,6 +49,7 @@ from .storage import (
     is_offer,
     token_prefix_pattern,
 )
+from .tenants import READ_PER_LISTED, TenantInfo, tenant_report
 from .validation import (
     check_limit,
     check_seconds,
@@ -410,6 +411,21 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
     def resume(self) -> None:
         """End a pause now: the head of the line may start at once."""
         self._set_gate("p", "", None)
+
+    def tenants(self, *, most: int = 10) -> list[TenantInfo]:
+        """The ``most`` tenants with the most calls waiting (their backlogs, from their clocks:
+        O(log n) in waiters and tenants), largest first, with the shares in force. Empty when
+        nobody waits or the key's calls name no tenant."""
+        keys = self.keys
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrange(keys.queue, 0, 0, withscores=True)
+            pipe.zrevrange(keys.tenants, 0, READ_PER_LISTED * max(1, most) - 1, withscores=True)
+            pipe.hgetall(keys.shares)
+            head, clocks, overrides = pipe.execute()
+        except REDIS_ERRORS as error:
+            raise translate(error, self.name, "tenants") from error
+        return tenant_report(head, clocks, overrides, self.shares, most)
 
     def set_share(self, tenant: str, share: float | None) -> None:
         """Store a runtime share for ``tenant`` on this key, for every client at once (it wins

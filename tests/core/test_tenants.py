@@ -274,3 +274,20 @@ def test_a_one_shot_try_on_a_full_line_is_refused_as_any_one_shot_try(redis_clie
 def test_max_waiters_must_be_a_limit(redis_client: redis.Redis) -> None:
     with pytest.raises(ConfigurationError, match="max_waiters"):
         FairSemaphore(redis_client, "full", 1, max_waiters=0)
+
+
+def test_tenants_reports_the_largest_backlogs_with_their_shares(held: FairSemaphore) -> None:
+    """The backlog of a tenant is read from its clock: its calls waiting behind the head (an
+    estimate when its share changed since they joined)."""
+    assert held.tenants() == []
+    held.set_share("B", 2)
+    for n in range(6):
+        join(held, f"a{n}", "A")
+    for n in range(3):
+        join(held, f"b{n}", "B")
+    for n in range(4):
+        join(held, f"g{n}", "big")
+    report = held.tenants()
+    assert [(t.tenant, t.backlog) for t in report] == [("A", 5), ("big", 4), ("B", 3)]
+    assert [(t.share, t.runtime_share) for t in report] == [(1.0, False), (3.0, False), (2.0, True)]
+    assert [t.tenant for t in held.tenants(most=1)] == ["A"]
