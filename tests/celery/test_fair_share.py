@@ -47,8 +47,10 @@ def send_and_wait_in_line(
 ) -> list[AsyncResult]:
     """Send ``count`` tasks of ``customer`` (the first holding ``first_holds`` seconds, the
     rest 0.2) and wait until ``in_line`` tasks wait for the key."""
-    holds = [first_holds] + [0.2] * (count - 1)
-    results = [proj.fair.apply_async((hold, customer, key), queue=QUEUE) for hold in holds]
+    results = [proj.fair.apply_async((first_holds, customer, key), queue=QUEUE)]
+    if first_holds > 0.2:  # it must be the one that runs while the line is built
+        wait_until(lambda: results[0].id in started_ids(proj, key), timeout=30, what="the long one to start")
+    results += [proj.fair.apply_async((0.2, customer, key), queue=QUEUE) for _ in range(count - 1)]
     semaphore = semaphore_for(proj.app, "proj.fair")
     wait_until(lambda: semaphore.status().waiter_count >= in_line, timeout=30, what=f"{in_line} tasks in line")
     return results
@@ -153,8 +155,10 @@ def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_
     the header's first, ahead of the four that asked up to a few seconds before them."""
     key = "ranked"
     semaphore = semaphore_for(proj.app, "proj.ranked")
-    # the first holds 4 s: the others all join the line while it runs
-    plain = [proj.ranked.apply_async((4 if n == 0 else 0.2, key), queue=QUEUE) for n in range(5)]
+    # the first holds 4 s, and starts before the others are sent: they all join the line while it runs
+    plain = [proj.ranked.apply_async((4, key), queue=QUEUE)]
+    wait_until(lambda: started_ids(proj, key) == [plain[0].id], timeout=30, what="the long one to start")
+    plain += [proj.ranked.apply_async((0.2, key), queue=QUEUE) for _ in range(4)]
     wait_until(lambda: semaphore.status().waiter_count >= 4, timeout=30, what="four tasks in line")
     urgent = proj.ranked.apply_async((0.2, key), {"urgency": 60}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count >= 5, timeout=30, what="the urgent task in line")

@@ -426,6 +426,8 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
     semaphore_inline_wait=0,
     semaphore_countdown=(1, 3),
     semaphore_lease=2,
+    # three tenants, so that the chaos also runs the line's fair-share ordering
+    semaphore_fair_by=lambda args, kwargs: f"tenant{int(args[0] * 1000) % 3}",
     name="proj.chaos",
     bind=True,
     acks_late=True,
@@ -434,7 +436,8 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
 def chaos(self: Any, seconds: float, key: str = "chaos") -> str:
     """Every wait is a re-sent message (no in-process wait), a killed holder's slot comes back
     within 2 s, and a child killed mid-body has its message redelivered. Records its process id
-    with its start and end, so a run cut short by a kill ends when that process was killed."""
+    with its start and end, so a run cut short by a kill ends when that process was killed.
+    Its calls belong to three tenants (semaphore_fair_by)."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 
