@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core.multi import MultiSemaphore, home_of
-from .._core.scripts import scripts_for
 from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
 from .config import SemaphoreConfig, config_for
 from .options import WaitOptions, wait_options
+from .parked_scripts import parked_scripts_for
 from .policy import KEPT_APART_BACKSTOP_S
 from .wait_headers import WaitHistory, message_nonce
 
@@ -45,7 +45,7 @@ def _first_delivery_note(request: Any) -> str:
 def remember_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, wait_id: str, remember: float) -> None:
     home = home_of(semaphore)
     try:
-        scripts_for(home.client).remember_wait(
+        parked_scripts_for(home.client).remember_wait(
             home.keys, first_delivery=_first_delivery_note(request), wait_id=wait_id, remember_ms=to_ms(remember)
         )
     except Exception as error:  # Redis down: the copies still run once; a redelivery may wait twice
@@ -76,7 +76,7 @@ def reopen_run(task: Any, semaphore: FairSemaphore | MultiSemaphore, history: Wa
         return
     config = config_for(task.app)
     home = home_of(semaphore)
-    scripts_for(home.client).remember_wait(
+    parked_scripts_for(home.client).remember_wait(
         home.keys,
         first_delivery=history.run_id(task.request),
         wait_id=token,

@@ -304,9 +304,9 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
 def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Redis) -> None:
     """A sweep puts a record back only if the task has not parked it again meanwhile: the newer
     copy (its headers count one more wait) and its due time stay."""
-    from celery_semaphore._core.scripts import scripts_for
+    from celery_semaphore._celery.parked_scripts import parked_scripts_for
 
-    scripts, keys = scripts_for(redis_client), parked_keys("nx")
+    scripts, keys = parked_scripts_for(redis_client), parked_keys("nx")
     assert scripts.park(keys, record="w", look_in_ms=60_000, copy=b"newer")
     assert not scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
     assert redis_client.hget(keys[1], "w") == b"newer"
