@@ -22,8 +22,6 @@ from celery import Celery
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import (
     COPIES_KEY,
-    COPY_ID_HEADER,
-    DUE_IN_HEADER,
     DUE_KEY,
     FINISHED_KEY,
     MOVED_KEY,
@@ -33,6 +31,7 @@ from celery_semaphore._celery.due_copies import (
     send_copy,
     withdraw,
 )
+from celery_semaphore._celery.wait_headers import COPY_ID_HEADER, DUE_IN_HEADER, QUEUE_HEADER
 from celery_semaphore._celery.wake_queues import wake_aware
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
@@ -77,7 +76,7 @@ def _copy(app: Any, run: str, due_in: float) -> Any:
         "due_copies_test.work",
         args=(run,),
         queue=BACKSTOP_LIST,
-        headers={DUE_IN_HEADER: due_in, COPY_ID_HEADER: run, "semaphore_queue": "celery"},
+        headers={DUE_IN_HEADER: due_in, COPY_ID_HEADER: run, QUEUE_HEADER: "celery"},
     )
 
 

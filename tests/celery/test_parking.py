@@ -233,7 +233,7 @@ PREFIX = "parking-tests"
 app = Celery("parking", broker=f"redis://127.0.0.1:{port}/5", set_as_current=False)
 semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1, prefix=PREFIX)
 assert isinstance(semaphore.try_acquire(token="gone:a", waiter="gone"), Waiting)
-wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"semaphore_waits": 3})
+wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"csem_waits": 3})
 address = parking().park(semaphore, "gone", wake_copy, away_for=0.5, run="gone#0")
 semaphore._leave("gone", 0.5, address)
 print("parked", flush=True)
@@ -276,7 +276,7 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
         (message,) = broker.lrange("q-dead.semaphore-wake", 0, -1)
     sent = json.loads(message)
     assert sent["headers"]["task"] == "parking.job"
-    assert sent["headers"]["semaphore_waits"] == 3
+    assert sent["headers"]["csem_waits"] == 3
     assert json.loads(base64.b64decode(sent["body"]))[0] == [7]
     holder.release()
 
