@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.explain import WaitState, wait_state
 from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore, on_to_wake
@@ -51,7 +52,6 @@ from .._core.wakeups import WakeHandle, wake_ups_for
 from .parked_records import ParkedRecord, line_of, parked_keys, prefix_of, read_parked_line, record_of
 from .parked_scripts import parked_scripts_for
 from .pausing import members
-from .wait_runs import WaitState, wait_state
 from .wake_copies import deserialized, serialized
 
 logger = logging.getLogger("celery_semaphore")
