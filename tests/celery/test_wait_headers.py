@@ -137,7 +137,7 @@ def _delivered(headers: dict[str, Any]) -> Any:
 
     app = Celery("old-release", broker="memory://", set_as_current=False)
 
-    @app.task(name="proj.t")
+    @app.task(name="old_release.t", shared=False)  # this app alone: no other app gets it
     def task() -> None: ...
 
     message = app.amqp.as_task_v2("task-1", task.name, args=(), kwargs={})
