@@ -11,6 +11,7 @@ the app the usual way (``-A``) and reads the same ``semaphore_*`` settings the w
   every few seconds, with starts per minute (``_cli/watch.py``).
 * ``set-limit KEY [N] [--rate R] [--spacing S] [--ttl SECONDS]`` and ``unset-limit KEY``: the
   runtime overrides (``--rate none`` and ``--spacing none`` drop those).
+* ``set-share KEY TENANT N|none``: a tenant's runtime share of a key's line.
 * ``pause KEY [--for SECONDS]`` and ``resume KEY``: let nobody start, then everybody again.
 * ``reset KEY``: forget every holder and waiter (asks first, unless ``--yes``).
 * ``why TASK_ID [--key KEY]``: whether a task runs, waits (where, and held back by what), is
@@ -301,6 +302,35 @@ def unset_limit(ctx: click.Context, key: str) -> None:
         ctx.obj.echo(f"{key}: there was no runtime limit; limit {limit_text(r)}")
     else:
         ctx.obj.echo(f"{key}: runtime limit removed; limit {limit_text(r)}")
+
+
+@semaphore.command(name="set-share")
+@click.argument("key")
+@click.argument("tenant")
+@click.argument("share", metavar="N|none")
+@click.pass_context
+def set_share(ctx: click.Context, key: str, tenant: str, share: str) -> None:
+    """Give TENANT the share N of KEY's line, for every worker ("none" removes it).
+
+    A runtime share wins over semaphore_shares for that key; it places the tenant's calls that
+    join the line from now on (those waiting keep their places).
+    """
+    value: float | None = None
+    if share.lower() != "none":
+        try:
+            value = float(share)
+        except ValueError:
+            raise click.BadParameter(
+                f"{share!r}: expected a number from 0.001 to 1000, or none", param_hint="N"
+            ) from None
+    with _as_click_errors():
+        catalogue = _catalogue(ctx)
+        _note_unknown_key(ctx, catalogue, key, "share")
+        catalogue.semaphore(key, placeholder_limit=True).set_share(tenant, value)
+    if value is None:
+        ctx.obj.echo(f"{key}: runtime share of {tenant!r} removed")
+    else:
+        ctx.obj.echo(f"{key}: {tenant!r} has share {value:g}")
 
 
 @semaphore.command()

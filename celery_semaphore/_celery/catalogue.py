@@ -89,6 +89,7 @@ def _semaphore(config: SemaphoreConfig, key: str, rule: LimitRule, lease: float)
         lease=lease,
         prefix=config.prefix,
         hash_tag=config.hash_tag,
+        shares=config.shares,
     )
 
 

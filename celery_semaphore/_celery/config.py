@@ -17,6 +17,7 @@ from typing import Any
 from .._core import urls as _urls
 from .._core.masking import mask_url
 from .._core.rules import Rate, check_rate, check_spacing
+from .._core.tenants import Shares
 from .._core.validation import check_limit, check_prefix, check_seconds
 from ..errors import ConfigurationError
 from .broker_urls import backend_from_broker
@@ -74,6 +75,8 @@ class SemaphoreConfig:
     # one Redis Cluster hash tag for every semaphore of the app (tasks with several keys need it
     # on a cluster); None: each semaphore in the slot of its own key
     hash_tag: str | None = None
+    # semaphore_shares, checked: each tenant's share of a key's line (tenants.py)
+    shares: Shares = field(default_factory=lambda: Shares("semaphore_shares", None))
 
     def limit_for(self, key: str, task_name: str, task: Any | None) -> LimitRule | None:
         """The configured rules of one semaphore key: an exact key, the task name, a glob over
@@ -225,6 +228,7 @@ def parse_config(app: Any) -> SemaphoreConfig:
             conf.get("semaphore_broker_consumer_timeout", DEFAULT_BROKER_CONSUMER_TIMEOUT),
         ),
         hash_tag=_hash_tag(conf.get("semaphore_hash_tag")),
+        shares=Shares("semaphore_shares", conf.get("semaphore_shares")),
     )
 
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from .._core.rules import check_rate, check_spacing
-from .._core.validation import check_limit, check_seconds
+from .._core.tenants import check_tenant
+from .._core.validation import check_limit, check_seconds, priority_ms
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
-from .keys import KeyFunction, check_template
+from .keys import KeyFunction, call_key, check_template
 
 # Set on SemaphoreTask: how code that must not import the Celery hook (the catalogue, the
 # worker's parent-side release) recognises a semaphore task.
@@ -69,6 +70,66 @@ def weight_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if callable(weight):
         weight = weight(args, kwargs)
     return check_limit(f"{task.name}.semaphore_weight", weight)
+
+
+def fair_by_option(cls: type) -> str | KeyFunction | None:
+    """The ``semaphore_fair_by`` option as declared (None: one first-come line)."""
+    return _unbound(inspect.getattr_static(cls, "semaphore_fair_by", None))  # type: ignore[no-any-return]
+
+
+def tenant_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The tenant one call waits for, from ``semaphore_fair_by`` (None without the option)."""
+    fair_by = fair_by_option(type(task))
+    if fair_by is None:
+        return None
+    return check_tenant(
+        f"{task.name}.semaphore_fair_by", call_key(f"{task.name}.semaphore_fair_by", fair_by, task.run, args, kwargs)
+    )
+
+
+# the message header a caller sets to give one call its own priority (the option's name, so that
+# ``send_task(..., headers={"semaphore_priority": 60})`` works too)
+PRIORITY_HEADER = "semaphore_priority"
+PriorityFunction = Callable[[tuple[Any, ...], dict[str, Any]], float]
+
+
+def priority_option(cls: type) -> float | PriorityFunction | None:
+    """The ``semaphore_priority`` option as declared (None: none)."""
+    return _unbound(inspect.getattr_static(cls, "semaphore_priority", None))  # type: ignore[no-any-return]
+
+
+def priority_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """Seconds one call is placed earlier in line: the message's ``semaphore_priority`` header
+    (set per call), else the task's option (a number, or a function of the arguments), else 0.
+    Checked here, so a bad header or function answer fails the task naming where it came from."""
+    header = getattr(task.request, PRIORITY_HEADER, None)
+    if header is not None:
+        return priority_ms(f"{task.name}: header {PRIORITY_HEADER}", header) / 1000
+    option = priority_option(type(task))
+    if option is None:
+        return 0.0
+    value = option(args, kwargs) if callable(option) else option
+    return priority_ms(f"{task.name}.semaphore_priority", value) / 1000
+
+
+def _check_fair_by(name: str, cls: type, parameters: list[inspect.Parameter] | None) -> None:
+    """``semaphore_fair_by``: a template over the task's arguments or a function of them; on a
+    task of one key and one slot (the tenant orders one line: a call over several keys waits
+    in several lines at once, in first-ask order)."""
+    fair_by = fair_by_option(cls)
+    setting = f"{name}.semaphore_fair_by"
+    if fair_by is None or callable(fair_by):
+        pass
+    elif isinstance(fair_by, tuple):
+        raise ConfigurationError(
+            setting, fair_by, "two levels (org, user) are not supported yet: give one template or function"
+        )
+    elif not isinstance(fair_by, str) or not fair_by:
+        raise ConfigurationError(setting, fair_by, "expected a format string or a callable (args, kwargs)")
+    elif parameters is not None:
+        check_template(setting, fair_by, parameters)
+    if fair_by is not None and (isinstance(key_option(cls), list) or weight_option(cls) is not None):
+        raise ConfigurationError(setting, fair_by, "works on a task of one semaphore_key and no semaphore_weight")
 
 
 def template_of(task: Any) -> str:
@@ -137,6 +198,10 @@ def check_task_options(cls: type) -> None:
             )
         if parameters is not None:
             check_template(f"{name}.semaphore_key", item, parameters)
+    _check_fair_by(name, cls, parameters)
+    priority = priority_option(cls)
+    if priority is not None and not callable(priority):
+        priority_ms(f"{name}.semaphore_priority", priority)
 
 
 @dataclass(frozen=True)

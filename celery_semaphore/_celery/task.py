@@ -46,13 +46,17 @@ from .catalogue import semaphore_for_call
 from .config import config_for
 from .due_copies import granted, send_copy
 from .giving_back import give_back, give_back_at_end
+from .keys import KeyFunction
 from .options import (
     FROM_SETTINGS,
     MARKER,
     KeyOption,
+    PriorityFunction,
     WeightFunction,
     check_task_options,
+    priority_of_call,
     template_of,
+    tenant_of_call,
     wait_options,
 )
 from .outages import outages
@@ -83,9 +87,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     Options (class attributes, or ``app.task(base=SemaphoreTask, semaphore_limit=5, ...)``):
     ``semaphore_limit``, ``semaphore_rate``, ``semaphore_spacing``, ``semaphore_key``,
     ``semaphore_weight``, ``semaphore_lease``,
-    ``semaphore_countdown``, ``semaphore_max_wait``, ``semaphore_inline_wait``; each one left
-    unset takes the app's ``semaphore_*`` setting. ``semaphore_key`` may be a list of keys: the
-    body then runs only while the task holds a slot (``semaphore_weight`` slots) of every one.
+    ``semaphore_countdown``, ``semaphore_max_wait``, ``semaphore_inline_wait``,
+    ``semaphore_fair_by``, ``semaphore_priority``; each one left unset takes the app's ``semaphore_*`` setting.
+    ``semaphore_key`` may be a list of keys: the body then runs only while the task holds a
+    slot (``semaphore_weight`` slots) of every one. ``semaphore_fair_by`` names each call's
+    tenant (a template like ``semaphore_key``'s, or a function): waiting calls are then served
+    by their tenants' shares (``semaphore_shares``), not first come, first served.
     """
 
     semaphore_limit: ClassVar[int | None] = None
@@ -99,6 +106,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     semaphore_countdown: ClassVar[float | tuple[float, float] | None] = None
     semaphore_max_wait: ClassVar[float | None] = FROM_SETTINGS
     semaphore_inline_wait: ClassVar[float | None] = None
+    semaphore_fair_by: ClassVar[str | KeyFunction | None] = None
+    # seconds a call is placed earlier in line (capped at 600); per call: the message header
+    # "semaphore_priority"
+    semaphore_priority: ClassVar[float | PriorityFunction | None] = None
     # gives a lost pool process's slot back before its message is requeued (worker.py)
     Request: ClassVar[str] = "celery_semaphore._celery.worker:SemaphoreRequest"
 
@@ -275,6 +286,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 run=run,
                 remember=remember,
                 fresh=history.waits == 0 and history.ticket is None,
+                tenant=tenant_of_call(self, args, kwargs),
+                priority=priority_of_call(self, args, kwargs),
             )
             node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)

@@ -51,7 +51,9 @@ class Ask:
     which to PUBLISH the waiter's id when a slot is offered to it ("" for nowhere). ``run``: the
     id of a run that may ask in several copies (a Celery wait re-sent both with a countdown and on
     wake-up): if another copy was granted in the last ``remember`` seconds (None: patience plus
-    the lease), the try says ``Duplicate`` instead of granting a second slot."""
+    the lease), the try says ``Duplicate`` instead of granting a second slot. ``tenant``: whom
+    the call is for; a new waiter is placed by its tenant's share of the line (see ``tenants``).
+    ``priority``: seconds a new waiter is placed earlier than its ask (see ``priority_ms``)."""
 
     token: str
     waiter: str
@@ -63,6 +65,8 @@ class Ask:
     wake: str = ""
     run: str | None = None
     remember: float | None = None
+    tenant: str | None = None
+    priority: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,13 @@ turned into keys and milliseconds here, in one place, and each class adds only i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Generic, TypeVar
 
 from ..errors import ConfigurationError
 from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
 from .scripts import SemaphoreKeys
+from .tenants import Shares, check_share, check_tenant
 from .validation import check_limit, check_name, check_prefix, check_seconds, check_semaphore_name, to_ms
 
 ClientT = TypeVar("ClientT")
@@ -35,6 +37,7 @@ class SemaphoreConfig(Generic[ClientT]):
         prefix: str = "semaphore",
         patience: float = 5.0,
         hash_tag: str | None = None,
+        shares: Mapping[str, float] | Shares | None = None,
     ) -> None:
         self.client: ClientT = self._accept(client)
         self.name = check_semaphore_name("name", name)
@@ -49,6 +52,8 @@ class SemaphoreConfig(Generic[ClientT]):
         self.patience = check_seconds("patience", patience)
         self.hash_tag = None if hash_tag is None else check_name("hash_tag", hash_tag)
         self.keys = SemaphoreKeys.of(self.prefix, self.name, self.hash_tag)
+        # already checked (the Celery settings' shares, shared by every semaphore of the app)
+        self.shares = shares if isinstance(shares, Shares) else Shares("shares", shares)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._setup()
@@ -71,3 +76,12 @@ class SemaphoreConfig(Generic[ClientT]):
     def renewal_key(self) -> str:
         """Leases with equal renewal keys (and lease lengths, on one client) renew in one call."""
         return self.keys.holders
+
+    def _tenant_arg(self, tenant: str | None) -> str:
+        """The acquire script's tenant argument for ``tenant`` (checked), "" for none."""
+        return "" if tenant is None else self.shares.tenant_arg(check_tenant("tenant", tenant))
+
+    def _share_override(self, tenant: str, share: float | None) -> tuple[str, str, str | None]:
+        """What ``set_share`` stores: the key, the checked tenant and share (None: remove)."""
+        checked = None if share is None else f"{check_share('share', share):.6g}"
+        return self.keys.shares, check_tenant("tenant", tenant), checked

@@ -65,6 +65,8 @@ def acquire(
     wake: str,
     run: str = "",
     remember_ms: int = 0,
+    tenant: str = "",
+    priority_ms: int = 0,
 ) -> ScriptCall[AcquireReply]:
     encoded = token.encode()
     args: list[Any] = [
@@ -74,6 +76,11 @@ def acquire(
     ]
     # trailing arguments that are empty are not sent (the script reads them as ""): the
     # uncontended acquire of a blocked caller or a one-shot try sends three
+    if tenant or priority_ms:  # "<share>|<tenant>" (see Shares.tenant_arg); ms placed earlier
+        args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms), tenant]
+        if priority_ms:
+            args.append(number(priority_ms))
+        return ScriptCall("acquire", keys.tenant_keys if tenant else keys.encoded, args, acquire_reply)
     if run:
         args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms)]
     elif wake:
@@ -199,7 +206,7 @@ def gate_reply(reply: Any) -> GateReply:
 
 
 def reset(keys: SemaphoreKeys) -> ScriptCall[int]:
-    return ScriptCall("reset", keys.encoded, [], int)  # the run records too
+    return ScriptCall("reset", keys.tenant_keys, [], int)  # the run records and tenants' clocks too
 
 
 @functools.lru_cache(maxsize=1024)

@@ -100,6 +100,8 @@ class SemaphoreKeys:
     gate: str
     runs: str
     run_expiry: str
+    tenants: str
+    shares: str
     base: str  # "{prefix}:{<name>}", the common start of every key and channel (not a key)
 
     @classmethod
@@ -119,6 +121,8 @@ class SemaphoreKeys:
             gate=f"{base}:gate",
             runs=f"{base}:runs",
             run_expiry=f"{base}:run_expiry",
+            tenants=f"{base}:tenants",
+            shares=f"{base}:shares",
             base=base,
         )
 
@@ -151,6 +155,12 @@ class SemaphoreKeys:
         records: every key a script touches is declared, and no more is sent than that."""
         return self.encoded[:10]
 
+    @functools.cached_property
+    def tenant_keys(self) -> list[bytes]:
+        """KEYS[1..14], for an acquire that names a tenant: the run records' keys, then the
+        tenants' clocks and runtime shares."""
+        return [*self.encoded, self.tenants.encode(), self.shares.encode()]
+
     @classmethod
     def of_base(cls, base: str) -> SemaphoreKeys:
         """The keys of the semaphore whose keys start with ``base`` (as a parked task's record
@@ -178,6 +188,8 @@ _KEY_NAMES = (
     "gate",
     "runs",
     "run_expiry",
+    "tenants",
+    "shares",
 )
 
 

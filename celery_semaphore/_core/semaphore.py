@@ -53,6 +53,7 @@ from .validation import (
     check_seconds,
     check_token,
     check_waiter,
+    priority_ms,
     to_ms,
 )
 from .waiting import WakeAddress, acquire_within, wait_for_turn
@@ -118,7 +119,9 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
 
     # -- acquiring -------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None, *, label: str | None = None) -> Lease:
+    def acquire(
+        self, timeout: float | None = None, *, label: str | None = None, tenant: str | None = None, priority: float = 0
+    ) -> Lease:
         """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try
         that never queues). Raises SemaphoreUnavailable when the time runs out.
 
@@ -127,6 +130,14 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
         slot and tells it so, registered with the process's one wake-up listener (no connection
         of its own: it holds none while asleep), and asks again every ``patience / 3`` seconds
         anyway: that keeps its place in line and claims an offer whose wake-up was lost.
+
+        ``tenant``: whom the call is made for (a customer, say). Waiting calls of different
+        tenants are served in proportion to their ``shares`` rather than first come, first
+        served (see ``FairSemaphore``); inside one tenant, first come, first served.
+
+        ``priority``: seconds; a waiting call is placed as if it had asked that much earlier
+        (negative: later), capped at 600 either way. With a tenant, it moves the call ahead
+        within the tenants' virtual time, a second for a start of a share-1 tenant.
         """
         token = new_token()
         return acquire_within(
@@ -135,7 +146,10 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             token=token,
             waiter=new_token(),
             label=label,
-            # a token made here needs no checking: straight to the one round trip
+            tenant=tenant,
+            priority=priority,
+            # a token made here needs no checking: straight to the one round trip (a try that
+            # never queues takes no place, so its tenant does not matter)
             one_try=lambda: self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0),
         )
 
@@ -190,6 +204,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             ask.wake,
             ask.run or "",
             remember_ms,
+            self._tenant_arg(ask.tenant),
+            priority_ms("priority", ask.priority) if ask.priority else 0,
         )
 
     def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
@@ -214,6 +230,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
         wake: str,
         run: str,
         remember_ms: int,
+        tenant_arg: str = "",
+        priority: int = 0,
     ) -> Attempt:
         """A try with its arguments checked (or made here, as ``acquire`` makes them): the one
         round trip, and what its reply means."""
@@ -233,6 +251,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
                 wake=wake,
                 run=run,
                 remember_ms=remember_ms,
+                tenant=tenant_arg,
+                priority_ms=priority,
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "acquire") from error
@@ -371,6 +391,19 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
     def resume(self) -> None:
         """End a pause now: the head of the line may start at once."""
         self._set_gate("p", "", None)
+
+    def set_share(self, tenant: str, share: float | None) -> None:
+        """Store a runtime share for ``tenant`` on this key, for every client at once (it wins
+        over the ``shares`` settings); ``None`` removes it. It applies to calls that join the
+        line from now on: those waiting keep their places."""
+        key, tenant, value = self._share_override(tenant, share)
+        try:
+            if value is None:
+                self.client.hdel(key, tenant)
+            else:
+                self.client.hset(key, tenant, value)
+        except REDIS_ERRORS as error:
+            raise translate(error, self.name, "set_share") from error
 
     def _set_gate(self, kind: str, value: str, ttl: float | None) -> None:
         ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))

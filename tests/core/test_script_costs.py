@@ -97,6 +97,19 @@ def test_a_pause_set_and_cleared_leaves_the_uncontended_cycle_as_it_was(redis_cl
     assert scripted(command_calls(redis_client)) == CYCLE_CALLS
 
 
+def test_a_tenant_costs_an_uncontended_cycle_nothing(redis_client: redis.Redis) -> None:
+    """acquire(timeout=10, tenant=...) with a slot free: the same one round trip and 11 calls
+    as without a tenant. A tenant's clock moves only when its call has to wait."""
+    semaphore = FairSemaphore(redis_client, "cost-tenant", 3, shares={"big": 4})
+    semaphore.acquire(timeout=10, tenant="big").release()
+    redis_client.config_resetstat()
+    semaphore.acquire(timeout=10, tenant="big").release()
+    counts = command_calls(redis_client)
+    assert counts["evalsha"] == 2
+    assert scripted(counts) == CYCLE_CALLS, counts
+    assert not redis_client.exists(semaphore.keys.tenants)
+
+
 def test_a_blocking_acquire_uncontended_is_the_same_single_round_trip(redis_client: redis.Redis) -> None:
     """acquire(timeout=10) with a slot free tries first: one EVALSHA, no SUBSCRIBE, no PUBLISH,
     no connection opened for it."""

@@ -35,6 +35,7 @@ app.conf.update(
     result_expires=600,
     # limits from configuration only (no semaphore_limit in code for these)
     semaphore_limits={"crawl:*": 2, "proj.config_only": 2, "bench:*": 3},
+    semaphore_shares={"big:*": 3},
 )
 app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
 # The Redis transport restores a dead worker's unacked messages under a lock that expires after
@@ -219,6 +220,36 @@ def hard_limited(self: Any) -> str:
 )
 def handoff(self: Any, seconds: float, key: str = "proj.handoff") -> str:
     """Waits outside the worker (countdown 5 s): a release must bring it back long before that."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_fair_by="{customer}",
+    name="proj.fair",
+    bind=True,
+)
+def fair(self: Any, seconds: float, customer: str, key: str = "proj.fair") -> str:
+    """Waits outside the worker, placed in line by its customer's share (semaphore_shares)."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_priority=lambda args, kwargs: kwargs.get("urgency", 0),
+    name="proj.ranked",
+    bind=True,
+)
+def ranked(self: Any, seconds: float, key: str = "proj.ranked", urgency: float = 0) -> str:
+    """Waits outside the worker, placed earlier by its priority (option or message header)."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 

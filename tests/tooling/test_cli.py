@@ -164,6 +164,23 @@ def test_set_limit_and_unset_limit_change_the_limit_and_its_source(proj: Proj) -
     assert "there was no runtime limit" in proj.cli("unset-limit", "proj.hold").stdout
 
 
+def test_set_share_stores_a_runtime_share_and_none_removes_it(proj: Proj) -> None:
+    """set-share stores a tenant's share where every worker's acquire reads it; none removes
+    it; a bad share is refused with the value named, storing nothing."""
+    sem = FairSemaphore(proj.client, "proj.hold", 3)
+    result = proj.cli("set-share", "proj.hold", "acme", "4")
+    assert result.exit_code == 0, result.output
+    assert "'acme' has share 4" in result.stdout
+    assert proj.client.hget(sem.keys.shares, "acme") == b"4"
+    result = proj.cli("set-share", "proj.hold", "acme", "none")
+    assert result.exit_code == 0 and "removed" in result.stdout
+    assert not proj.client.hexists(sem.keys.shares, "acme")
+    for bad in ("0", "lots", "5000"):
+        result = proj.cli("set-share", "proj.hold", "acme", bad)
+        assert result.exit_code != 0 and bad in result.output, result.output
+    assert not proj.client.hexists(sem.keys.shares, "acme")
+
+
 def test_set_limit_with_ttl_expires_by_itself(proj: Proj) -> None:
     """--ttl makes the override lapse on its own; status shows the time it has left."""
     assert proj.cli("set-limit", "crawl:example.com", "4", "--ttl", "30").exit_code == 0

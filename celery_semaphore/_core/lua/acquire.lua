@@ -25,7 +25,15 @@
 --                        granted within the last ARGV[7] ms and still holds its slot, or
 --                        released it normally, this try is answered RUNNING or RAN
 --   ARGV[7] remember_ms  how long a granted run is remembered (counted from its grant)
---   ARGV[4..7] may be left out when empty (read as ""); KEYS[11..12] are passed only with a run
+--   ARGV[8] tenant       "" or "<share>|<tenant>": the caller's tenant and the share its settings
+--                        give it (a runtime override in KEYS[14] wins): a new waiter's ticket is
+--                        then its tenant's virtual time (see tenant_ticket), not its arrival
+--   ARGV[9] priority_ms  "" or the ms a new waiter is placed earlier than its ask (a priority;
+--                        with a tenant, ms of its tenant's clock, 1000 ms a start at share 1)
+--   ARGV[4..9] may be left out when empty (read as ""); KEYS[11..12] are passed only with a run,
+--   a tenant or a priority, KEYS[13..14] only with a tenant:
+--   KEYS[13] tenants     ZSET   tenant -> its clock: the ticket base of its latest waiter
+--   KEYS[14] shares      HASH   tenant -> runtime share (set-share; no expiry, like KEYS[8])
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns (the codes are named in _lib.lua), when granted, the bare integer outcome (GRANTED or
@@ -57,6 +65,8 @@ local spec, lease_ms, patience_ms, enqueue, fresh, label =
 lease_ms, patience_ms = tonumber(lease_ms), tonumber(patience_ms)
 enqueue, fresh = enqueue == '1', fresh == '1'
 local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
+local tenant_arg = ARGV[8] or ''
+local priority_ms = tonumber(ARGV[9]) or 0
 
 local now = now_ms()
 
@@ -110,6 +120,42 @@ if fresh then
 end
 
 -- @rest-of-lib
+
+-- A tenant's clocks only move on a contended ask (a waiter taking a place): starts on free slots
+-- with nobody waiting leave them, since there is nobody to be fair to.
+local K_TENANTS, K_SHARES = KEYS[13], KEYS[14]
+-- one start at share 1 moves a tenant's clock by this many tickets (shares up to 1000 keep a
+-- whole step); a multiple of 1024, so that ticket = clock + a tie-breaking counter below 1024
+local STEP_AT_SHARE_1 = 1000 * 1024
+-- an idle tenant's clock is kept this long after its last ask, then forgotten (so it comes back
+-- at the line's clock, as it would anyway)
+local TENANT_CLOCK_TTL_MS = 3600000
+
+-- Weighted fair queueing by virtual time, inside one line: a new waiter of a tenant is placed at
+-- max(the line's clock, its tenant's clock) + 1000 / share (in tickets of 1024). The line's clock
+-- is the clock of the head of the line, or, with nobody in line, the latest tenant clock: an idle
+-- tenant comes back there, with no credit saved up, while one that drained and comes back at
+-- once keeps its own clock. Clocks behind the line's are forgotten here (the same as absent), so
+-- idle tenants cost nothing. Ties between tenants break by the counter of new_ticket: by arrival
+-- (it wraps after 1024 asks, the only case in which two tied asks may swap).
+local function tenant_ticket(now, share_and_tenant)
+  local default_share, tenant = string.match(share_and_tenant, '^([^|]+)|(.*)$')
+  local share = tonumber(redis.call('HGET', K_SHARES, tenant)) or tonumber(default_share)
+  local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
+  local line_clock
+  if #head > 0 then
+    line_clock = math.floor(tonumber(head[2]) / 1024) * 1024
+  else
+    local latest = redis.call('ZRANGE', K_TENANTS, -1, -1, 'WITHSCORES')
+    line_clock = #latest > 0 and tonumber(latest[2]) or now * 1024
+  end
+  local clock = math.max(line_clock, tonumber(redis.call('ZSCORE', K_TENANTS, tenant)) or 0)
+    + math.max(1, math.floor(STEP_AT_SHARE_1 / 1024 / share + 0.5)) * 1024
+  redis.call('ZREMRANGEBYSCORE', K_TENANTS, '-inf', string.format('(%.0f', line_clock))
+  redis.call('ZADD', K_TENANTS, clock, tenant)
+  extend(K_TENANTS, TENANT_CLOCK_TTL_MS, false)
+  return clock + new_ticket(now) % 1024
+end
 
 local average
 
@@ -192,7 +238,11 @@ if ticket then
 else
   ticket = tonumber(ARGV[4])
   if not ticket then
-    ticket = new_ticket(now)
+    if tenant_arg ~= '' then
+      ticket = tenant_ticket(now, tenant_arg) - priority_ms * 1024
+    else
+      ticket = new_ticket(now - priority_ms)
+    end
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)

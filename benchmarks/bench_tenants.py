@@ -1,0 +1,206 @@
+"""Fair share between tenants on one key: the core semaphore with real threads.
+
+Run as ``python -m benchmarks.bench_tenants`` (``--help`` for the flags). The script starts its
+own redis-server on a free loopback port and runs, in interleaved rounds:
+
+* ``flood``: tenant A sends ``--flood`` calls (1,000) of 50 ms to a key of limit 4, each in a
+  thread of its own; tenant B sends 20 one second later. Reported: how long B's first call
+  waited from its arrival to its start, B's calls' waits (p50, p99), and when B's last and A's
+  last finished, with ``tenant=`` and without (first come, first served), in the same round.
+* ``equal``: 10 tenants, 4 threads each, saturate a key of limit 4 (calls of 20 ms, each thread
+  asking again at once) for ``--seconds``: Jain's fairness index of the starts per tenant
+  (1.0: perfectly even).
+* ``shares``: two tenants of shares 3 and 1, 8 threads each, the same way: the share of starts
+  the first one got (the target is 75 %).
+
+What it shows is the order the acquire script gives; the threads hold the slot with a sleep, so
+the machine's speed shows only in the hand-off between one call and the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+
+from celery_semaphore import FairSemaphore
+from tests.redis_server import RedisServer
+
+LIMIT = 4
+FLOOD_HOLD = 0.05
+LOOP_HOLD = 0.02
+B_CALLS = 20
+B_AFTER = 1.0
+
+
+@dataclass
+class Starts:
+    """Calls' start times, by tenant, kept under a lock (threads append)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_tenant: dict[str, list[float]] = field(default_factory=dict)
+    ends: dict[str, float] = field(default_factory=dict)
+
+    def start(self, tenant: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.by_tenant.setdefault(tenant, []).append(now)
+
+    def end(self, tenant: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.ends[tenant] = max(self.ends.get(tenant, 0.0), now)
+
+
+def flood(client: redis.Redis, name: str, *, calls: int, fair: bool) -> dict[str, float]:
+    """One flood run: A's ``calls`` at once, B's 20 a second later. Seconds, from B's arrival."""
+    semaphore = FairSemaphore(client, name, LIMIT, patience=30)
+    starts = Starts()
+    b_waits: list[float] = []
+
+    def call(tenant: str, waits: list[float] | None) -> None:
+        asked = time.monotonic()
+        with semaphore.acquire(timeout=600, tenant=tenant if fair else None):
+            starts.start(tenant)
+            if waits is not None:
+                waits.append(time.monotonic() - asked)
+            time.sleep(FLOOD_HOLD)
+        starts.end(tenant)
+
+    threads = [threading.Thread(target=call, args=("A", None), daemon=True) for _ in range(calls)]
+    for thread in threads:
+        thread.start()
+    time.sleep(B_AFTER)
+    b_arrived = time.monotonic()
+    b_threads = [threading.Thread(target=call, args=("B", b_waits), daemon=True) for _ in range(B_CALLS)]
+    for thread in b_threads:
+        thread.start()
+    for thread in threads + b_threads:
+        thread.join()
+    ordered = sorted(b_waits)
+    return {
+        "b_first_wait": min(starts.by_tenant["B"]) - b_arrived,
+        "b_wait_p50": statistics.median(ordered),
+        "b_wait_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "b_done": starts.ends["B"] - b_arrived,
+        "a_done": starts.ends["A"] - b_arrived,
+    }
+
+
+def saturate(
+    client: redis.Redis, name: str, threads_of: dict[str, int], shares: dict[str, float], seconds: float
+) -> dict[str, int]:
+    """Threads of each tenant call again and again for ``seconds``: starts per tenant."""
+    semaphore = FairSemaphore(client, name, LIMIT, patience=30, shares=shares)
+    starts = Starts()
+    stop = threading.Event()
+
+    def loop(tenant: str) -> None:
+        while not stop.is_set():
+            with semaphore.acquire(timeout=60, tenant=tenant):
+                if not stop.is_set():
+                    starts.start(tenant)
+                time.sleep(LOOP_HOLD)
+
+    threads = [
+        threading.Thread(target=loop, args=(tenant,), daemon=True)
+        for tenant, count in threads_of.items()
+        for _ in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    # the first second fills the line; starts are counted after it
+    time.sleep(1.0)
+    with starts.lock:
+        starts.by_tenant.clear()
+    time.sleep(seconds)
+    with starts.lock:
+        counted = {tenant: len(starts.by_tenant.get(tenant, [])) for tenant in threads_of}
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return counted
+
+
+def jain(values: list[int]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0.0
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 3) -> str:
+    scaled = [v * scale for v in values]
+    return f"{statistics.median(scaled):.{digits}f} (min {min(scaled):.{digits}f}, max {max(scaled):.{digits}f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flood", type=int, default=1000, help="tenant A's calls in the flood (default 1000)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of the equal and shares runs")
+    parser.add_argument("--scenarios", default="flood,equal,shares")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    scenarios = set(args.scenarios.split(","))
+    threading.stack_size(256 * 1024)  # a thousand waiting threads
+    results: dict[str, list[dict[str, float]]] = {}
+    with RedisServer() as server:
+        client = server.client(max_connections=2000)
+        for round_ in range(args.rounds):
+            runs: dict[str, Callable[[], dict[str, float]]] = {}
+            if "flood" in scenarios:
+                runs["flood-fair"] = lambda r=round_: flood(client, f"flood-fair-{r}", calls=args.flood, fair=True)
+                runs["flood-fifo"] = lambda r=round_: flood(client, f"flood-fifo-{r}", calls=args.flood, fair=False)
+            if "equal" in scenarios:
+
+                def equal(r: int = round_) -> dict[str, float]:
+                    counts = saturate(client, f"equal-{r}", {f"t{n}": 4 for n in range(10)}, {}, args.seconds)
+                    return {"jain": jain(list(counts.values())), "starts": float(sum(counts.values()))}
+
+                runs["equal"] = equal
+            if "shares" in scenarios:
+
+                def shares(r: int = round_) -> dict[str, float]:
+                    counts = saturate(client, f"shares-{r}", {"big": 8, "small": 8}, {"big": 3}, args.seconds)
+                    return {"big_share": counts["big"] / max(1, counts["big"] + counts["small"])}
+
+                runs["shares"] = shares
+            for name, run in runs.items():
+                outcome = run()
+                results.setdefault(name, []).append(outcome)
+                print(
+                    f"round {round_ + 1} {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in outcome.items()),
+                    file=sys.stderr,
+                )
+        client.close()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"# bench_tenants: limit {LIMIT}, {args.rounds} rounds, Python {platform.python_version()}")
+    for name in ("flood-fair", "flood-fifo"):
+        if name in results:
+            runs_ = results[name]
+            print(
+                f"{name}: B's first start after its arrival {spread([r['b_first_wait'] for r in runs_], 1000, 0)} ms;"
+                f" B's waits p50 {spread([r['b_wait_p50'] for r in runs_], 1000, 0)} ms,"
+                f" p99 {spread([r['b_wait_p99'] for r in runs_], 1000, 0)} ms;"
+                f" B done {spread([r['b_done'] for r in runs_], 1, 2)} s,"
+                f" A done {spread([r['a_done'] for r in runs_], 1, 2)} s"
+            )
+    if "equal" in results:
+        print(f"equal (10 tenants): Jain's index {spread([r['jain'] for r in results['equal']], 1, 4)}")
+    if "shares" in results:
+        print(
+            f"shares 3:1: the share-3 tenant's starts {spread([r['big_share'] for r in results['shares']], 100, 1)} %"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

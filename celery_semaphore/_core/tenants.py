@@ -1,0 +1,88 @@
+"""Tenants and their shares: who a waiter waits for, and how much of the line that one is due.
+
+One line is first come, first served between calls, which is unfair between the people behind
+them: a customer who queues ten thousand calls makes everybody else wait behind all of them. A
+call that names its ``tenant`` is placed instead by its tenant's virtual time (weighted fair
+queueing, computed in the acquire script): each start moves a tenant's clock on by
+``1 / share``, so between waiting tenants slots go in proportion to their shares, and first come,
+first served still holds inside one tenant.
+
+Shares are settings, so they are checked here once, when a semaphore is made: ``{glob: share}``
+over tenant names (``{"enterprise:*": 4, "*": 1}``). A tenant's share is that of its exact name
+if listed, else that of the first glob that matches it in the mapping's order, else 1. A runtime
+override stored in Redis (``set_share``) wins over all of them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigurationError
+
+# Shares outside this range would lose a whole step of virtual time to rounding (the script
+# moves a clock by round(1000 / share) steps, at least 1).
+SMALLEST_SHARE = 0.001
+LARGEST_SHARE = 1000.0
+# A tenant name goes into every waiter's ask and into a Redis sorted set: a bound keeps a
+# mistaken template (a whole payload rendered as the tenant) from filling Redis.
+LONGEST_TENANT = 200
+
+
+def check_share(setting: str, value: Any) -> float:
+    """A share: a number from 0.001 to 1000 (a bool is no number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigurationError(setting, value, "expected a number from 0.001 to 1000")
+    if not SMALLEST_SHARE <= value <= LARGEST_SHARE:
+        raise ConfigurationError(setting, value, "expected a number from 0.001 to 1000")
+    return float(value)
+
+
+def check_tenant(setting: str, value: Any) -> str:
+    """A tenant name: a non-empty string of at most 200 characters, without "|" or a newline
+    (the script splits its argument on the first "|")."""
+    if not isinstance(value, str) or not value or len(value) > LONGEST_TENANT:
+        raise ConfigurationError(setting, value, f"expected a non-empty string of at most {LONGEST_TENANT} characters")
+    if "|" in value or "\n" in value:
+        raise ConfigurationError(setting, value, 'a tenant name may not contain "|" or a newline')
+    return value
+
+
+class Shares:
+    """The checked ``{glob: share}`` mapping of one semaphore, and the share of a tenant."""
+
+    def __init__(self, setting: str, shares: Mapping[str, float] | None) -> None:
+        if shares is None:
+            shares = {}
+        if not isinstance(shares, Mapping):
+            raise ConfigurationError(setting, shares, 'expected a mapping of tenant globs to shares, like {"*": 1}')
+        self.exact: dict[str, float] = {}
+        self.globs: list[tuple[str, float]] = []
+        for pattern, share in shares.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigurationError(f"{setting}[{pattern!r}]", pattern, "expected a tenant name or glob")
+            checked = check_share(f"{setting}[{pattern!r}]", share)
+            if any(mark in pattern for mark in "*?["):
+                self.globs.append((pattern, checked))
+            else:
+                self.exact[pattern] = checked
+        self._cache: dict[str, float] = {}
+
+    def share_of(self, tenant: str) -> float:
+        """The share ``tenant`` gets from these settings (a runtime override is the script's)."""
+        share = self._cache.get(tenant)
+        if share is None:
+            share = self.exact.get(tenant)
+            if share is None:
+                share = next((value for glob, value in self.globs if fnmatch.fnmatchcase(tenant, glob)), 1.0)
+            if len(self._cache) < 10_000:  # tenants may be many: the cache stays bounded
+                self._cache[tenant] = share
+        return share
+
+    def tenant_arg(self, tenant: str | None) -> str:
+        """What the acquire script takes for ``tenant``: "<share>|<tenant>", or "" for none."""
+        if tenant is None:
+            return ""
+        return f"{self.share_of(tenant):.6g}|{tenant}"

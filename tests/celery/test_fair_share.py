@@ -1,0 +1,151 @@
+"""Fair share between tenants with real workers on a Redis broker: ``semaphore_fair_by``.
+
+A customer floods a key of limit 1; a second customer's tasks, sent later, start within about
+one slot's turn of arriving, not behind the flood. The order is decided by the acquire script
+when each task first asks, and kept by its ticket through parking and re-sending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+
+from celery_semaphore import ConfigurationError, SemaphoreTask, semaphore_for
+
+from ..celery_stack import CeleryStack
+from ..waiting import wait_until
+from ..workers import Worker, worker_group
+
+QUEUE = "fair"
+
+
+@pytest.fixture(scope="module")
+def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
+    with worker_group(celery_stack.env, queue=QUEUE, names=("f1", "f2")) as group:
+        yield group
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack, workers: list[Worker]) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def started_ids(proj: Any, key: str) -> list[str]:
+    return [entry.split()[0].decode() for entry in proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)]
+
+
+def send_and_wait_in_line(proj: Any, key: str, customer: str, count: int, in_line: int) -> list[AsyncResult]:
+    """Send ``count`` tasks of ``customer`` and wait until ``in_line`` tasks wait for the key."""
+    results = [proj.fair.apply_async((0.2, customer, key), queue=QUEUE) for _ in range(count)]
+    semaphore = semaphore_for(proj.app, "proj.fair")
+    wait_until(lambda: semaphore.status().waiter_count >= in_line, timeout=30, what=f"{in_line} tasks in line")
+    return results
+
+
+@pytest.mark.workers
+def test_a_second_customer_is_served_soon_not_after_the_first_ones_flood(proj: Any) -> None:
+    """Customer A sends 10 tasks to a key of limit 1 (one runs, 9 wait), then customer B sends
+    3: B's first starts within the next 2 starts, and B's last before A's last. (First come,
+    first served would run all of A's first.) Every task runs once, never two at once."""
+    key = "fair-flood"
+    a_results = send_and_wait_in_line(proj, key, "A", 10, 9)
+    b_results = send_and_wait_in_line(proj, key, "B", 3, 12)
+    for result in a_results + b_results:
+        result.get(timeout=120)
+    started = started_ids(proj, key)
+    assert sorted(started) == sorted(r.id for r in a_results + b_results), "each ran once"
+    b_ids = {r.id for r in b_results}
+    b_places = [place for place, task_id in enumerate(started) if task_id in b_ids]
+    # place 0 is the task running when B arrived; then A's head of line, then B's first
+    assert b_places[0] <= 3, started
+    assert b_places[-1] < max(place for place, task_id in enumerate(started) if task_id not in b_ids)
+    assert proj.probe(key).maximum == 1
+
+
+@pytest.mark.workers
+def test_shares_from_the_settings_give_a_customer_three_starts_for_one(proj: Any) -> None:
+    """semaphore_shares {"big:*": 3}: with both customers waiting, big:co gets three of every
+    four starts."""
+    key = "fair-shares"
+    small = send_and_wait_in_line(proj, key, "small", 9, 8)
+    big = send_and_wait_in_line(proj, key, "big:co", 9, 17)
+    for result in small + big:
+        result.get(timeout=120)
+    started = started_ids(proj, key)
+    big_ids = {r.id for r in big}
+    # after the running task and small's head of line, the next eight starts hold six of big's
+    following = started[2:10]
+    assert sum(task_id in big_ids for task_id in following) >= 5, started
+
+
+def test_fair_by_is_checked_at_declaration() -> None:
+    """A template naming no argument, a tuple (two levels) and a task of several keys are
+    refused when the task is declared, naming the option."""
+    app = Celery("fair-check", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="semaphore_fair_by"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by="{tenant}", shared=False, lazy=False)
+        def no_such_argument(customer: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="two levels"):
+
+        @app.task(
+            base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by=("{org}", "{user}"), shared=False, lazy=False
+        )
+        def two_levels(org: str, user: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="semaphore_priority"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_priority="high", shared=False, lazy=False)
+        def bad_priority() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="one semaphore_key"):
+
+        @app.task(
+            base=SemaphoreTask,
+            semaphore_limit=1,
+            semaphore_key=["a", "b"],
+            semaphore_fair_by="{customer}",
+            shared=False,
+            lazy=False,
+        )
+        def several_keys(customer: str) -> None: ...
+
+
+def test_bad_shares_stop_the_app_with_the_entry_named() -> None:
+    app = Celery("fair-shares-check", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.semaphore_shares = {"enterprise:*": 0}
+
+    @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by="{customer}", shared=False)
+    def export(customer: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"semaphore_shares\['enterprise:\*'\]"):
+        semaphore_for(app, "export")
+
+
+@pytest.mark.workers
+def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_asked_after_it(proj: Any) -> None:
+    """Limit 1: one task runs, four wait; then one with urgency 60 (the option's function), and
+    one sent with the header semaphore_priority=120: they start right after the running one,
+    the header's first, ahead of the four that asked up to a few seconds before them."""
+    key = "ranked"
+    semaphore = semaphore_for(proj.app, "proj.ranked")
+    # the first holds 4 s: the others all join the line while it runs
+    plain = [proj.ranked.apply_async((4 if n == 0 else 0.2, key), queue=QUEUE) for n in range(5)]
+    wait_until(lambda: semaphore.status().waiter_count >= 4, timeout=30, what="four tasks in line")
+    urgent = proj.ranked.apply_async((0.2, key), {"urgency": 60}, queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count >= 5, timeout=30, what="the urgent task in line")
+    most_urgent = proj.ranked.apply_async((0.2, key), queue=QUEUE, headers={"semaphore_priority": 120})
+    wait_until(lambda: semaphore.status().waiter_count >= 6, timeout=30, what="the most urgent task in line")
+    assert started_ids(proj, key) == [plain[0].id], "all joined the line while the first ran"
+    for result in [*plain, urgent, most_urgent]:
+        result.get(timeout=120)
+    started = started_ids(proj, key)
+    assert started[1:3] == [most_urgent.id, urgent.id], started
+    assert sorted(started) == sorted(r.id for r in [*plain, urgent, most_urgent])

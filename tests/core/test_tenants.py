@@ -1,0 +1,235 @@
+"""Fair share between tenants on one key's line, against real Redis servers.
+
+Most tests build a line with one slot held and read its order from ``status()``: the order is
+the acquire script's decision, made when each waiter joins, so reading it needs no timing. One
+test runs real threads through ``acquire`` and checks the order in which they start.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from celery_semaphore import ConfigurationError, FairSemaphore
+from celery_semaphore._core.attempts import Ask, new_token
+
+from ..redis_server import RedisServer
+from ..waiting import wait_until
+
+
+def join(semaphore: FairSemaphore, waiter: str, tenant: str | None) -> None:
+    """One waiter takes its place in the line (the slot is held, so it waits)."""
+    attempt = semaphore._try(Ask(token=new_token(), waiter=waiter, tenant=tenant, patience=60))
+    assert not attempt.granted
+
+
+def line(semaphore: FairSemaphore) -> list[str]:
+    return [waiter.waiter for waiter in semaphore.status().waiters]
+
+
+@pytest.fixture
+def held(redis_client: redis.Redis) -> FairSemaphore:
+    """A key of limit 1 whose one slot is held, with the given shares."""
+    semaphore = FairSemaphore(redis_client, "api", 1, shares={"big": 3, "gold:*": 2}, patience=60)
+    semaphore.acquire(timeout=0)
+    return semaphore
+
+
+def test_a_second_tenant_is_not_queued_behind_the_first_ones_flood(held: FairSemaphore) -> None:
+    """A queues 6, then B queues 3: B's calls go one for one with A's, not behind all six
+    (first come, first served inside each tenant)."""
+    for n in range(6):
+        join(held, f"a{n}", "A")
+    for n in range(3):
+        join(held, f"b{n}", "B")
+    # b0 ties with a1 (one step after the head): the earlier arrival goes first
+    assert line(held) == ["a0", "a1", "b0", "a2", "b1", "a3", "b2", "a4", "a5"]
+
+
+def test_without_tenants_the_line_is_first_come_first_served(held: FairSemaphore) -> None:
+    for n in range(4):
+        join(held, f"a{n}", None)
+    join(held, "b0", None)
+    assert line(held) == ["a0", "a1", "a2", "a3", "b0"]
+
+
+def test_shares_split_the_line_in_proportion(held: FairSemaphore) -> None:
+    """Share 3 against share 1: three places for one. A glob gives gold:eu its share of 2."""
+    for n in range(8):
+        join(held, f"s{n}", "small")
+    for n in range(6):
+        join(held, f"g{n}", "big")
+    order = line(held)
+    # after the head, the next eight places hold six of big's and two of small's
+    following = order[1:9]
+    assert sum(w.startswith("g") for w in following) == 6, order
+    assert held.shares.share_of("gold:eu") == 2 and held.shares.share_of("other") == 1
+
+
+def test_a_runtime_share_wins_over_the_settings_and_can_be_removed(held: FairSemaphore) -> None:
+    held.set_share("small", 3)
+    for n in range(4):
+        join(held, f"b{n}", "big")  # share 3 from the settings
+    for n in range(4):
+        join(held, f"s{n}", "small")  # share 3 at run time: now equal
+    order = line(held)
+    assert order.index("s0") < order.index("b2") and order.index("s1") < order.index("b3"), order
+    held.set_share("small", None)
+    assert not held.client.hexists(held.keys.shares, "small")
+
+
+def test_ties_break_by_arrival_not_by_name(held: FairSemaphore) -> None:
+    """Two tenants one step after the head tie; the one that asked first goes first, whatever
+    their names."""
+    join(held, "head", "m")
+    join(held, "from-z", "zzz")
+    join(held, "from-a", "aaa")
+    assert line(held) == ["head", "from-z", "from-a"]
+
+
+def test_leaving_the_line_and_coming_back_saves_no_credit(held: FairSemaphore) -> None:
+    """A queues 5 and leaves them all, then asks again: it comes back after its old clock, so
+    a tenant that never left (C) goes first: leaving resets nothing."""
+    join(held, "b0", "B")
+    for n in range(5):
+        join(held, f"a{n}", "A")
+    for n in range(5):
+        assert held.leave(f"a{n}")
+    join(held, "a-again", "A")
+    join(held, "c0", "C")
+    assert line(held) == ["b0", "c0", "a-again"]
+
+
+def test_an_idle_tenant_comes_back_at_the_lines_clock_with_no_credit_saved(held: FairSemaphore) -> None:
+    """B waited once long ago; A then queues many. B comes back one step after the head, not
+    ahead of every A call for the time it was idle."""
+    join(held, "b-old", "B")
+    held.leave("b-old")
+    for n in range(6):
+        join(held, f"a{n}", "A")
+    for n in range(3):
+        join(held, f"b{n}", "B")
+    order = line(held)
+    assert order[:2] == ["a0", "a1"] and order.index("b2") > order.index("a2"), order
+
+
+def test_idle_tenants_are_forgotten_and_their_clocks_expire(held: FairSemaphore) -> None:
+    """200 tenants each wait once and leave: the clocks behind the line's are dropped as the
+    next tenant joins, so at most the newest stays, and it expires on its own."""
+    for n in range(200):
+        join(held, f"w{n}", f"tenant-{n}")
+        held.leave(f"w{n}")
+    assert held.client.zcard(held.keys.tenants) <= 2
+    assert 0 < held.client.pttl(held.keys.tenants) <= 4_500_000  # an hour, and a quarter ahead
+
+
+def test_reset_forgets_the_clocks_but_keeps_runtime_shares(held: FairSemaphore) -> None:
+    held.set_share("A", 2)
+    join(held, "a0", "A")
+    held.reset()
+    assert not held.client.exists(held.keys.tenants)
+    assert held.client.hget(held.keys.shares, "A") == b"2"
+
+
+@pytest.mark.parametrize(
+    ("tenant", "reason"),
+    [("", "non-empty"), ("a|b", '"|"'), ("x" * 201, "at most 200"), (7, "non-empty string")],
+)
+def test_a_bad_tenant_is_refused_naming_it(redis_client: redis.Redis, tenant: object, reason: str) -> None:
+    semaphore = FairSemaphore(redis_client, "api", 1)
+    with pytest.raises(ConfigurationError, match="tenant") as caught:
+        semaphore.acquire(timeout=1, tenant=tenant)  # type: ignore[arg-type]
+    assert reason in str(caught.value)
+
+
+@pytest.mark.parametrize("shares", [{"*": 0}, {"*": -1}, {"*": 1001}, {"*": "2"}, {"*": True}, {"": 1}, ["*"]])
+def test_bad_shares_are_refused_when_the_semaphore_is_made(redis_client: redis.Redis, shares: object) -> None:
+    with pytest.raises(ConfigurationError, match="shares"):
+        FairSemaphore(redis_client, "api", 1, shares=shares)  # type: ignore[arg-type]
+
+
+def test_waiting_threads_of_a_second_tenant_start_soon_after_they_arrive(redis_server: RedisServer) -> None:
+    """Real threads in acquire(): tenant A sends 12 calls to a key of limit 2 (10 wait), then B
+    sends 3. B's first call is among the next 4 starts, its last among the next 8 (first come,
+    first served would put them at 10 to 12)."""
+    client = redis_server.client()
+    semaphore = FairSemaphore(client, "threads", 2, patience=30)
+    started: list[str] = []
+    lock = threading.Lock()
+    gate = threading.Event()
+
+    def call(name: str, tenant: str) -> None:
+        with semaphore.acquire(timeout=60, tenant=tenant):
+            with lock:
+                started.append(name)
+            gate.wait(30)  # the first two hold until the line is built
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=call, args=(f"a{n}", "A")) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: semaphore.status().waiter_count == 10, timeout=20, what="A's ten waiters in line")
+    b_threads = [threading.Thread(target=call, args=(f"b{n}", "B")) for n in range(3)]
+    for thread in b_threads:
+        thread.start()
+    wait_until(lambda: semaphore.status().waiter_count == 13, timeout=20, what="B's three waiters in line")
+    before_b = len(started)
+    gate.set()
+    for thread in threads + b_threads:
+        thread.join(60)
+    assert len(started) == 15
+    # places among the starts after B arrived (thread names say nothing of the order in line)
+    b_places = [place for place, name in enumerate(started[before_b:]) if name.startswith("b")]
+    # limit 2: the head's wave of two, then B's first (first come, first served: places 10-12)
+    assert b_places[0] <= 3, started
+    assert b_places[-1] <= 7, started
+    client.close()
+
+
+# -- priority ----------------------------------------------------------------------------------
+
+
+def join_with_priority(semaphore: FairSemaphore, waiter: str, priority: float, tenant: str | None = None) -> None:
+    attempt = semaphore._try(Ask(token=new_token(), waiter=waiter, patience=60, priority=priority, tenant=tenant))
+    assert not attempt.granted
+
+
+def test_a_priority_places_a_call_as_if_it_had_asked_that_much_earlier(held: FairSemaphore) -> None:
+    """w0 asks; 0.5 s later w1 asks, then p with priority 0.3 s: p goes before w1 (asked less
+    than 0.3 s before it) and after w0 (asked more than 0.3 s before it). Then low, priority
+    -0.3 s, goes after w2 that asks just after it."""
+    join(held, "w0", None)
+    first_asked = time.monotonic()
+    wait_until(lambda: time.monotonic() - first_asked > 0.5, timeout=5, what="half a second")
+    join(held, "w1", None)
+    join_with_priority(held, "p", 0.3)
+    join_with_priority(held, "low", -0.3)
+    join(held, "w2", None)
+    assert line(held) == ["w0", "p", "w1", "w2", "low"]
+
+
+def test_a_priority_is_capped_at_600_seconds(held: FairSemaphore) -> None:
+    join(held, "w0", None)
+    join_with_priority(held, "urgent", 1e9)
+    tickets = {waiter.waiter: waiter.ticket for waiter in held.status().waiters}
+    assert 599_000 * 1024 < tickets["w0"] - tickets["urgent"] < 601_000 * 1024
+
+
+def test_a_priority_with_a_tenant_moves_the_call_ahead_by_its_tenants_starts(held: FairSemaphore) -> None:
+    """With a tenant, 3 s of priority is three starts of a share-1 tenant: A's fifth call with
+    priority 3 goes three places earlier in A's turns (after a1, which asked first)."""
+    for n in range(4):
+        join(held, f"a{n}", "A")
+    join_with_priority(held, "a-urgent", 3, tenant="A")
+    assert line(held) == ["a0", "a1", "a-urgent", "a2", "a3"]
+
+
+@pytest.mark.parametrize("priority", ["60", True, float("nan"), [1]])
+def test_a_bad_priority_is_refused_naming_it(redis_client: redis.Redis, priority: object) -> None:
+    semaphore = FairSemaphore(redis_client, "api", 1)
+    semaphore.acquire(timeout=0)
+    with pytest.raises(ConfigurationError, match="priority"):
+        semaphore.acquire(timeout=1, priority=priority)  # type: ignore[arg-type]
