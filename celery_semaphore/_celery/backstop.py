@@ -12,7 +12,7 @@ backstops fall due (2 tasks every 30 s).
 
 So a copy that is due later is sent, at once and without an ETA, to
 ``<queue>.semaphore-backstop`` (declared like its queue, ``wake_queues.py``), carrying when it
-is due in ``semaphore_due``. Each worker's main process consumes those queues on a channel of
+is due in ``csem_due``. Each worker's main process consumes those queues on a channel of
 its own (so with a window of its own, ``HOLD_AT_MOST``), holds each message on a timer, and when
 it is due publishes it as an ordinary task message to the wake queue of its queue (where no
 backlog of fresh tasks is ahead of it, as none was ahead of a countdown message), then

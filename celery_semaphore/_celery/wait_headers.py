@@ -31,7 +31,8 @@ logger = logging.getLogger("celery_semaphore")
 # is the prefix of the task options a user sets, and a header of the wait protocol is no option.
 # Releases before this one wrote them under ``OLD_PREFIX``: a worker reads those names too (the new
 # name first) until the next major version, so a rolling deploy loses no wait, and writes only
-# the new ones (``without_broker_headers`` renames what a delivered message carries).
+# the new ones (``without_broker_headers`` renames what a delivered message carries). A header a
+# user sets on purpose for one call keeps its option's name (``options.PRIORITY_HEADER``).
 PREFIX = "csem_"
 OLD_PREFIX = "semaphore_"
 # Message headers that carry a waiting task's history across re-sends.

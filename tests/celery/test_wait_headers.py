@@ -177,9 +177,10 @@ def test_a_copy_sent_on_carries_the_package_headers_under_the_new_names_only() -
     names only; where both names are there, the new one's value is the one kept."""
     from celery_semaphore._celery.wait_headers import PREFIX, without_broker_headers
 
-    message, _ = _delivered({**_OLD_HEADERS, "csem_waits": 3, "tenant": "a"})
+    message, _ = _delivered({**_OLD_HEADERS, "csem_waits": 3, "tenant": "a", "semaphore_priority": 60})
     sent_on = without_broker_headers(message.headers)
-    assert not [name for name in sent_on if name.startswith("semaphore_")]
+    # the user's per-call option keeps its name; none of the package's own is left under the old
+    assert [name for name in sent_on if name.startswith("semaphore_")] == ["semaphore_priority"]
     assert sent_on["csem_waits"] == 3 and sent_on["tenant"] == "a"
     assert {f"{PREFIX}{name.removeprefix('semaphore_')}": value for name, value in _OLD_HEADERS.items()} == {
         name: value for name, value in sent_on.items() if name.startswith(PREFIX) and name != "csem_waits"
