@@ -112,6 +112,43 @@ def priority_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return priority_ms(f"{task.name}.semaphore_priority", value) / 1000
 
 
+# what a call that finds its line full does (semaphore_on_full)
+ON_FULL_POLICIES = ("wait", "reject")
+NOT_YET_POLICIES = ("drop_oldest", "keep_latest")
+
+
+def max_waiters_of(task: Any) -> int | None:
+    """The most calls that may wait in the task's line, when a full line refuses newcomers
+    (``semaphore_on_full="reject"``); None: the line is not capped."""
+    if getattr(task, "semaphore_on_full", "wait") != "reject":
+        return None
+    return getattr(task, "semaphore_max_waiters", None)
+
+
+def _check_full_line(name: str, cls: type) -> None:
+    """``semaphore_max_waiters`` and ``semaphore_on_full``: a cap and what a call that finds it
+    reached does, both or neither (a cap that only waits would cap nothing)."""
+    options = cls.__dict__
+    max_waiters = options.get("semaphore_max_waiters")
+    on_full = options.get("semaphore_on_full", "wait")
+    if max_waiters is not None:
+        check_limit(f"{name}.semaphore_max_waiters", max_waiters)
+    if on_full in NOT_YET_POLICIES:
+        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, 'not supported yet: use "reject"')
+    if on_full not in ON_FULL_POLICIES:
+        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, 'expected "wait" or "reject"')
+    if (on_full == "reject") != (max_waiters is not None):
+        raise ConfigurationError(
+            f"{name}.semaphore_on_full",
+            on_full,
+            'a full line needs both semaphore_max_waiters and semaphore_on_full="reject"',
+        )
+    if max_waiters is not None and (isinstance(key_option(cls), list) or weight_option(cls) is not None):
+        raise ConfigurationError(
+            f"{name}.semaphore_max_waiters", max_waiters, "works on a task of one semaphore_key and no semaphore_weight"
+        )
+
+
 def _check_fair_by(name: str, cls: type, parameters: list[inspect.Parameter] | None) -> None:
     """``semaphore_fair_by``: a template over the task's arguments or a function of them; on a
     task of one key and one slot (the tenant orders one line: a call over several keys waits
@@ -199,6 +236,7 @@ def check_task_options(cls: type) -> None:
         if parameters is not None:
             check_template(f"{name}.semaphore_key", item, parameters)
     _check_fair_by(name, cls, parameters)
+    _check_full_line(name, cls)
     priority = priority_option(cls)
     if priority is not None and not callable(priority):
         priority_ms(f"{name}.semaphore_priority", priority)

@@ -88,7 +88,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     ``semaphore_limit``, ``semaphore_rate``, ``semaphore_spacing``, ``semaphore_key``,
     ``semaphore_weight``, ``semaphore_lease``,
     ``semaphore_countdown``, ``semaphore_max_wait``, ``semaphore_inline_wait``,
-    ``semaphore_fair_by``, ``semaphore_priority``; each one left unset takes the app's ``semaphore_*`` setting.
+    ``semaphore_fair_by``, ``semaphore_priority``, ``semaphore_max_waiters`` with
+    ``semaphore_on_full``; each one left unset takes the app's ``semaphore_*`` setting.
     ``semaphore_key`` may be a list of keys: the body then runs only while the task holds a
     slot (``semaphore_weight`` slots) of every one. ``semaphore_fair_by`` names each call's
     tenant (a template like ``semaphore_key``'s, or a function): waiting calls are then served
@@ -110,6 +111,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     # seconds a call is placed earlier in line (capped at 600); per call: the message header
     # "semaphore_priority"
     semaphore_priority: ClassVar[float | PriorityFunction | None] = None
+    # a task that finds this many waiting fails at once (with semaphore_on_full="reject")
+    semaphore_max_waiters: ClassVar[int | None] = None
+    semaphore_on_full: ClassVar[str] = "wait"
     # gives a lost pool process's slot back before its message is requeued (worker.py)
     Request: ClassVar[str] = "celery_semaphore._celery.worker:SemaphoreRequest"
 

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SemaphoreUnavailable
 from . import renewer
 from .attempts import Ask, Attempt, Granted, OneTry, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
@@ -42,12 +42,14 @@ from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
     GRANTED,
+    LINE_FULL,
     RENEW_LOST,
     WAIT,
     as_text,
     is_offer,
     token_prefix_pattern,
 )
+from .tenants import READ_PER_LISTED, TenantInfo, tenant_report
 from .validation import (
     check_limit,
     check_seconds,
@@ -253,6 +255,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
                 remember_ms=remember_ms,
                 tenant=tenant_arg,
                 priority_ms=priority,
+                max_waiters=(self.max_waiters or 0) if enqueue else 0,
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "acquire") from error
@@ -264,6 +267,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             return Granted(lease)
         if reply.outcome == WAIT and reply.to_wake:
             tell_to_wake(self, reply.to_wake)
+        if reply.outcome == LINE_FULL:
+            raise SemaphoreUnavailable(self.name, self.limit, 0.0, max_waiters=self.max_waiters)
         return refusal_of(reply, self.name)
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
@@ -391,6 +396,21 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
     def resume(self) -> None:
         """End a pause now: the head of the line may start at once."""
         self._set_gate("p", "", None)
+
+    def tenants(self, *, most: int = 10) -> list[TenantInfo]:
+        """The ``most`` tenants with the most calls waiting (their backlogs, from their clocks:
+        O(log n) in waiters and tenants), largest first, with the shares in force. Empty when
+        nobody waits or the key's calls name no tenant."""
+        keys = self.keys
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrange(keys.queue, 0, 0, withscores=True)
+            pipe.zrevrange(keys.tenants, 0, READ_PER_LISTED * max(1, most) - 1, withscores=True)
+            pipe.hgetall(keys.shares)
+            head, clocks, overrides = pipe.execute()
+        except REDIS_ERRORS as error:
+            raise translate(error, self.name, "tenants") from error
+        return tenant_report(head, clocks, overrides, self.shares, most)
 
     def set_share(self, tenant: str, share: float | None) -> None:
         """Store a runtime share for ``tenant`` on this key, for every client at once (it wins

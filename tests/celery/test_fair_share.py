@@ -1,4 +1,6 @@
-"""Fair share between tenants with real workers on a Redis broker: ``semaphore_fair_by``.
+"""Who goes first in a key's line, with real workers on a Redis broker: tenants
+(``semaphore_fair_by``), priority (``semaphore_priority``) and a full line
+(``semaphore_max_waiters`` with ``semaphore_on_full``).
 
 A customer floods a key of limit 1; a second customer's tasks, sent later, start within about
 one slot's turn of arriving, not behind the flood. The order is decided by the acquire script
@@ -105,6 +107,23 @@ def test_fair_by_is_checked_at_declaration() -> None:
         @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_priority="high", shared=False, lazy=False)
         def bad_priority() -> None: ...
 
+    with pytest.raises(ConfigurationError, match="semaphore_on_full"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_waiters=5, shared=False, lazy=False)
+        def cap_without_policy() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="not supported yet"):
+
+        @app.task(
+            base=SemaphoreTask,
+            semaphore_limit=1,
+            semaphore_max_waiters=5,
+            semaphore_on_full="drop_oldest",
+            shared=False,
+            lazy=False,
+        )
+        def drop_oldest() -> None: ...
+
     with pytest.raises(ConfigurationError, match="one semaphore_key"):
 
         @app.task(
@@ -149,3 +168,25 @@ def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_
     started = started_ids(proj, key)
     assert started[1:3] == [most_urgent.id, urgent.id], started
     assert sorted(started) == sorted(r.id for r in [*plain, urgent, most_urgent])
+
+
+@pytest.mark.workers
+def test_a_task_that_finds_its_line_full_fails_at_once_and_the_others_run_once(proj: Any) -> None:
+    """semaphore_max_waiters=2 with semaphore_on_full="reject": one task runs, two wait, a
+    fourth fails at once with SemaphoreUnavailable naming max_waiters (FAILURE, not lost, not
+    run); the two waiting ones run once each."""
+    key = "capped"
+    semaphore = semaphore_for(proj.app, "proj.capped")
+    running = proj.capped.apply_async((3, key), queue=QUEUE)
+    wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
+    waiting = [proj.capped.apply_async((0.1, key), queue=QUEUE) for _ in range(2)]
+    wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="two in line")
+    refused = proj.capped.apply_async((0.1, key), queue=QUEUE)
+    with pytest.raises(Exception, match="max_waiters") as caught:
+        refused.get(timeout=30)
+    assert type(caught.value).__name__ == "SemaphoreUnavailable"
+    assert refused.state == "FAILURE"
+    assert started_ids(proj, key) == [running.id], "the refused task never ran"
+    for result in [running, *waiting]:
+        result.get(timeout=60)
+    assert sorted(started_ids(proj, key)) == sorted(r.id for r in [running, *waiting])

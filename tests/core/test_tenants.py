@@ -7,13 +7,14 @@ test runs real threads through ``acquire`` and checks the order in which they st
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
 import pytest
 import redis
 
-from celery_semaphore import ConfigurationError, FairSemaphore
+from celery_semaphore import ConfigurationError, FairSemaphore, SemaphoreUnavailable
 from celery_semaphore._core.attempts import Ask, new_token
 
 from ..redis_server import RedisServer
@@ -233,3 +234,60 @@ def test_a_bad_priority_is_refused_naming_it(redis_client: redis.Redis, priority
     semaphore.acquire(timeout=0)
     with pytest.raises(ConfigurationError, match="priority"):
         semaphore.acquire(timeout=1, priority=priority)  # type: ignore[arg-type]
+
+
+# -- a full line -------------------------------------------------------------------------------
+
+
+def test_a_full_line_refuses_a_newcomer_at_once_and_keeps_those_in_it(redis_client: redis.Redis) -> None:
+    """max_waiters 2: with one slot held and two waiting, a third call is refused at once,
+    taking no place (SemaphoreUnavailable naming max_waiters); the two in line still ask and
+    keep their places, and once one of them is served a newcomer is let in."""
+    semaphore = FairSemaphore(redis_client, "full", 1, max_waiters=2, patience=60)
+    holder = semaphore.acquire(timeout=0)
+    join(semaphore, "w0", None)
+    join(semaphore, "w1", None)
+    started = time.monotonic()
+    with pytest.raises(SemaphoreUnavailable) as caught:
+        semaphore.acquire(timeout=30)
+    assert time.monotonic() - started < 5, "refused at once, not after the timeout"
+    assert caught.value.max_waiters == 2 and "max_waiters" in str(caught.value)
+    assert pickle.loads(pickle.dumps(caught.value)).max_waiters == 2
+    assert line(semaphore) == ["w0", "w1"]
+    join(semaphore, "w0", None)  # a waiter in line asks again: not a newcomer
+    holder.release()
+    granted = semaphore._try(Ask(token=new_token(), waiter="w0", patience=60))
+    assert granted.granted
+    join(semaphore, "w2", None)
+    assert line(semaphore) == ["w1", "w2"]
+
+
+def test_a_one_shot_try_on_a_full_line_is_refused_as_any_one_shot_try(redis_client: redis.Redis) -> None:
+    semaphore = FairSemaphore(redis_client, "full-once", 1, max_waiters=1, patience=60)
+    semaphore.acquire(timeout=0)
+    join(semaphore, "w0", None)
+    with pytest.raises(SemaphoreUnavailable) as caught:
+        semaphore.acquire(timeout=0)
+    assert caught.value.max_waiters is None  # it asked for no place: the ordinary refusal
+
+
+def test_max_waiters_must_be_a_limit(redis_client: redis.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="max_waiters"):
+        FairSemaphore(redis_client, "full", 1, max_waiters=0)
+
+
+def test_tenants_reports_the_largest_backlogs_with_their_shares(held: FairSemaphore) -> None:
+    """The backlog of a tenant is read from its clock: its calls waiting behind the head (an
+    estimate when its share changed since they joined)."""
+    assert held.tenants() == []
+    held.set_share("B", 2)
+    for n in range(6):
+        join(held, f"a{n}", "A")
+    for n in range(3):
+        join(held, f"b{n}", "B")
+    for n in range(4):
+        join(held, f"g{n}", "big")
+    report = held.tenants()
+    assert [(t.tenant, t.backlog) for t in report] == [("A", 5), ("big", 4), ("B", 3)]
+    assert [(t.share, t.runtime_share) for t in report] == [(1.0, False), (3.0, False), (2.0, True)]
+    assert [t.tenant for t in held.tenants(most=1)] == ["A"]
