@@ -274,6 +274,38 @@ def capped(self: Any, seconds: float, key: str = "proj.capped") -> str:
     base=SemaphoreTask,
     semaphore_limit=1,
     semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_max_waiters=2,
+    semaphore_on_full="drop_oldest",
+    name="proj.dropping",
+    bind=True,
+)
+def dropping(self: Any, seconds: float, key: str = "proj.dropping") -> str:
+    """At most two wait: a third that comes makes the oldest waiting one fail."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_on_full="keep_latest",
+    semaphore_coalesce_by="{dashboard}",
+    name="proj.refresh",
+    bind=True,
+)
+def refresh(self: Any, seconds: float, dashboard: str, key: str = "proj.refresh") -> str:
+    """One waiting refresh per dashboard: a newer one takes the older one's place."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
     semaphore_countdown=1,
     name="proj.handoff_twin",
     bind=True,
