@@ -108,7 +108,7 @@ def _hold(task: Task, seconds: float, key: str) -> None:
         # the queue it came from, and its earlier refusals: a start through a wake queue (a parked
         # task woken) or on a first delivery (granted at once, or after an in-process wait)
         came = str((task.request.delivery_info or {}).get("routing_key") or "?")
-        waits = getattr(task.request, "semaphore_waits", None) or 0
+        waits = getattr(task.request, "csem_waits", None) or 0
         pipe.rpush("bench:starts", f"{task.request.id} {started} {_worker(task)} {key} {came} {waits}")
         pipe.rpush(f"bench:start:{task.request.id}", started)
         pipe.expire(f"bench:start:{task.request.id}", 3600)

@@ -13,6 +13,10 @@ the core). What keeps that true is checked here, on the source (``ast``, nothing
 - no core module that only the Celery glue or the CLI uses (``_celery``, ``_cli``, ``cli``): such
   a module is Celery's code and lives in ``_celery``, unless ``CORE_FOR_ANY_CALLER`` names it as
   generic with a reason;
+- no Lua script in ``_core/lua`` that only the glue or the CLI runs: a script is run by the
+  modules that name it (a string constant equal to its file's stem, as ``script_source("why")``
+  or a table of script names), and one that only glue modules name is Celery's, kept in
+  ``_celery/lua`` and built on the core's library with ``_core.scripts.built_script``;
 - no module over 500 lines but the ones listed in ``OVERSIZE`` (each with the most lines it may
   have, to shrink over time), and none over 750; the Lua scripts count (``*.lua``, by path).
 
@@ -144,6 +148,22 @@ def glue_only_core_modules(importers: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def glue_only_core_scripts(names: dict[str, set[str]]) -> list[str]:
+    """Lua scripts of the core whose every module naming them is the Celery glue or the CLI
+    (``names``: module -> the string constants in it)."""
+    problems = []
+    for path in sorted((ROOT / "_core" / "lua").glob("*.lua")):
+        if path.stem.startswith("_"):  # the library every script is built on
+            continue
+        users = sorted(module for module, constants in names.items() if path.stem in constants)
+        if users and all(user.startswith(GLUE) for user in users):
+            problems.append(
+                f"{path.relative_to(ROOT.parent)} is run only by the Celery glue or the CLI ({', '.join(users)}): "
+                "move it to _celery/lua and build it with _core.scripts.built_script"
+            )
+    return problems
+
+
 def oversized_lua() -> list[str]:
     """The Lua scripts under the same budget as the modules, named by path in ``OVERSIZE``."""
     problems = []
@@ -162,6 +182,7 @@ def oversized_lua() -> list[str]:
 def main() -> int:
     graph: dict[str, set[str]] = {}
     importers: dict[str, set[str]] = {}
+    names: dict[str, set[str]] = {}
     problems: list[str] = []
     for path in sorted(ROOT.rglob("*.py")):
         module = module_name(path)
@@ -185,6 +206,9 @@ def main() -> int:
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("._"):
                     importers.setdefault(PACKAGE + node.value, set()).add(module)
         graph.setdefault(module, set())
+        names[module] = {
+            node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        }
         lines = source.count("\n") + 1
         ceiling = OVERSIZE.get(module, MOST_LINES)
         if lines > HARD_LIMIT:
@@ -195,6 +219,7 @@ def main() -> int:
         for target in sorted(internal):
             print(f"    -> {target}{'' if target in graph[module] else ' (inside a function)'}")
     problems += glue_only_core_modules(importers)
+    problems += glue_only_core_scripts(names)
     problems += oversized_lua()
     cycle = find_cycle(graph)
     if cycle:

@@ -12,7 +12,7 @@ backstops fall due (2 tasks every 30 s).
 
 So a copy that is due later is sent, at once and without an ETA, to
 ``<queue>.semaphore-backstop`` (declared like its queue, ``wake_queues.py``), carrying when it
-is due in ``semaphore_due``. Each worker's main process consumes those queues on a channel of
+is due in ``csem_due``. Each worker's main process consumes those queues on a channel of
 its own (so with a window of its own, ``HOLD_AT_MOST``), holds each message on a timer, and when
 it is due publishes it as an ordinary task message to the wake queue of its queue (where no
 backlog of fresh tasks is ahead of it, as none was ahead of a countdown message), then
@@ -35,7 +35,7 @@ from kombu.messaging import Consumer
 
 from .config import config_for
 from .due_copies import Mover, due_copies_for
-from .wait_headers import QUEUE_HEADER
+from .wait_headers import DUE_HEADER, HANDED_BACK_HEADER, QUEUE_HEADER, header_in, renamed
 from .wake_queues import (
     backstop_queue,
     backstop_queue_for,
@@ -48,15 +48,11 @@ from .wake_queues import (
 
 logger = logging.getLogger("celery_semaphore")
 
-# When the copy is due, in epoch seconds of the sender's clock.
-DUE_HEADER = "semaphore_due"
 # Most copies one worker holds at once; the rest wait in the broker, and come in as held ones
 # fall due (they are sent in roughly the order they fall due).
 HOLD_AT_MOST = 1000
 # A copy that could not be published when due is tried again this much later (still held).
 REPUBLISH_PAUSE_S = 1.0
-# How many times a copy due later than a worker may hold it was handed back to the broker.
-HANDED_BACK_HEADER = "semaphore_handed_back"
 # Headers a copy does not carry on to its queue: when it was due, and what a broker added to the
 # held message (a redelivery flag would make the task take itself for a redelivered first message).
 _DROPPED_HEADERS = frozenset({DUE_HEADER, "redelivered", "x-delivery-count"})
@@ -65,7 +61,7 @@ _DROPPED_HEADERS = frozenset({DUE_HEADER, "redelivered", "x-delivery-count"})
 def due_in(headers: dict[str, Any] | None, now: float) -> float:
     """Seconds until a held copy is due (0 when due, or when its header is missing or wrong)."""
     try:
-        due = float((headers or {}).get(DUE_HEADER))  # type: ignore[arg-type]
+        due = float(header_in(headers, DUE_HEADER))
     except (TypeError, ValueError):
         return 0.0
     return max(0.0, due - now) if math.isfinite(due) else 0.0
@@ -150,12 +146,12 @@ class BackstopHolder:
         origin = self._origin_of(message)
         headers = {
             name: value
-            for name, value in (message.headers or {}).items()
+            for name, value in renamed(message.headers).items()
             if name not in _DROPPED_HEADERS and not name.startswith("x-")
         }
         if hand_back:
             queue = self.backstop_queues.get(origin) or backstop_queue_for(self.app, origin)
-            headers[DUE_HEADER] = message.headers[DUE_HEADER]
+            headers[DUE_HEADER] = header_in(message.headers, DUE_HEADER)
             headers[HANDED_BACK_HEADER] = int(headers.get(HANDED_BACK_HEADER) or 0) + 1
         else:
             queue = self.targets.get(origin) or origin_declaration(wake_aware(self.app), origin)
@@ -195,7 +191,7 @@ class BackstopHolder:
         routing_key = (message.delivery_info or {}).get("routing_key")
         if isinstance(routing_key, str) and routing_key in self.origins:
             return self.origins[routing_key]
-        queue = (message.headers or {}).get(QUEUE_HEADER)
+        queue = header_in(message.headers, QUEUE_HEADER)
         if isinstance(queue, str) and queue:
             return queue
         # one consumer, several queues, and a transport that does not say which: the only one

@@ -56,11 +56,6 @@ from .wake_queues import (
 
 logger = logging.getLogger("celery_semaphore")
 
-# Headers of a copy kept in the broker's Redis: seconds from its sending until it is due, and the
-# run it continues (one stored copy per run).
-DUE_IN_HEADER = "semaphore_due_in"
-COPY_ID_HEADER = "semaphore_backstop"
-
 # The store's keys (behind kombu's global_keyprefix).
 DUE_KEY = "semaphore-backstops:due"
 COPIES_KEY = "semaphore-backstops:copies"

@@ -1,11 +1,15 @@
 """Where a parked task's record lives: the deployment's parked-task keys, and the names a
-record and its line go by (``parking.py`` keeps and sweeps the records)."""
+record and its line go by (``parking.py`` keeps and sweeps the records, with the scripts of
+``parked_scripts.py``)."""
 
 from __future__ import annotations
 
+import json
+from typing import NamedTuple
+
 from .._core.multi import MultiSemaphore, home_of
 from .._core.semaphore import FairSemaphore
-from .._core.storage import ParkedRecord, parked_line
+from .._core.storage import RECORD_SEPARATOR
 
 
 def parked_keys(prefix: str) -> list[bytes]:
@@ -31,3 +35,41 @@ def line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
 def record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> str:
     """A wait's record name: all a sweep needs to tell whether some copy of it asked."""
     return ParkedRecord(semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name).text()
+
+
+class ParkedRecord(NamedTuple):
+    """A parked Celery task's record in Redis: everything a sweep needs to tell whether some copy
+    of the wait asked. park.lua and claim_parked.lua read fields 1 and 3 of its JSON (the
+    deadlines key and the waiter) to build the waiter's entry (``parked_waiter_entry``)."""
+
+    deadlines_key: str
+    runs_key: str
+    waiter: str
+    run: str
+    name: str
+
+    def text(self) -> str:
+        return json.dumps(list(self))
+
+    @classmethod
+    def read(cls, text: str) -> ParkedRecord:
+        deadlines_key, runs_key, waiter, run, name = json.loads(text)
+        return cls(deadlines_key, runs_key, waiter, run, name)
+
+
+def parked_waiter_entry(deadlines_key: str, waiter: str) -> str:
+    """The field of the parked tasks' waiters hash that leads from a waiter to its record."""
+    return f"{deadlines_key}{RECORD_SEPARATOR}{waiter}"
+
+
+def parked_line(base: str, rules: bytes) -> str:
+    """The member of the parked tasks' lines set that names a line for the ticks: its keys' base
+    and the rules given in code (``Rules.arg``; a bare limit is written as the number it always
+    was, so a line is one member to workers of either version)."""
+    text = rules.decode()
+    return json.dumps([base, int(text) if text.isdigit() else text])
+
+
+def read_parked_line(text: str) -> tuple[str, bytes]:
+    base, rules = json.loads(text)
+    return base, str(rules).encode()

@@ -43,14 +43,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.explain import WaitState, wait_state
 from .._core.multi import MultiSemaphore, home_of
-from .._core.scripts import SemaphoreKeys, scripts_for
+from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore, on_to_wake
-from .._core.storage import WOKEN_COPY_MARK, ParkedRecord, read_parked_line
+from .._core.storage import WOKEN_COPY_MARK
 from .._core.wakeups import WakeHandle, wake_ups_for
-from .parked_records import line_of, parked_keys, prefix_of, record_of
+from .parked_records import ParkedRecord, line_of, parked_keys, prefix_of, read_parked_line, record_of
+from .parked_scripts import parked_scripts_for
 from .pausing import members
-from .wait_runs import WaitState, wait_state
 from .wake_copies import deserialized, serialized
 
 logger = logging.getLogger("celery_semaphore")
@@ -163,7 +164,7 @@ class Parking:
         if parked is not None:
             parked.handle.close()
         try:
-            scripts_for(semaphore.client).park(
+            parked_scripts_for(semaphore.client).park(
                 parked_keys(prefix_of(semaphore)), record=record_of(semaphore, waiter, run), look_in_ms=0, copy=b""
             )
         except Exception as error:  # Redis down, as it likely was for the send that failed
@@ -198,7 +199,7 @@ class Parking:
         if copy is None:
             return False
         prefix = prefix_of(semaphore)
-        scripts_for(semaphore.client).park(
+        parked_scripts_for(semaphore.client).park(
             parked_keys(prefix),
             record=record_of(semaphore, waiter, run),
             look_in_ms=round(away_for * 1000),
@@ -256,7 +257,7 @@ class Parking:
             targets = list(self._sweep_targets.values())
         for target in targets:
             try:
-                claimed = scripts_for(target.client).claim_parked(parked_keys(target.prefix), most=SWEEP_BATCH)
+                claimed = parked_scripts_for(target.client).claim_parked(parked_keys(target.prefix), most=SWEEP_BATCH)
             except Exception as error:  # Redis down: the records wait for the next sweep
                 logger.debug("could not sweep the parked tasks: %s", error)
                 continue
@@ -275,7 +276,7 @@ class Parking:
                         # in flight (popped by a worker that died), or still waiting for a pool
                         # process. Sent again, leased again; a second copy that arrives is
                         # dropped by its run
-                        scripts_for(target.client).park(
+                        parked_scripts_for(target.client).park(
                             parked_keys(target.prefix),
                             record=record,
                             copy=WOKEN_COPY_MARK.encode() + copy,
@@ -287,7 +288,7 @@ class Parking:
                         self._send(wake_copy, name)
                         continue
                     if state.left_ms is not None:  # still in line: look again once its place would lapse
-                        scripts_for(target.client).park(
+                        parked_scripts_for(target.client).park(
                             parked_keys(target.prefix),
                             record=record,
                             copy=copy,
@@ -309,7 +310,7 @@ class Parking:
         with self._lock:
             targets = list(self._sweep_targets.values())
         for target in targets:
-            scripts = scripts_for(target.client)
+            scripts = parked_scripts_for(target.client)
             try:
                 lines = scripts.lines_to_tick(
                     parked_keys(target.prefix), round_ms=round(SWEEP_EVERY_S * 1000), most=TICK_BATCH
@@ -361,7 +362,7 @@ class Parking:
         over several semaphores reports the waiters of all of their lines, each parked under the
         first line of its own task (a task with one of those keys, or with them in another
         order): each line is looked in until one holds the waiter's record."""
-        scripts, lease_ms = scripts_for(client), round(WOKEN_LEASE_S * 1000)
+        scripts, lease_ms = parked_scripts_for(client), round(WOKEN_LEASE_S * 1000)
         for waiter in waiters:
             claimed = None
             for deadlines_key in deadlines_keys:
@@ -438,7 +439,7 @@ class Parking:
         second copy is dropped by its run, a missing one would wait for its backstop."""
         semaphore = parked.semaphore
         try:
-            taken = scripts_for(semaphore.client).claim_parked_waiter(
+            taken = parked_scripts_for(semaphore.client).claim_parked_waiter(
                 parked_keys(prefix_of(semaphore)),
                 deadlines_key=semaphore.keys.deadlines,
                 waiter=parked.waiter,

@@ -1,5 +1,5 @@
-"""Every task message is stamped as it is sent: when (``semaphore_sent``) and which message it is
-(``semaphore_message``, a random nonce).
+"""Every task message is stamped as it is sent: when (``csem_sent``) and which message it is
+(``csem_message``, a random nonce).
 
 A broker's redelivery of a message carries its stamps unchanged, and every copy of a wait keeps
 them, while a new invocation gets new ones even where it reuses a task id (a fixed id for a

@@ -27,41 +27,89 @@ from .config import SemaphoreConfig
 
 logger = logging.getLogger("celery_semaphore")
 
+# The headers this package writes on a task's messages have a prefix of their own: ``semaphore_``
+# is the prefix of the task options a user sets, and a header of the wait protocol is no option.
+# Releases before this one wrote them under ``OLD_PREFIX``: a worker reads those names too (the new
+# name first) until the next major version, so a rolling deploy loses no wait, and writes only
+# the new ones (``without_broker_headers`` renames what a delivered message carries). A header a
+# user sets on purpose for one call keeps its option's name (``options.PRIORITY_HEADER``).
+PREFIX = "csem_"
+OLD_PREFIX = "semaphore_"
 # Message headers that carry a waiting task's history across re-sends.
-WAITS_HEADER = "semaphore_waits"
-FIRST_REFUSED_HEADER = "semaphore_first_refused"
-TICKET_HEADER = "semaphore_ticket"
+WAITS_HEADER = "csem_waits"
+FIRST_REFUSED_HEADER = "csem_first_refused"
+TICKET_HEADER = "csem_ticket"
 # request.retries when the wait began: a run whose retries differ is the task's own retry
-WAIT_OF_RETRY_HEADER = "semaphore_wait_of_retry"
+WAIT_OF_RETRY_HEADER = "csem_wait_of_retry"
 # the queue the task first came from: its copies go back there (the wake copy to its wake queue)
-QUEUE_HEADER = "semaphore_queue"
+QUEUE_HEADER = "csem_queue"
 # a random id of this wait, made at its first refusal: with the task id and the retry it names the
 # run every copy of the wait asks under, unique per invocation even when task ids repeat
-RUN_HEADER = "semaphore_run"
+RUN_HEADER = "csem_run"
 # a keyed digest of the ticket, the task id and the wait id (see TicketSigner)
-TICKET_SIGNATURE_HEADER = "semaphore_ticket_sig"
+TICKET_SIGNATURE_HEADER = "csem_ticket_sig"
 # the version of the wait protocol that wrote the headers above (see WaitHistory; the same number
 # as worker.STATE_PROTOCOL, the version of the state in Redis)
-PROTOCOL_HEADER = "semaphore_protocol"
+PROTOCOL_HEADER = "csem_protocol"
 PROTOCOL = 2
 # when the task's message was first sent (epoch seconds, the sender's clock): a success in the
 # result backend recorded since then belongs to this invocation, even for a redelivered message
 # whose wait the semaphore's Redis forgot
-SENT_HEADER = "semaphore_sent"
+SENT_HEADER = "csem_sent"
 # a random nonce naming the task's message, stamped as it is first sent (stamping.py) and kept by a
 # broker's redelivery: the note of the wait a first delivery began names it (wait_runs.py), so a
 # later invocation that reuses the task id never continues the earlier invocation's wait
-MESSAGE_HEADER = "semaphore_message"
+MESSAGE_HEADER = "csem_message"
+# a backstop copy held by a worker on RabbitMQ: when it is due (epoch seconds, the sender's
+# clock), and how many times it was handed back to the broker (backstop.py)
+DUE_HEADER = "csem_due"
+HANDED_BACK_HEADER = "csem_handed_back"
+# a due copy stowed in the Redis broker: due in how many seconds, and the run it serves (its id
+# there; due_copies.py, lua/move_due_copies.lua)
+DUE_IN_HEADER = "csem_due_in"
+COPY_ID_HEADER = "csem_backstop"
+# the name each header above had before it had a prefix of its own -> its name now
+_RENAMED: dict[str, str] = {
+    OLD_PREFIX + value.removeprefix(PREFIX): value
+    for name, value in dict(globals()).items()
+    if name.endswith("_HEADER")
+}
 # Headers a broker adds to a message it dead-lettered or redelivered: a re-sent copy is a new
 # message, and RabbitMQ quorum queues or delayed delivery may drop one that carries them (Celery
 # strips them from its own retries for the same reason).
 _BROKER_HEADERS = re.compile(r"x-(death|first-death-.*|last-death-.*|delivery-count)$")
 
 
+def old_name(name: str) -> str:
+    """The name a header of this package had in releases before its prefix of its own."""
+    return OLD_PREFIX + name.removeprefix(PREFIX)
+
+
+def header_in(headers: dict[str, Any] | None, name: str) -> Any:
+    """Header ``name`` of a delivered message, under its name or, sent by an earlier release,
+    under its old one."""
+    headers = headers or {}
+    value = headers.get(name)
+    return headers.get(old_name(name)) if value is None else value
+
+
+def renamed(headers: dict[str, Any] | None) -> dict[str, Any]:
+    """A delivered message's headers with this package's under their names of now: a copy sent
+    on carries what an earlier release wrote, but under the new names only (a new name's value
+    wins over an old one's)."""
+    headers = headers or {}
+    out = {name: value for name, value in headers.items() if name not in _RENAMED}
+    for old, new in _RENAMED.items():
+        if old in headers:
+            out.setdefault(new, headers[old])
+    return out
+
+
 def without_broker_headers(headers: dict[str, Any] | None) -> dict[str, Any]:
     """A delivered message's headers less those its broker added (dead-lettering, delivery
-    counts): a copy re-sent with them may be dropped (RabbitMQ quorum queues, delayed delivery)."""
-    return {name: value for name, value in (headers or {}).items() if not _BROKER_HEADERS.match(name)}
+    counts): a copy re-sent with them may be dropped (RabbitMQ quorum queues, delayed delivery).
+    This package's own come under their names of now (``renamed``)."""
+    return {name: value for name, value in renamed(headers).items() if not _BROKER_HEADERS.match(name)}
 
 
 @dataclass(frozen=True)
@@ -135,7 +183,7 @@ class WaitHistory:
         ):
             return self
         logger.warning(
-            "%s[%s]: ignoring a semaphore_ticket this deployment did not sign (another producer, or a "
+            "%s[%s]: ignoring a wait ticket this deployment did not sign (another producer, or a "
             "release before protocol 2): it waits from the back of the line",
             getattr(request, "task", "?"),
             getattr(request, "id", "?"),
@@ -266,7 +314,11 @@ def message_nonce(request: Any) -> str | None:
 
 
 def _header(request: Any, name: str) -> Any:
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    return value
+    """Header ``name`` of a task's request, under its name, else under its old one."""
+    for candidate in (name, old_name(name)):
+        value = getattr(request, candidate, None)
+        if value is None:
+            value = (getattr(request, "headers", None) or {}).get(candidate)
+        if value is not None:
+            return value
+    return None

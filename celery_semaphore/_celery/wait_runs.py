@@ -1,21 +1,20 @@
 """Where a waited task's runs are noted: which wait a first delivery began (so a redelivery
 of that message continues it instead of beginning a second one), how long a finished run is
-remembered, and where a parked wait stands for a sweep (``wait_state``). Apart from ``task.py``
+remembered. Apart from ``task.py``
 so that the worker's main process can use them without the task hook."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from .._core.multi import MultiSemaphore, home_of
-from .._core.scripts import scripts_for
 from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
 from .config import SemaphoreConfig, config_for
 from .options import WaitOptions, wait_options
+from .parked_scripts import parked_scripts_for
 from .policy import KEPT_APART_BACKSTOP_S
 from .wait_headers import WaitHistory, message_nonce
 
@@ -45,7 +44,7 @@ def _first_delivery_note(request: Any) -> str:
 def remember_wait(semaphore: FairSemaphore | MultiSemaphore, request: Any, wait_id: str, remember: float) -> None:
     home = home_of(semaphore)
     try:
-        scripts_for(home.client).remember_wait(
+        parked_scripts_for(home.client).remember_wait(
             home.keys, first_delivery=_first_delivery_note(request), wait_id=wait_id, remember_ms=to_ms(remember)
         )
     except Exception as error:  # Redis down: the copies still run once; a redelivery may wait twice
@@ -76,7 +75,7 @@ def reopen_run(task: Any, semaphore: FairSemaphore | MultiSemaphore, history: Wa
         return
     config = config_for(task.app)
     home = home_of(semaphore)
-    scripts_for(home.client).remember_wait(
+    parked_scripts_for(home.client).remember_wait(
         home.keys,
         first_delivery=history.run_id(task.request),
         wait_id=token,
@@ -110,23 +109,3 @@ def remember_for(options: WaitOptions, config: SemaphoreConfig) -> float:
     """How long a finished run of a waited task is remembered, to drop its late copies."""
     longest_away = max(options.countdown[1], KEPT_APART_BACKSTOP_S) + AWAY_SLACK
     return max(longest_away, config.visibility_timeout or 0.0) + REMEMBER_SLACK
-
-
-@dataclass(frozen=True)
-class WaitState:
-    """Where a parked wait stands, for a sweep."""
-
-    granted: bool  # a copy of it was granted its slot (it runs or ran): nothing to send, ever
-    left_ms: int | None  # its place in line lasts this much longer (a copy asked, or it is still
-    # parked within its time); None: its place lapsed with no copy asking, so its copies are lost
-
-
-def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run: str) -> WaitState:
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    pipe.zscore(deadlines_key, waiter)
-    pipe.hexists(runs_key, run)
-    (seconds, micros), deadline_ms, granted = pipe.execute()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
-    return WaitState(granted=bool(granted), left_ms=left)

@@ -33,14 +33,22 @@ from .._core.validation import to_ms
 from .._core.waiting import leave_quietly
 from ..errors import SemaphoreError, SemaphoreUnavailable
 from . import policy
-from .backstop import DUE_HEADER, holds_backstops
+from .backstop import holds_backstops
 from .config import SemaphoreConfig, config_for
-from .due_copies import COPY_ID_HEADER, DUE_IN_HEADER, send_copy, stores_copies, withdraw
+from .due_copies import send_copy, stores_copies, withdraw
 from .options import WaitOptions, wait_options
 from .outages import outages
 from .parking import parking
 from .tokens import waiter_of
-from .wait_headers import QUEUE_HEADER, TicketSigner, WaitHistory, without_broker_headers
+from .wait_headers import (
+    COPY_ID_HEADER,
+    DUE_HEADER,
+    DUE_IN_HEADER,
+    QUEUE_HEADER,
+    TicketSigner,
+    WaitHistory,
+    without_broker_headers,
+)
 from .wait_runs import AWAY_SLACK, remember_for, remember_wait
 from .wake_queues import backstop_queue, origin_of_wake, wake_queue
 

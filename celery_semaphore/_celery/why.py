@@ -30,10 +30,10 @@ from celery.backends.base import DisabledBackend
 from .._core.explain import KeyView, Look, look
 from .._core.multi import MultiSemaphore
 from .._core.status import LONG_PAUSE_MS
-from .._core.storage import ParkedRecord, as_text, parked_waiter_entry, token_prefix_pattern, weighted_waiter
+from .._core.storage import as_text, token_prefix_pattern, weighted_waiter
 from .catalogue import Catalogue, semaphore_for_call
 from .options import is_semaphore_task, key_option, weight_option
-from .parked_records import parked_keys
+from .parked_records import ParkedRecord, parked_keys, parked_waiter_entry
 from .pausing import members
 from .tokens import task_key
 from .wait_runs import AWAY_SLACK

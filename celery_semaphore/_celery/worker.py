@@ -29,7 +29,6 @@ from celery.worker.request import Request
 
 from .. import metrics
 from .._core.clients import client_for
-from .._core.scripts import preload
 from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
@@ -41,6 +40,7 @@ from .due_copies import stores_copies, withdraw
 from .handing_back import read_pending_brpop
 from .keys import sample_key
 from .options import is_semaphore_task, key_option, template_of, wait_options, weight_option
+from .parked_scripts import preload
 from .parking import parking
 from .policy import VISIBILITY_MARGIN
 from .pool_room import is_prefork, pool_room

@@ -148,3 +148,37 @@ def refusal_of(reply: AcquireReply, name: str) -> Waiting | Duplicate:
     if reply.outcome == RAN:
         return Duplicate(running=False)
     raise SemaphoreError(f"acquire on {name!r} returned unknown code {reply.outcome!r}", key=name)
+
+
+class OneTry:
+    """``try_acquire``, one signature and one promise for both blocking semaphore classes: a
+    caller switching from one key to several changes nothing in its tries. Each class says how a
+    try's names are made when the caller gives none (``_ask_once``) and makes the try (``_try``)."""
+
+    def try_acquire(
+        self,
+        *,
+        waiter: str | None = None,
+        token: str | None = None,
+        enqueue: bool = True,
+        label: str | None = None,
+    ) -> Attempt:
+        """One try, one round trip: Granted with a Lease, or Waiting with the place in line.
+
+        Pass the same ``waiter`` on every try to keep the place in line (a waiter that stops
+        asking for ``patience`` seconds loses it); ``token`` names the slot if granted (a repeat
+        with the same token is granted again, not twice). A slot freed while the waiter is
+        present is offered to it: its next try claims it. With ``enqueue=False`` a new waiter
+        takes no place in line: it gets a slot only if it passes no present waiter.
+
+        On a ``MultiSemaphore``, ``turn`` is ``position``: the most waiters ahead in any line;
+        ``token`` gets the weight written in it (``token_for``) and ``waiter`` the weight in
+        front (``waiter_id``) unless they have them.
+        """
+        return self._try(self._ask_once(waiter, token, enqueue, label))
+
+    def _ask_once(self, waiter: str | None, token: str | None, enqueue: bool, label: str | None) -> Ask:
+        raise NotImplementedError
+
+    def _try(self, ask: Ask) -> Attempt:
+        raise NotImplementedError

@@ -236,3 +236,26 @@ def _view(key: str, reply: list[Any]) -> KeyView:
         holders=_holdings(holders, now),
         ahead=[as_text(ahead[i]) for i in range(0, len(ahead), 2)],
     )
+
+
+@dataclass(frozen=True)
+class WaitState:
+    """Where a parked wait stands, for a sweep."""
+
+    granted: bool  # a copy of it was granted its slot (it runs or ran): nothing to send, ever
+    left_ms: int | None  # its place in line lasts this much longer (a copy asked, or it is still
+    # parked within its time); None: its place lapsed with no copy asking, so its copies are lost
+
+
+def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run: str) -> WaitState:
+    """Where a waiter that stepped away stands, read from the keys of its semaphore (a parked
+    record names them): for a caller that holds no semaphore object for it, such as a sweep of
+    parked Celery tasks."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    pipe.zscore(deadlines_key, waiter)
+    pipe.hexists(runs_key, run)
+    (seconds, micros), deadline_ms, granted = pipe.execute()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
+    return WaitState(granted=bool(granted), left_ms=left)

@@ -31,7 +31,7 @@ import re
 from dataclasses import replace
 
 from . import renewer
-from .attempts import Ask, Attempt, Granted
+from .attempts import Ask, Attempt, Granted, OneTry
 from .lease import Lease
 from .multi_config import MultiConfig
 from .redis_errors import RedisErrors
@@ -45,7 +45,7 @@ from .waiting import WakeAddress, acquire_within, wait_for_turn
 logger = logging.getLogger("celery_semaphore")
 
 
-class MultiSemaphore(MultiConfig[FairSemaphore]):
+class MultiSemaphore(MultiConfig[FairSemaphore], OneTry):
     """Hold ``weight`` slots of each of ``semaphores`` at once, or wait holding none.
 
     ``with MultiSemaphore([per_host, total]).acquire(timeout=10): ...``; ``acquire(weight=3)``
@@ -79,22 +79,11 @@ class MultiSemaphore(MultiConfig[FairSemaphore]):
             one_try=lambda: self.try_acquire(token=token, enqueue=False, label=label),
         )
 
-    def try_acquire(
-        self,
-        *,
-        waiter: str | None = None,
-        token: str | None = None,
-        enqueue: bool = True,
-        label: str | None = None,
-    ) -> Attempt:
-        """One try, one round trip: Granted, or Waiting (``turn`` is ``position``: the most
-        waiters ahead in any line), as ``FairSemaphore.try_acquire``. ``token`` gets the weight
-        written in it (``token_for``) and ``waiter`` the weight in front (``waiter_id``) unless
-        they have them; the same waiter on every try keeps the places in line."""
+    def _ask_once(self, waiter: str | None, token: str | None, enqueue: bool, label: str | None) -> Ask:
         token = self.token_for(token)
         if waiter is None:
-            return self._try(Ask(token=token, waiter=self.waiter_id(), enqueue=False, label=label))
-        return self._try(Ask(token=token, waiter=waiter, enqueue=enqueue, label=label))
+            return Ask(token=token, waiter=self.waiter_id(), enqueue=False, label=label)
+        return Ask(token=token, waiter=waiter, enqueue=enqueue, label=label)
 
     def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
         """Step out of every line at once, so those behind move up. True if it was in one.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .replies import hand_off_reply
-from .scripts import SemaphoreKeys, _Script, script_source
+from .scripts import Script, SemaphoreKeys, script_source
 from .storage import INSTANCE_BEATING, INSTANCE_GONE, INSTANCE_TAKEN, WEIGHT_MARK, as_text, slot_members
 
 # The hex digits of an instance id (a holder token carries them, see ``instance_tokens``).
@@ -73,10 +73,10 @@ class NodeScripts:
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self._beat = _Script(client, script_source("beat"))
-        self._take_over = _Script(client, script_source("take_over"))
-        self._release = _Script(client, script_source("release"))
-        self._release_many = _Script(client, script_source("release_many"))
+        self._beat = Script(client, script_source("beat"))
+        self._take_over = Script(client, script_source("take_over"))
+        self._release = Script(client, script_source("release"))
+        self._release_many = Script(client, script_source("release_many"))
 
     def beat(self, keys: NodeKeys, *, instance: str, where: str, ttl_ms: int) -> int:
         """One beat: RECORDED, TAKEN_OVER (the name recorded others, not the instance) or UNNAMED

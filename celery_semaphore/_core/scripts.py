@@ -3,7 +3,7 @@ called through typed wrappers.
 
 Each operation is one script, so each costs one round trip and runs atomically: there is no
 window between reading the holders and adding to them, and no lock around the semaphore.
-``_Script`` computes the SHA once and loads the script again by itself after ``NOSCRIPT`` (a
+``Script`` computes the SHA once and loads the script again by itself after ``NOSCRIPT`` (a
 ``SCRIPT FLUSH``, a restarted Redis, a promoted replica).
 
 The contract of each script (its KEYS, its ARGV, its reply) is written once in the header of its
@@ -30,10 +30,8 @@ from redis.exceptions import NoScriptError
 
 from . import script_calls as calls
 from . import script_calls_many as calls_many
-from .replies import waiters_of
-from .script_args import number
 from .script_calls import ScriptCall
-from .storage import as_text, parked_waiter_entry, wake_address
+from .storage import wake_address
 
 R = TypeVar("R")
 P = ParamSpec("P")
@@ -50,15 +48,12 @@ _NAMES = (
     "release_many",
     "renew_many",
     "leave_many",
-    "park",
-    "claim_parked",
-    "claim_parked_waiter",
-    "tick",
-    "lines_to_tick",
-    "remember_wait",
     "set_gate",
 )
 
+
+# The package whose lua/ folder holds the library every script is built on, and the semaphore's scripts.
+_LIBRARY = __name__.rpartition(".")[0]
 
 # In lua/_lib.lua, the line that ends the helpers of the uncontended paths; in a script, where
 # the rest of the helpers go (after its fast path). See the head of lua/_lib.lua.
@@ -66,15 +61,23 @@ REST_OF_LIB = "-- @rest-of-lib\n"
 
 
 @functools.cache
-def script_source(name: str) -> str:
-    """The full text of one script as Redis runs it: the shared helpers, then its body. The
-    helpers after ``REST_OF_LIB`` go where the body has that line, else in front of it."""
-    lua = importlib.resources.files("celery_semaphore._core") / "lua"
-    first, rest = (lua / "_lib.lua").read_text(encoding="utf-8").split(REST_OF_LIB)
-    body = (lua / f"{name}.lua").read_text(encoding="utf-8")
+def built_script(package: str, name: str) -> str:
+    """The full text of script ``name`` of ``package``'s ``lua/`` folder as Redis runs it: this
+    library's shared helpers (``lua/_lib.lua``), then its body. The helpers after ``REST_OF_LIB``
+    go where the body has that line, else in front of it. A package that drives the semaphore's
+    keys with scripts of its own builds them here, on the same key schema and storage format."""
+    first, rest = (
+        (importlib.resources.files(_LIBRARY) / "lua" / "_lib.lua").read_text(encoding="utf-8").split(REST_OF_LIB)
+    )
+    body = (importlib.resources.files(package) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
     if REST_OF_LIB in body:
         return first + "\n" + body.replace(REST_OF_LIB, REST_OF_LIB + rest)
     return first + REST_OF_LIB + rest + "\n" + body
+
+
+def script_source(name: str) -> str:
+    """The full text of one of the semaphore's own scripts as Redis runs it."""
+    return built_script(_LIBRARY, name)
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ _KEY_NAMES = (
 )
 
 
-class _Script:
+class Script:
     """One script on one client: EVALSHA by its SHA; after NOSCRIPT, SCRIPT LOAD and again.
 
     Not redis-py's ``register_script``: its ``Script.__call__`` copies keys and arguments into a
@@ -238,7 +241,7 @@ class Scripts:
     """The registered scripts of one Redis client, one typed method per script."""
 
     def __init__(self, client: Any) -> None:
-        self._scripts: dict[str, _Script] = {name: _Script(client, script_source(name)) for name in _NAMES}
+        self._scripts: dict[str, Script] = {name: Script(client, script_source(name)) for name in _NAMES}
 
     def run(self, call: ScriptCall[R]) -> R:
         """Run one call (``script_calls``) and parse its reply."""
@@ -256,52 +259,6 @@ class Scripts:
     release_many = _blocking(calls_many.release_many)
     renew_many = _blocking(calls_many.renew_many)
     leave_many = _blocking(calls_many.leave_many)
-
-    def park(
-        self,
-        keys: list[bytes],
-        *,
-        record: str,
-        look_in_ms: int,
-        copy: bytes,
-        only_if_absent: bool = False,
-        line: str = "",
-    ) -> bool:
-        """Keep (or, with an empty ``copy``, forget) a parked task's record; ``keys`` are
-        ``_parking.parked_keys``. With ``only_if_absent``, a record that exists is left as it is
-        (and False returned). ``line``: the member naming the waiter's line for the ticks."""
-        args: list[Any] = [record, look_in_ms, copy, b"nx" if only_if_absent else b"", line]
-        return bool(self._scripts["park"](keys=keys[:4], args=args))
-
-    def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
-        """The parked-task records now due, (record, copy) each, taken by this caller alone."""
-        reply = self._scripts["claim_parked"](keys=keys[:3], args=[most])
-        return [(as_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
-
-    def claim_parked_waiter(
-        self, keys: list[bytes], *, deadlines_key: str, waiter: str, lease_ms: int
-    ) -> tuple[str, bytes] | None:
-        """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
-        this caller alone and leased for ``lease_ms`` (a sweep sends its copy again after that,
-        unless its run was granted); None when it has none (or another caller took it)."""
-        reply = self._scripts["claim_parked_waiter"](
-            keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter), number(lease_ms)]
-        )
-        return (as_text(reply[0]), bytes(reply[1])) if reply else None
-
-    def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:
-        """The lines with parked waiters to tick this round, or [] when another process has it."""
-        return [as_text(line) for line in self._scripts["lines_to_tick"](keys=keys[3:5], args=[round_ms, most])]
-
-    def remember_wait(self, keys: SemaphoreKeys, *, first_delivery: str, wait_id: str, remember_ms: int) -> None:
-        """Note the wait a first delivery began (lua/remember_wait.lua)."""
-        self._scripts["remember_wait"](keys=keys.encoded, args=[first_delivery, wait_id, number(remember_ms)])
-
-    def tick(self, keys: SemaphoreKeys, *, rules: bytes) -> tuple[str, ...]:
-        """Purge a line one step and hand freed slots on; the waiters the caller must wake
-        (offered a slot: parked, or nobody heard; see notify in lua/_lib.lua).
-        ``rules``: as ``Rules.arg`` (a parked line's record carries them as text)."""
-        return waiters_of(self._scripts["tick"](keys=keys.line_keys, args=[rules]))
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
@@ -321,7 +278,7 @@ def scripts_for(client: Any) -> Scripts:
 
 
 def preload(client: Any) -> None:
-    """Load every script into the server's script cache now (on a cluster, into every master),
+    """Load every script of the semaphore's into the server's script cache now (on a cluster, into every master),
     so that a process's first acquire is one EVALSHA, not NOSCRIPT, SCRIPT LOAD and a retry."""
     for name in _NAMES:
         client.script_load(script_source(name))

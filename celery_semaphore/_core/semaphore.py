@@ -31,7 +31,7 @@ import redis.cluster
 
 from ..errors import ConfigurationError
 from . import renewer
-from .attempts import Ask, Attempt, Granted, default_label, new_token, refusal_of
+from .attempts import Ask, Attempt, Granted, OneTry, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
@@ -96,7 +96,7 @@ def tell_to_wake(semaphore: Any, waiters: tuple[str, ...], *, later: bool = Fals
         )
 
 
-class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"]):
+class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"], OneTry):
     """At most ``limit`` holders at once across every process that uses the same Redis, name
     and prefix; waiters get slots in the order they first asked.
 
@@ -156,28 +156,13 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             one_try=lambda: self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0),
         )
 
-    def try_acquire(
-        self,
-        *,
-        waiter: str | None = None,
-        token: str | None = None,
-        enqueue: bool = True,
-        label: str | None = None,
-    ) -> Attempt:
-        """One try, one round trip: Granted with a Lease, or Waiting with the place in line.
-
-        Pass the same ``waiter`` on every try to keep the place in line (a waiter that stops
-        asking for ``patience`` seconds loses it); ``token`` names the slot if granted (a repeat
-        with the same token is granted again, not twice). A slot freed while the waiter is
-        present is offered to it: its next try claims it. With ``enqueue=False`` a new waiter
-        takes no place in line: it gets a slot only if it passes no present waiter.
-        """
+    def _ask_once(self, waiter: str | None, token: str | None, enqueue: bool, label: str | None) -> Ask:
         if token is None:
             token = new_token()
         if waiter is None:
             # nobody will ask again under a fresh waiter id: a ticket would only block the line
-            return self._try(Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True))
-        return self._try(Ask(token=token, waiter=waiter, enqueue=enqueue, label=label))
+            return Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True)
+        return Ask(token=token, waiter=waiter, enqueue=enqueue, label=label)
 
     def leave(self, waiter: str, *, away_for: float | None = None) -> bool:
         """Step out of line at once, so those behind move up. True if it was in line.

@@ -16,9 +16,8 @@ head of ``lua/_lib.lua``.
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 # What acquire and acquire_many answer.
 WAIT = 0  # refused: the try stands in line (or, one-shot, took nothing)
@@ -54,6 +53,8 @@ PARKED_MARK = ">"  # waiter_info: "<first ask ms>|><wake address>" is a parked w
 HOLD_FIELD = "hold"  # waiter_info: the moving average of hold times (ms)
 INFO_SEPARATOR = "|"  # between the parts of a holder_info or waiter_info value
 RECORD_SEPARATOR = "\n"  # the parked tasks' waiters hash: "<deadlines key>\n<waiter>" -> record
+# (the parked tasks' keys are the Celery glue's, _celery/parked_records.py; their marks are here
+# because the glue's scripts are built on lua/_lib.lua and read them from its block)
 # copies: "woken\n<copy>" is the copy of a wait whose wake copy was sent (claim_parked_waiter):
 # leased, not dropped, so that a sweep sends it again if that copy is lost before it is granted
 WOKEN_COPY_MARK = "woken\n"
@@ -128,44 +129,6 @@ def wake_address(base: str, listener_id: str) -> str:
     """The wake address of one listener's waiters on the semaphore whose keys start with
     ``base``. It is inside the hash tag, so the scripts may publish on it."""
     return f"{base}:wake:{listener_id}"
-
-
-class ParkedRecord(NamedTuple):
-    """A parked Celery task's record in Redis: everything a sweep needs to tell whether some copy
-    of the wait asked. park.lua and claim_parked.lua read fields 1 and 3 of its JSON (the
-    deadlines key and the waiter) to build the waiter's entry (``parked_waiter_entry``)."""
-
-    deadlines_key: str
-    runs_key: str
-    waiter: str
-    run: str
-    name: str
-
-    def text(self) -> str:
-        return json.dumps(list(self))
-
-    @classmethod
-    def read(cls, text: str) -> ParkedRecord:
-        deadlines_key, runs_key, waiter, run, name = json.loads(text)
-        return cls(deadlines_key, runs_key, waiter, run, name)
-
-
-def parked_waiter_entry(deadlines_key: str, waiter: str) -> str:
-    """The field of the parked tasks' waiters hash that leads from a waiter to its record."""
-    return f"{deadlines_key}{RECORD_SEPARATOR}{waiter}"
-
-
-def parked_line(base: str, rules: bytes) -> str:
-    """The member of the parked tasks' lines set that names a line for the ticks: its keys' base
-    and the rules given in code (``Rules.arg``; a bare limit is written as the number it always
-    was, so a line is one member to workers of either version)."""
-    text = rules.decode()
-    return json.dumps([base, int(text) if text.isdigit() else text])
-
-
-def read_parked_line(text: str) -> tuple[str, bytes]:
-    base, rules = json.loads(text)
-    return base, str(rules).encode()
 
 
 def as_text(value: Any) -> str:

@@ -165,9 +165,9 @@ def _task_failed(
 def _task_sent(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
     """A crawl task was sent (by the orchestrator, or a task scheduling links): one more unit of
     crawl work, counted before the message leaves. A waiting task's copies (their headers carry
-    ``semaphore_waits``) are the same unit: some are withdrawn unsent-to-a-worker once their run
+    ``csem_waits``) are the same unit: some are withdrawn unsent-to-a-worker once their run
     no longer needs them, so they are not counted."""
-    if sender in CRAWL_TASKS and not (headers or {}).get("semaphore_waits"):
+    if sender in CRAWL_TASKS and not (headers or {}).get("csem_waits"):
         data().incr(keys().pending)
 
 

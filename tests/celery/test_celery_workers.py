@@ -70,11 +70,16 @@ def test_limit_holds_and_is_reached_with_40_tasks_on_two_workers(proj: Any) -> N
 
 def test_waiting_by_countdown_leaves_retries_and_max_retries_alone(proj: Any) -> None:
     """A task with max_retries=0 that waits through countdown re-sends still succeeds, with
-    request.retries untouched and the wait count carried in headers."""
+    request.retries untouched and the wait count carried in headers: the package's own, under
+    their prefix (csem_), none under the prefix of the task options (semaphore_)."""
     results = [send(proj.no_retries, 0.3) for _ in range(4)]
     reports = [r.get(timeout=120) for r in results]
     assert all(report["retries"] == 0 for report in reports)
     assert max(report["waits"] or 0 for report in reports) >= 1, "some task waited by countdown"
+    for report in reports:
+        assert {"csem_sent", "csem_message"} <= set(report["headers"]), report
+        assert not [name for name in report["headers"] if name.startswith("semaphore_")], report
+        assert not report["waits"] or {"csem_waits", "csem_run", "csem_queue"} <= set(report["headers"]), report
     assert proj.probe("proj.no_retries").maximum == 1
 
 

@@ -22,8 +22,6 @@ from celery import Celery
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import (
     COPIES_KEY,
-    COPY_ID_HEADER,
-    DUE_IN_HEADER,
     DUE_KEY,
     FINISHED_KEY,
     MOVED_KEY,
@@ -33,6 +31,7 @@ from celery_semaphore._celery.due_copies import (
     send_copy,
     withdraw,
 )
+from celery_semaphore._celery.wait_headers import COPY_ID_HEADER, DUE_IN_HEADER, QUEUE_HEADER
 from celery_semaphore._celery.wake_queues import wake_aware
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
@@ -77,7 +76,7 @@ def _copy(app: Any, run: str, due_in: float) -> Any:
         "due_copies_test.work",
         args=(run,),
         queue=BACKSTOP_LIST,
-        headers={DUE_IN_HEADER: due_in, COPY_ID_HEADER: run, "semaphore_queue": "celery"},
+        headers={DUE_IN_HEADER: due_in, COPY_ID_HEADER: run, QUEUE_HEADER: "celery"},
     )
 
 
@@ -101,6 +100,17 @@ def test_a_copy_is_stowed_at_once_and_moved_to_the_wake_queue_when_due(setup: Se
     assert payload["headers"]["eta"] is None
     assert payload["headers"]["argsrepr"] == "('run-a',)"
     assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+
+
+def test_a_copy_an_earlier_release_sent_is_stowed_under_its_run_all_the_same(setup: Setup) -> None:
+    """During a rolling deploy this release stows the copies an earlier one sent, which name
+    their due time and run under the old header names (semaphore_due_in, semaphore_backstop)."""
+    app, client = setup.app, setup.client
+    old = {"semaphore_due_in": 60, "semaphore_backstop": "run-old", "semaphore_queue": "celery"}
+    send_copy(app, app.signature("due_copies_test.work", args=("run-old",), queue=BACKSTOP_LIST, headers=old))
+    assert client.zrange(DUE_KEY, 0, -1) == [b"run-old"]
+    due_in_ms = float(client.zscore(DUE_KEY, "run-old") or 0) - client.time()[0] * 1000
+    assert 50_000 < due_in_ms <= 61_000
 
 
 def test_a_newer_copy_of_a_run_replaces_the_older_and_withdraw_forgets_it(setup: Setup) -> None:

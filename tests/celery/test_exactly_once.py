@@ -316,18 +316,20 @@ def test_task_ids_that_look_like_markers_wait_and_run(proj: Any, workers: list[W
     assert result.get(timeout=30) == unique
 
 
-def test_wait_headers_not_ours_are_ignored_with_a_warning(proj: Any, workers: list[Worker]) -> None:
+@pytest.mark.parametrize("prefix", ["csem_", "semaphore_"])
+def test_wait_headers_not_ours_are_ignored_with_a_warning(proj: Any, workers: list[Worker], prefix: str) -> None:
     """A message whose semaphore headers do not parse starts a fresh wait: it runs, it does not
-    fail, and it takes no place it did not earn."""
+    fail, and it takes no place it did not earn. The headers are read under their names of an
+    earlier release too (``semaphore_``), or this test would see no warning with those."""
     key = "recycled"
     result = proj.recycled.apply_async(
         (0.1,),
         queue=QUEUE,
         headers={
-            "semaphore_first_refused": "x",
-            "semaphore_wait_of_retry": 0,
-            "semaphore_waits": 1,
-            "semaphore_ticket": "not a ticket",
+            f"{prefix}first_refused": "x",
+            f"{prefix}wait_of_retry": 0,
+            f"{prefix}waits": 1,
+            f"{prefix}ticket": "not a ticket",
         },
     )
     assert result.get(timeout=30) == result.id

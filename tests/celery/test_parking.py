@@ -233,7 +233,7 @@ PREFIX = "parking-tests"
 app = Celery("parking", broker=f"redis://127.0.0.1:{port}/5", set_as_current=False)
 semaphore = FairSemaphore(redis.Redis(port=port), "park-dead", 1, prefix=PREFIX)
 assert isinstance(semaphore.try_acquire(token="gone:a", waiter="gone"), Waiting)
-wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"semaphore_waits": 3})
+wake_copy = app.signature("parking.job", (7,), queue="q-dead.semaphore-wake", headers={"csem_waits": 3})
 address = parking().park(semaphore, "gone", wake_copy, away_for=0.5, run="gone#0")
 semaphore._leave("gone", 0.5, address)
 print("parked", flush=True)
@@ -276,7 +276,7 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
         (message,) = broker.lrange("q-dead.semaphore-wake", 0, -1)
     sent = json.loads(message)
     assert sent["headers"]["task"] == "parking.job"
-    assert sent["headers"]["semaphore_waits"] == 3
+    assert sent["headers"]["csem_waits"] == 3
     assert json.loads(base64.b64decode(sent["body"]))[0] == [7]
     holder.release()
 
@@ -304,9 +304,9 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
 def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Redis) -> None:
     """A sweep puts a record back only if the task has not parked it again meanwhile: the newer
     copy (its headers count one more wait) and its due time stay."""
-    from celery_semaphore._core.scripts import scripts_for
+    from celery_semaphore._celery.parked_scripts import parked_scripts_for
 
-    scripts, keys = scripts_for(redis_client), parked_keys("nx")
+    scripts, keys = parked_scripts_for(redis_client), parked_keys("nx")
     assert scripts.park(keys, record="w", look_in_ms=60_000, copy=b"newer")
     assert not scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
     assert redis_client.hget(keys[1], "w") == b"newer"

@@ -44,9 +44,9 @@ def test_a_forged_or_foreign_ticket_is_ignored_with_a_warning(forge: str, caplog
     sign = signer()
     headers = continued(sign, 123_456)
     if forge == "unsigned":
-        del headers["semaphore_ticket_sig"]
+        del headers["csem_ticket_sig"]
     elif forge == "changed":
-        headers["semaphore_ticket"] = 1  # the head of every line
+        headers["csem_ticket"] = 1  # the head of every line
     else:
         headers = continued(signer(url="redis://:another@127.0.0.1:1/0"), 123_456)
     history = WaitHistory.of(request(**headers)).checked(sign, request())
@@ -64,16 +64,16 @@ def test_hosts_reaching_the_same_redis_by_other_names_agree() -> None:
 @pytest.mark.parametrize(
     "headers",
     [
-        {"semaphore_first_refused": "x", "semaphore_wait_of_retry": 0},
-        {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_ticket": "not a ticket"},
-        {"semaphore_first_refused": 1.0, "semaphore_wait_of_retry": 0, "semaphore_ticket": -5},
+        {"csem_first_refused": "x", "csem_wait_of_retry": 0},
+        {"csem_first_refused": 1.0, "csem_wait_of_retry": 0, "csem_ticket": "not a ticket"},
+        {"csem_first_refused": 1.0, "csem_wait_of_retry": 0, "csem_ticket": -5},
         {
-            "semaphore_first_refused": 1.0,
-            "semaphore_wait_of_retry": 0,
-            "semaphore_run": "../x",
-            "semaphore_protocol": 2,
+            "csem_first_refused": 1.0,
+            "csem_wait_of_retry": 0,
+            "csem_run": "../x",
+            "csem_protocol": 2,
         },
-        {"semaphore_first_refused": float("nan"), "semaphore_wait_of_retry": 0},
+        {"csem_first_refused": float("nan"), "csem_wait_of_retry": 0},
     ],
 )
 def test_headers_that_do_not_parse_start_a_fresh_wait(
@@ -88,7 +88,8 @@ def test_headers_that_do_not_parse_start_a_fresh_wait(
 
 def test_headers_of_a_release_before_protocol_2_keep_their_run_id() -> None:
     """Copies written before per-wait run ids ask under "<task id>#<retries>", as their twins of
-    the old release do, so the two still know each other during a rolling deploy."""
+    the old release do, so the two still know each other during a rolling deploy. (Those
+    releases wrote the headers under their old names.)"""
     history = WaitHistory.of(request(semaphore_first_refused=1.0, semaphore_wait_of_retry=0, semaphore_waits=2))
     assert history.run_id(request()) == "task-1#0"
     assert history.waits == 2
@@ -104,7 +105,92 @@ def test_a_re_sent_copy_leaves_the_brokers_headers_behind() -> None:
         "x-first-death-queue": "q",
         "x-last-death-reason": "rejected",
         "x-delivery-count": 2,
-        "semaphore_waits": 1,
+        "csem_waits": 1,
         "tenant": "a",
     }
-    assert without_broker_headers(delivered) == {"semaphore_waits": 1, "tenant": "a"}
+    assert without_broker_headers(delivered) == {"csem_waits": 1, "tenant": "a"}
+
+
+# What a waiting task's copy carried when an earlier release sent it: the same headers, under the
+# prefix of the task options.
+_OLD_HEADERS = {
+    "semaphore_waits": 2,
+    "semaphore_first_refused": 1.5,
+    "semaphore_ticket": 123_456,
+    "semaphore_wait_of_retry": 0,
+    "semaphore_queue": "crawl",
+    "semaphore_run": "ab12",
+    "semaphore_protocol": 2,
+    "semaphore_sent": 1.25,
+    "semaphore_message": "cafe01",
+    "semaphore_due": 9.5,
+    "semaphore_handed_back": 1,
+}
+
+
+def _delivered(headers: dict[str, Any]) -> Any:
+    """A task message with ``headers``, published and received through kombu (its in-memory
+    transport), and the request the worker makes of it, as a task's body sees it."""
+    from celery.app.task import Context
+    from celery.worker.request import Request
+    from kombu import Connection, Queue
+
+    app = Celery("old-release", broker="memory://", set_as_current=False)
+
+    @app.task(name="old_release.t", shared=False)  # this app alone: no other app gets it
+    def task() -> None: ...
+
+    message = app.amqp.as_task_v2("task-1", task.name, args=(), kwargs={})
+    queue = Queue("old-release", routing_key="old-release")
+    with Connection("memory://") as connection:
+        connection.Producer().publish(
+            message.body,
+            routing_key="old-release",
+            declare=[queue],
+            headers={**message.headers, **headers},
+            serializer="json",
+            **message.properties,
+        )
+        received = connection.SimpleQueue(queue).get(timeout=5)
+        received.ack()
+    return received, Context(Request(received, app=app, task=task).request_dict)
+
+
+def test_a_message_an_earlier_release_sent_is_read_under_the_old_names() -> None:
+    """During a rolling deploy, a worker of this release receives copies an earlier one sent:
+    their wait (refusals, first refusal, place in line, run, queue, send stamp, nonce) and a held
+    backstop's due time are read from the old names, as from the new ones."""
+    from celery_semaphore._celery.backstop import due_in
+    from celery_semaphore._celery.wait_headers import message_nonce
+
+    message, request = _delivered(_OLD_HEADERS)
+    history = WaitHistory.of(request)
+    assert (history.waits, history.first_refused, history.ticket) == (2, 1.5, 123_456)
+    assert (history.run_part, history.origin, history.sent) == ("ab12", "crawl", 1.25)
+    assert message_nonce(request) == "cafe01"
+    assert due_in(message.headers, now=9.0) == 0.5
+
+
+def test_a_copy_sent_on_carries_the_package_headers_under_the_new_names_only() -> None:
+    """A copy re-sent from a message an earlier release wrote keeps its values (its send stamp
+    and nonce above all: re-stamped, it would be taken for another invocation), under the new
+    names only; where both names are there, the new one's value is the one kept."""
+    from celery_semaphore._celery.wait_headers import PREFIX, without_broker_headers
+
+    message, _ = _delivered({**_OLD_HEADERS, "csem_waits": 3, "tenant": "a", "semaphore_priority": 60})
+    sent_on = without_broker_headers(message.headers)
+    # the user's per-call option keeps its name; none of the package's own is left under the old
+    assert [name for name in sent_on if name.startswith("semaphore_")] == ["semaphore_priority"]
+    assert sent_on["csem_waits"] == 3 and sent_on["tenant"] == "a"
+    assert {f"{PREFIX}{name.removeprefix('semaphore_')}": value for name, value in _OLD_HEADERS.items()} == {
+        name: value for name, value in sent_on.items() if name.startswith(PREFIX) and name != "csem_waits"
+    } | {"csem_waits": 2}
+
+
+def test_new_wait_headers_carry_only_the_new_prefix() -> None:
+    """What a refusal writes on the next copy, and the stamp of a message as it is sent."""
+    from celery_semaphore._celery.stamping import stamp
+
+    headers = continued(signer(), 42)
+    stamp(headers)
+    assert headers and all(name.startswith("csem_") for name in headers), headers

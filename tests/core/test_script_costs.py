@@ -324,10 +324,12 @@ def test_the_uncontended_paths_return_before_the_rest_of_the_helpers_are_made() 
     defined (about 1 us of Redis time per run). Each script defines each helper exactly once."""
     import re
 
-    from celery_semaphore._core.scripts import _NAMES, REST_OF_LIB, script_source
+    from celery_semaphore._celery.parked_scripts import _NAMES as GLUE_NAMES
+    from celery_semaphore._celery.parked_scripts import _PACKAGE as GLUE
+    from celery_semaphore._core.scripts import _NAMES, REST_OF_LIB, built_script, script_source
 
-    for name in _NAMES:
-        source = script_source(name)
+    built = {name: script_source(name) for name in _NAMES} | {name: built_script(GLUE, name) for name in GLUE_NAMES}
+    for name, source in built.items():
         defined = re.findall(r"^local function (\w+)", source, flags=re.MULTILINE)
         assert len(defined) == len(set(defined)), (name, defined)
         assert source.count(REST_OF_LIB) == 1, name
@@ -345,13 +347,13 @@ def test_parking_and_sweeping_cost_a_few_calls_whatever_is_parked(redis_client: 
     process has taken costs a ZCARD and a SET; with no parked waiter anywhere, the ZCARD alone."""
     import json
 
+    from celery_semaphore._celery.parked_scripts import parked_scripts_for
     from celery_semaphore._celery.parking import parked_keys
-    from celery_semaphore._core.scripts import scripts_for
 
     def record(i: object) -> str:
         return json.dumps(["cost:{x}:deadlines", "cost:{x}:runs", f"w{i}", f"w{i}#0#ab", "x"])
 
-    scripts = scripts_for(redis_client)
+    scripts = parked_scripts_for(redis_client)
     keys = parked_keys("cost")
     line = json.dumps(["cost:{x}", 1])
     scripts.park(keys, record=record(0), look_in_ms=60_000, copy=b"c", line=line)  # loads the script

@@ -1,7 +1,8 @@
 """The scripts and Python agree on the storage format. The codes and marks that ``_core/storage.py``
 holds must be the ones in the storage-format block of ``lua/_lib.lua``, name by name. The scripts
 must use those names, not bare codes or marks, and the Lua patterns must read what the Python
-helpers write. No Redis is needed: this test reads the Lua source as text.
+helpers write. The Celery glue's scripts (``_celery/lua``) are built on the same library and held
+to the same rules. No Redis is needed: this test reads the Lua source as text.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from celery_semaphore._celery import parked_records, parked_scripts
 from celery_semaphore._core import scripts, storage
 
 LUA = Path(scripts.__file__).parent / "lua"
+GLUE_LUA = Path(parked_scripts.__file__).parent / "lua"
 LIB = (LUA / "_lib.lua").read_text(encoding="utf-8")
-SCRIPTS = {path.stem: path.read_text(encoding="utf-8") for path in sorted(LUA.glob("*.lua")) if path.stem != "_lib"}
+SCRIPTS = {path.stem: path.read_text(encoding="utf-8") for path in sorted(LUA.glob("*.lua")) if path.stem != "_lib"} | {
+    name: (GLUE_LUA / f"{name}.lua").read_text(encoding="utf-8") for name in parked_scripts._NAMES
+}
+# Each script as Redis runs it: the library in front of its body.
+BUILT = {name: scripts.script_source(name) for name in scripts._NAMES} | {
+    name: scripts.built_script(parked_scripts._PACKAGE, name) for name in parked_scripts._NAMES
+}
 BLOCK_MARKER = "-- @storage-format"
 
 # Python's only, and checked through the Lua patterns that contain them (see the pattern tests).
@@ -123,8 +132,7 @@ def test_the_block_is_there_before_any_script_body_runs() -> None:
     scripts.script_source puts in front of every body."""
     assert BLOCK_MARKER in LIB
     assert LIB.index(BLOCK_MARKER) < LIB.index(scripts.REST_OF_LIB)
-    for name in scripts._NAMES:
-        source = scripts.script_source(name)
+    for name, source in BUILT.items():
         assert source.index("local GRANTED = ") < source.index(SCRIPTS[name].splitlines()[0])
 
 
@@ -250,24 +258,24 @@ def test_a_wake_address_is_published_on_as_its_mark_says() -> None:
 def test_a_parked_record_round_trip_and_its_waiter_entry() -> None:
     """park.lua and claim_parked.lua build a waiter's entry from fields 1 and 3 of the record's
     JSON; Python builds the same entry from the deadlines key and the waiter."""
-    record = storage.ParkedRecord("semaphore:{x}:deadlines", "semaphore:{x}:runs", "task-1", "task-1#0#ab", "x")
+    record = parked_records.ParkedRecord("semaphore:{x}:deadlines", "semaphore:{x}:runs", "task-1", "task-1#0#ab", "x")
     text = record.text()
     assert json.loads(text) == list(record)
-    assert storage.ParkedRecord.read(text) == record
+    assert parked_records.ParkedRecord.read(text) == record
     fields = json.loads(text)
     lua_entry = fields[0] + BLOCK["RECORD_SEPARATOR"][0] + fields[2]  # fields[1] .. SEP .. fields[3]
-    assert storage.parked_waiter_entry(record.deadlines_key, record.waiter) == lua_entry
+    assert parked_records.parked_waiter_entry(record.deadlines_key, record.waiter) == lua_entry
     for script in ("park", "claim_parked"):
         assert "(fields[1] .. RECORD_SEPARATOR .. fields[3])" in SCRIPTS[script], script
 
 
 def test_a_parked_line_round_trip() -> None:
     # a bare limit is stored as the number it always was: one member for workers of either version
-    line = storage.parked_line("semaphore:{x}", b"3")
+    line = parked_records.parked_line("semaphore:{x}", b"3")
     assert json.loads(line) == ["semaphore:{x}", 3]
-    assert storage.read_parked_line(line) == ("semaphore:{x}", b"3")
-    gated = storage.parked_line("semaphore:{x}", b"3/30/60000/0")
-    assert storage.read_parked_line(gated) == ("semaphore:{x}", b"3/30/60000/0")
+    assert parked_records.read_parked_line(line) == ("semaphore:{x}", b"3")
+    gated = parked_records.parked_line("semaphore:{x}", b"3/30/60000/0")
+    assert parked_records.read_parked_line(gated) == ("semaphore:{x}", b"3/30/60000/0")
 
 
 @pytest.mark.parametrize("special", ["*", "?", "[", "]", "\\"])

@@ -562,8 +562,8 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
     before sending, and the caller had no way to send), the offer lapses, and the script that
     purges it reports the waiter again: a claim window late, not a backstop late. A periodic
     tick and a holder's renewal each purge."""
+    from celery_semaphore._celery.parked_scripts import parked_scripts_for
     from celery_semaphore._core import semaphore as semaphore_module
-    from celery_semaphore._core.scripts import scripts_for
 
     semaphore = FairSemaphore(redis_client, f"heard-{noticed_by}", 2, patience=30)
     keeper, holder = semaphore.acquire(timeout=0), semaphore.acquire(timeout=0)
@@ -587,7 +587,7 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
 
         def reported() -> bool:
             if noticed_by == "tick":
-                to_wake = scripts_for(redis_client).tick(semaphore.keys, rules=semaphore.rules.arg)
+                to_wake = parked_scripts_for(redis_client).tick(semaphore.keys, rules=semaphore.rules.arg)
                 if to_wake:
                     told.append(to_wake)
             else:

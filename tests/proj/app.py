@@ -149,7 +149,12 @@ def sleepy(self: Any, seconds: float, key: str = "proj.sleepy") -> str:
 def no_retries(self: Any, seconds: float) -> dict[str, Any]:
     """Waits by countdown re-sends only; reports what waiting did to its request."""
     _held("proj.no_retries", seconds, self.request.id)
-    return {"retries": self.request.retries, "waits": getattr(self.request, "semaphore_waits", None)}
+    return {
+        "retries": self.request.retries,
+        "waits": getattr(self.request, "csem_waits", None),
+        # the package's headers its message carries (a message's headers are its request's fields)
+        "headers": sorted(name for name in vars(self.request) if name.startswith(("semaphore_", "csem_"))),
+    }
 
 
 @app.task(
@@ -180,13 +185,13 @@ def waits_then_retries(self: Any, seconds: float) -> dict[str, Any]:
     _held("proj.waits_then_retries", seconds, self.request.id)
     if self.request.retries == 0:
         raise self.retry(countdown=2)
-    return {"retries": self.request.retries, "waits": getattr(self.request, "semaphore_waits", None)}
+    return {"retries": self.request.retries, "waits": getattr(self.request, "csem_waits", None)}
 
 
 @signals.task_prerun.connect
 def _record_first_ask(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     """The order in which tasks first asked for a slot (their first delivery), for fairness."""
-    if isinstance(task, SemaphoreTask) and getattr(task.request, "semaphore_waits", None) is None:
+    if isinstance(task, SemaphoreTask) and getattr(task.request, "csem_waits", None) is None:
         key = semaphore_for_call(task, tuple(task.request.args or ()), dict(task.request.kwargs or {})).name
         probe(key).client.rpush(f"probe:{key}:asks", f"{task_id} {time.time()}")
 
@@ -785,7 +790,7 @@ def rated(self: Any, seconds: float, key: str = "rated") -> str:
     """At most 5 starts in any second, no concurrency limit."""
     _record_grant(self, key)
     # how often its copy, due later than a worker may hold it, went back to the broker
-    probe(key).client.rpush(f"probe:{key}:handed_back", int(getattr(self.request, "semaphore_handed_back", 0) or 0))
+    probe(key).client.rpush(f"probe:{key}:handed_back", int(getattr(self.request, "csem_handed_back", 0) or 0))
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 

@@ -91,6 +91,26 @@ def test_a_core_module_only_the_glue_uses_fails(tmp_path: Path) -> None:
     assert "celery_semaphore._core.templates is used only by the Celery glue" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("folder", "named_by_the_core", "fails"),
+    [("_core", False, True), ("_celery", False, False), ("_core", True, False)],
+    ids=["core-script-only-the-glue-runs", "glue-script", "core-script-the-core-runs-too"],
+)
+def test_a_core_lua_script_only_the_glue_runs_fails(
+    tmp_path: Path, folder: str, named_by_the_core: bool, fails: bool
+) -> None:
+    """A script only the Celery glue runs is Celery's: it lives in _celery/lua, built on the
+    core's library, and the core's lua/ holds the semaphore's own scripts alone."""
+    root = copy_of_the_package(tmp_path)
+    (root / "celery_semaphore" / folder / "lua" / "fold.lua").write_text("return 1\n")
+    for module, named in (("_celery/parked_scripts.py", True), ("_core/nodes.py", named_by_the_core)):
+        path = root / "celery_semaphore" / module
+        path.write_text(path.read_text() + ('\nFOLD = built_script(_PACKAGE, "fold")\n' if named else ""))
+    result = check(root)
+    assert result.returncode == int(fails), result.stderr
+    assert ("celery_semaphore/_core/lua/fold.lua is run only by the Celery glue" in result.stderr) == fails
+
+
 def test_a_lua_script_over_its_budget_fails(tmp_path: Path) -> None:
     root = copy_of_the_package(tmp_path)
     script = root / "celery_semaphore" / "_core" / "lua" / "renew.lua"

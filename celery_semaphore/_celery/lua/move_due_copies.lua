@@ -73,11 +73,11 @@ for i = 7, #KEYS, 2 do
     end
     local ok, decoded = pcall(cjson.decode, message)
     local headers = ok and type(decoded) == 'table' and type(decoded.headers) == 'table' and decoded.headers or {}
-    local id = headers.semaphore_backstop
+    local id = headers.csem_backstop or headers.semaphore_backstop  -- the old name: an earlier release's
     if type(id) ~= 'string' or id == '' then
       id = '?' .. now .. ':' .. stowed .. ':' .. source
     end
-    local due_in = tonumber(headers.semaphore_due_in) or 0
+    local due_in = tonumber(headers.csem_due_in or headers.semaphore_due_in) or 0
     local at = string.find(message, '"routing_key": ' .. from_name, 1, true)
     if at then
       local cut = at + string.len('"routing_key": ') - 1
