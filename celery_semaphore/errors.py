@@ -45,17 +45,29 @@ class ConfigurationError(SemaphoreError, ValueError):
 
 class SemaphoreUnavailable(SemaphoreError):
     """No slot was granted within the time the caller allowed: the ``timeout`` of an
-    ``acquire``, or, for a Celery task, its ``semaphore_max_wait`` (then in ``max_wait``)."""
+    ``acquire``, or, for a Celery task, its ``semaphore_max_wait`` (then in ``max_wait``); or the
+    call was refused a place because ``max_waiters`` calls waited already (then in
+    ``max_waiters``)."""
 
-    def __init__(self, key: str, limit: int, waited: float, max_wait: float | None = None) -> None:
-        Exception.__init__(self, key, limit, waited, max_wait)
+    def __init__(
+        self, key: str, limit: int, waited: float, max_wait: float | None = None, max_waiters: int | None = None
+    ) -> None:
+        Exception.__init__(self, key, limit, waited, max_wait, max_waiters)
         self.key = key
         self.limit = limit
         self.waited = waited
         self.max_wait = max_wait
+        # set when the call was refused a place because its line was full (on_full "reject")
+        self.max_waiters = max_waiters
 
     def __str__(self) -> str:
         limit = "no concurrency limit" if self.limit >= NO_LIMIT else f"limit {self.limit}"
+        if self.max_waiters is not None:
+            return (
+                f"semaphore {self.key!r} ({limit}) refused the call a place in line: "
+                f"{self.max_waiters} calls wait already, its max_waiters: send it again later, raise "
+                "max_waiters (semaphore_max_waiters), or give the key more slots"
+            )
         head = f"semaphore {self.key!r} ({limit}) granted no slot within {self.waited:.3f} s"
         if self.max_wait is None:
             return (

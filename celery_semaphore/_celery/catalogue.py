@@ -24,7 +24,15 @@ from .._core.storage import glob_escape
 from ..errors import ConfigurationError, SemaphoreError
 from .config import LimitRule, SemaphoreConfig, config_for
 from .keys import call_key, is_fixed, literal_length, template_pattern
-from .options import is_semaphore_task, key_option, template_of, wait_options, weight_of_call, weight_option
+from .options import (
+    is_semaphore_task,
+    key_option,
+    max_waiters_of,
+    template_of,
+    wait_options,
+    weight_of_call,
+    weight_option,
+)
 
 # The parts of a semaphore's keys whose presence means the semaphore exists: someone holds, waits,
 # or an operator stored a limit, a rate, a spacing or a pause. (The bookkeeping keys never outlive
@@ -73,13 +81,15 @@ def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         rule = config.limit_for(key, str(task.name), task)
         if rule is None:
             raise no_limit_error(str(task.name), key)
-        semaphores.append(_semaphore(config, key, rule, lease))
+        semaphores.append(_semaphore(config, key, rule, lease, max_waiters_of(task)))
     if len(semaphores) == 1 and weight_option(type(task)) is None:
         return semaphores[0]
     return MultiSemaphore(semaphores, weight=weight_of_call(task, args, kwargs))
 
 
-def _semaphore(config: SemaphoreConfig, key: str, rule: LimitRule, lease: float) -> FairSemaphore:
+def _semaphore(
+    config: SemaphoreConfig, key: str, rule: LimitRule, lease: float, max_waiters: int | None = None
+) -> FairSemaphore:
     return FairSemaphore(
         client_for(config.backend),
         key,
@@ -90,6 +100,7 @@ def _semaphore(config: SemaphoreConfig, key: str, rule: LimitRule, lease: float)
         prefix=config.prefix,
         hash_tag=config.hash_tag,
         shares=config.shares,
+        max_waiters=max_waiters,
     )
 
 

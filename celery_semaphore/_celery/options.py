@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 from .._core.rules import check_rate, check_spacing
 from .._core.tenants import check_tenant
-from .._core.validation import check_limit, check_seconds
+from .._core.validation import check_limit, check_seconds, priority_ms
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
 from .keys import KeyFunction, call_key, check_template
@@ -85,6 +85,68 @@ def tenant_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return check_tenant(
         f"{task.name}.semaphore_fair_by", call_key(f"{task.name}.semaphore_fair_by", fair_by, task.run, args, kwargs)
     )
+
+
+# the message header a caller sets to give one call its own priority (the option's name, so that
+# ``send_task(..., headers={"semaphore_priority": 60})`` works too)
+PRIORITY_HEADER = "semaphore_priority"
+PriorityFunction = Callable[[tuple[Any, ...], dict[str, Any]], float]
+
+
+def priority_option(cls: type) -> float | PriorityFunction | None:
+    """The ``semaphore_priority`` option as declared (None: none)."""
+    return _unbound(inspect.getattr_static(cls, "semaphore_priority", None))  # type: ignore[no-any-return]
+
+
+def priority_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """Seconds one call is placed earlier in line: the message's ``semaphore_priority`` header
+    (set per call), else the task's option (a number, or a function of the arguments), else 0.
+    Checked here, so a bad header or function answer fails the task naming where it came from."""
+    header = getattr(task.request, PRIORITY_HEADER, None)
+    if header is not None:
+        return priority_ms(f"{task.name}: header {PRIORITY_HEADER}", header) / 1000
+    option = priority_option(type(task))
+    if option is None:
+        return 0.0
+    value = option(args, kwargs) if callable(option) else option
+    return priority_ms(f"{task.name}.semaphore_priority", value) / 1000
+
+
+# what a call that finds its line full does (semaphore_on_full)
+ON_FULL_POLICIES = ("wait", "reject")
+NOT_YET_POLICIES = ("drop_oldest", "keep_latest")
+
+
+def max_waiters_of(task: Any) -> int | None:
+    """The most calls that may wait in the task's line, when a full line refuses newcomers
+    (``semaphore_on_full="reject"``); None: the line is not capped."""
+    if getattr(task, "semaphore_on_full", "wait") != "reject":
+        return None
+    return getattr(task, "semaphore_max_waiters", None)
+
+
+def _check_full_line(name: str, cls: type) -> None:
+    """``semaphore_max_waiters`` and ``semaphore_on_full``: a cap and what a call that finds it
+    reached does, both or neither (a cap that only waits would cap nothing)."""
+    options = cls.__dict__
+    max_waiters = options.get("semaphore_max_waiters")
+    on_full = options.get("semaphore_on_full", "wait")
+    if max_waiters is not None:
+        check_limit(f"{name}.semaphore_max_waiters", max_waiters)
+    if on_full in NOT_YET_POLICIES:
+        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, 'not supported yet: use "reject"')
+    if on_full not in ON_FULL_POLICIES:
+        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, 'expected "wait" or "reject"')
+    if (on_full == "reject") != (max_waiters is not None):
+        raise ConfigurationError(
+            f"{name}.semaphore_on_full",
+            on_full,
+            'a full line needs both semaphore_max_waiters and semaphore_on_full="reject"',
+        )
+    if max_waiters is not None and (isinstance(key_option(cls), list) or weight_option(cls) is not None):
+        raise ConfigurationError(
+            f"{name}.semaphore_max_waiters", max_waiters, "works on a task of one semaphore_key and no semaphore_weight"
+        )
 
 
 def _check_fair_by(name: str, cls: type, parameters: list[inspect.Parameter] | None) -> None:
@@ -174,6 +236,10 @@ def check_task_options(cls: type) -> None:
         if parameters is not None:
             check_template(f"{name}.semaphore_key", item, parameters)
     _check_fair_by(name, cls, parameters)
+    _check_full_line(name, cls)
+    priority = priority_option(cls)
+    if priority is not None and not callable(priority):
+        priority_ms(f"{name}.semaphore_priority", priority)
 
 
 @dataclass(frozen=True)

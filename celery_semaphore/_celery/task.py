@@ -51,8 +51,10 @@ from .options import (
     FROM_SETTINGS,
     MARKER,
     KeyOption,
+    PriorityFunction,
     WeightFunction,
     check_task_options,
+    priority_of_call,
     template_of,
     tenant_of_call,
     wait_options,
@@ -86,7 +88,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     ``semaphore_limit``, ``semaphore_rate``, ``semaphore_spacing``, ``semaphore_key``,
     ``semaphore_weight``, ``semaphore_lease``,
     ``semaphore_countdown``, ``semaphore_max_wait``, ``semaphore_inline_wait``,
-    ``semaphore_fair_by``; each one left unset takes the app's ``semaphore_*`` setting.
+    ``semaphore_fair_by``, ``semaphore_priority``, ``semaphore_max_waiters`` with
+    ``semaphore_on_full``; each one left unset takes the app's ``semaphore_*`` setting.
     ``semaphore_key`` may be a list of keys: the body then runs only while the task holds a
     slot (``semaphore_weight`` slots) of every one. ``semaphore_fair_by`` names each call's
     tenant (a template like ``semaphore_key``'s, or a function): waiting calls are then served
@@ -105,6 +108,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     semaphore_max_wait: ClassVar[float | None] = FROM_SETTINGS
     semaphore_inline_wait: ClassVar[float | None] = None
     semaphore_fair_by: ClassVar[str | KeyFunction | None] = None
+    # seconds a call is placed earlier in line (capped at 600); per call: the message header
+    # "semaphore_priority"
+    semaphore_priority: ClassVar[float | PriorityFunction | None] = None
+    # a task that finds this many waiting fails at once (with semaphore_on_full="reject")
+    semaphore_max_waiters: ClassVar[int | None] = None
+    semaphore_on_full: ClassVar[str] = "wait"
     # gives a lost pool process's slot back before its message is requeued (worker.py)
     Request: ClassVar[str] = "celery_semaphore._celery.worker:SemaphoreRequest"
 
@@ -282,6 +291,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 remember=remember,
                 fresh=history.waits == 0 and history.ticket is None,
                 tenant=tenant_of_call(self, args, kwargs),
+                priority=priority_of_call(self, args, kwargs),
             )
             node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)

@@ -18,6 +18,7 @@ from typing import Any
 from .._celery.catalogue import Catalogue
 from .._core.rules import UNLIMITED, Rate
 from .._core.status import HolderInfo, SemaphoreStatus, WaiterInfo
+from .._core.tenants import TenantInfo
 from .._core.validation import to_ms
 
 NO_LIMIT = "no limit configured"
@@ -47,6 +48,8 @@ class Report:
     starts_in_window: int  # starts in the rate's window that ends now
     holders: list[HolderInfo]
     waiters: list[WaiterInfo]
+    # the tenants with the most calls waiting (keys whose calls name tenants; at most 10)
+    tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
 
     @property
     def gated(self) -> bool:
@@ -56,7 +59,7 @@ class Report:
     def as_json(self, *, details: bool) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         if not details:
-            del data["holders"], data["waiters"]
+            del data["holders"], data["waiters"], data["tenants"]
         return data
 
 
@@ -121,6 +124,8 @@ def report(catalogue: Catalogue, key: str) -> Report:
         starts_in_window=status.starts_in_window,
         holders=status.holders,
         waiters=status.waiters,
+        # one more round trip, only for a key with a line
+        tenants=semaphore.tenants() if status.waiter_count else [],
     )
 
 
@@ -263,6 +268,11 @@ def detail_lines(r: Report, extra: Sequence[str] = ()) -> list[str]:
             lines.append(f"  ... and {r.waiter_count - len(r.waiters)} more")
     else:
         lines.append("waiters: none")
+    if r.tenants:
+        rows = [
+            [t.tenant, f"{t.share:g}" + (" (runtime)" if t.runtime_share else ""), str(t.backlog)] for t in r.tenants
+        ]
+        lines += ["tenants (most waiting first):", *table(["TENANT", "SHARE", "WAITING"], rows, indent="  ")]
     return lines
 
 

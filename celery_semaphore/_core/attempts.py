@@ -52,7 +52,8 @@ class Ask:
     id of a run that may ask in several copies (a Celery wait re-sent both with a countdown and on
     wake-up): if another copy was granted in the last ``remember`` seconds (None: patience plus
     the lease), the try says ``Duplicate`` instead of granting a second slot. ``tenant``: whom
-    the call is for; a new waiter is placed by its tenant's share of the line (see ``tenants``)."""
+    the call is for; a new waiter is placed by its tenant's share of the line (see ``tenants``).
+    ``priority``: seconds a new waiter is placed earlier than its ask (see ``priority_ms``)."""
 
     token: str
     waiter: str
@@ -65,6 +66,7 @@ class Ask:
     run: str | None = None
     remember: float | None = None
     tenant: str | None = None
+    priority: float = 0.0
 
 
 @dataclass(frozen=True)

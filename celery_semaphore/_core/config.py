@@ -38,6 +38,7 @@ class SemaphoreConfig(Generic[ClientT]):
         patience: float = 5.0,
         hash_tag: str | None = None,
         shares: Mapping[str, float] | Shares | None = None,
+        max_waiters: int | None = None,
     ) -> None:
         self.client: ClientT = self._accept(client)
         self.name = check_semaphore_name("name", name)
@@ -54,6 +55,8 @@ class SemaphoreConfig(Generic[ClientT]):
         self.keys = SemaphoreKeys.of(self.prefix, self.name, self.hash_tag)
         # already checked (the Celery settings' shares, shared by every semaphore of the app)
         self.shares = shares if isinstance(shares, Shares) else Shares("shares", shares)
+        # a new waiter that finds this many in line is refused at once (SemaphoreUnavailable)
+        self.max_waiters = None if max_waiters is None else check_limit("max_waiters", max_waiters)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._setup()

@@ -66,6 +66,8 @@ def acquire(
     run: str = "",
     remember_ms: int = 0,
     tenant: str = "",
+    priority_ms: int = 0,
+    max_waiters: int = 0,
 ) -> ScriptCall[AcquireReply]:
     encoded = token.encode()
     args: list[Any] = [
@@ -75,9 +77,13 @@ def acquire(
     ]
     # trailing arguments that are empty are not sent (the script reads them as ""): the
     # uncontended acquire of a blocked caller or a one-shot try sends three
-    if tenant:  # "<share>|<tenant>" (see Shares.tenant_arg)
+    if tenant or priority_ms or max_waiters:  # "<share>|<tenant>" (Shares.tenant_arg); ms earlier
         args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms), tenant]
-        return ScriptCall("acquire", keys.tenant_keys, args, acquire_reply)
+        if priority_ms or max_waiters:
+            args.append(number(priority_ms) if priority_ms else b"")
+        if max_waiters:
+            args.append(number(max_waiters))
+        return ScriptCall("acquire", keys.tenant_keys if tenant else keys.encoded, args, acquire_reply)
     if run:
         args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms)]
     elif wake:

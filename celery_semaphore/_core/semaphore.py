@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SemaphoreUnavailable
 from . import renewer
 from .attempts import Ask, Attempt, Granted, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
@@ -42,17 +42,20 @@ from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
     GRANTED,
+    LINE_FULL,
     RENEW_LOST,
     WAIT,
     as_text,
     is_offer,
     token_prefix_pattern,
 )
+from .tenants import READ_PER_LISTED, TenantInfo, tenant_report
 from .validation import (
     check_limit,
     check_seconds,
     check_token,
     check_waiter,
+    priority_ms,
     to_ms,
 )
 from .waiting import WakeAddress, acquire_within, wait_for_turn
@@ -118,7 +121,9 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
 
     # -- acquiring -------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None, *, label: str | None = None, tenant: str | None = None) -> Lease:
+    def acquire(
+        self, timeout: float | None = None, *, label: str | None = None, tenant: str | None = None, priority: float = 0
+    ) -> Lease:
         """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try
         that never queues). Raises SemaphoreUnavailable when the time runs out.
 
@@ -131,6 +136,10 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
         ``tenant``: whom the call is made for (a customer, say). Waiting calls of different
         tenants are served in proportion to their ``shares`` rather than first come, first
         served (see ``FairSemaphore``); inside one tenant, first come, first served.
+
+        ``priority``: seconds; a waiting call is placed as if it had asked that much earlier
+        (negative: later), capped at 600 either way. With a tenant, it moves the call ahead
+        within the tenants' virtual time, a second for a start of a share-1 tenant.
         """
         token = new_token()
         return acquire_within(
@@ -140,6 +149,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             waiter=new_token(),
             label=label,
             tenant=tenant,
+            priority=priority,
             # a token made here needs no checking: straight to the one round trip (a try that
             # never queues takes no place, so its tenant does not matter)
             one_try=lambda: self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0),
@@ -212,6 +222,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             ask.run or "",
             remember_ms,
             self._tenant_arg(ask.tenant),
+            priority_ms("priority", ask.priority) if ask.priority else 0,
         )
 
     def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
@@ -237,6 +248,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
         run: str,
         remember_ms: int,
         tenant_arg: str = "",
+        priority: int = 0,
     ) -> Attempt:
         """A try with its arguments checked (or made here, as ``acquire`` makes them): the one
         round trip, and what its reply means."""
@@ -257,6 +269,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
                 run=run,
                 remember_ms=remember_ms,
                 tenant=tenant_arg,
+                priority_ms=priority,
+                max_waiters=(self.max_waiters or 0) if enqueue else 0,
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "acquire") from error
@@ -268,6 +282,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             return Granted(lease)
         if reply.outcome == WAIT and reply.to_wake:
             tell_to_wake(self, reply.to_wake)
+        if reply.outcome == LINE_FULL:
+            raise SemaphoreUnavailable(self.name, self.limit, 0.0, max_waiters=self.max_waiters)
         return refusal_of(reply, self.name)
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:
@@ -395,6 +411,21 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
     def resume(self) -> None:
         """End a pause now: the head of the line may start at once."""
         self._set_gate("p", "", None)
+
+    def tenants(self, *, most: int = 10) -> list[TenantInfo]:
+        """The ``most`` tenants with the most calls waiting (their backlogs, from their clocks:
+        O(log n) in waiters and tenants), largest first, with the shares in force. Empty when
+        nobody waits or the key's calls name no tenant."""
+        keys = self.keys
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrange(keys.queue, 0, 0, withscores=True)
+            pipe.zrevrange(keys.tenants, 0, READ_PER_LISTED * max(1, most) - 1, withscores=True)
+            pipe.hgetall(keys.shares)
+            head, clocks, overrides = pipe.execute()
+        except REDIS_ERRORS as error:
+            raise translate(error, self.name, "tenants") from error
+        return tenant_report(head, clocks, overrides, self.shares, most)
 
     def set_share(self, tenant: str, share: float | None) -> None:
         """Store a runtime share for ``tenant`` on this key, for every client at once (it wins

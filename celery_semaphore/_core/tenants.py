@@ -18,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -86,3 +87,45 @@ class Shares:
         if tenant is None:
             return ""
         return f"{self.share_of(tenant):.6g}|{tenant}"
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    """One tenant of a key's line, as ``FairSemaphore.tenants()`` reports it."""
+
+    tenant: str
+    share: float  # in force: the runtime share if one is stored, else the settings'
+    backlog: int  # its turns queued behind the head of the line: about its calls waiting there
+    runtime_share: bool = False  # the share is a runtime override (set_share)
+
+
+# how many clocks a report reads per tenant it lists: the furthest-ahead clocks are the largest
+# backlogs at equal shares, and a wider read catches a high-share tenant with a shorter clock
+READ_PER_LISTED = 10
+
+
+def tenant_report(
+    head: list[tuple[bytes, float]],
+    clocks: list[tuple[bytes, float]],
+    overrides: dict[bytes, bytes],
+    shares: Shares,
+    most: int,
+) -> list[TenantInfo]:
+    """The tenants with the largest backlogs, from the head of the line, the furthest-ahead
+    clocks and the runtime shares. A tenant's backlog is how many of its steps its clock is
+    ahead of the line's: each waiter it adds moves its clock one step, each start of one of
+    its waiters moves the line's clock past one."""
+    if not head:
+        return []
+    line_clock = int(head[0][1]) // 1024 * 1024
+    report = []
+    for member, clock in clocks:
+        tenant = member.decode()
+        override = overrides.get(member)
+        share = float(override) if override is not None else shares.share_of(tenant)
+        step = max(1, round(1000 / share)) * 1024
+        backlog = max(0, math.ceil((clock - line_clock) / step))
+        if backlog:
+            report.append(TenantInfo(tenant, share, backlog, override is not None))
+    report.sort(key=lambda info: (-info.backlog, info.tenant))
+    return report[:most]

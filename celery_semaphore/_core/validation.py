@@ -35,6 +35,19 @@ def check_seconds(setting: str, value: Any, *, allow_zero: bool = False) -> floa
     return seconds
 
 
+# The most a priority moves a call: urgent work goes first, and low-priority work waits at most
+# this much longer than it would have (see ``priority_ms``).
+PRIORITY_CAP = 600.0
+
+
+def priority_ms(setting: str, value: Any) -> int:
+    """A priority in seconds (a call is placed as if it had asked that much earlier; negative:
+    later), capped at +-600 s, as whole milliseconds for the acquire script."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigurationError(setting, value, "expected a number of seconds (at most 600 either way)")
+    return round(max(-PRIORITY_CAP, min(PRIORITY_CAP, float(value))) * 1000)
+
+
 def check_name(setting: str, value: Any) -> str:
     """A semaphore name or key: a non-empty string."""
     if not isinstance(value, str) or not value:

@@ -115,6 +115,7 @@ def acquire_within(
     label: str | None,
     one_try: Callable[[], Attempt],
     tenant: str | None = None,
+    priority: float = 0,
 ) -> Lease:
     """``acquire(timeout)`` of either semaphore class: ``timeout`` 0 is ``one_try`` (one round
     trip that never queues), anything else a wait under ``waiter`` for at most ``timeout``
@@ -127,7 +128,7 @@ def acquire_within(
         if isinstance(attempt, Granted):
             return attempt.lease
         raise SemaphoreUnavailable(semaphore.name, limit_of(attempt, semaphore.limit), time.monotonic() - started)
-    ask = Ask(token=token, waiter=waiter, label=label, fresh=True, tenant=tenant)
+    ask = Ask(token=token, waiter=waiter, label=label, fresh=True, tenant=tenant, priority=priority)
     return wait_or_give_up(semaphore, ask, timeout=timeout, started=started).lease
 
 

@@ -1,4 +1,6 @@
-"""Fair share between tenants with real workers on a Redis broker: ``semaphore_fair_by``.
+"""Who goes first in a key's line, with real workers on a Redis broker: tenants
+(``semaphore_fair_by``), priority (``semaphore_priority``) and a full line
+(``semaphore_max_waiters`` with ``semaphore_on_full``).
 
 A customer floods a key of limit 1; a second customer's tasks, sent later, start within about
 one slot's turn of arriving, not behind the flood. The order is decided by the acquire script
@@ -100,6 +102,28 @@ def test_fair_by_is_checked_at_declaration() -> None:
         )
         def two_levels(org: str, user: str) -> None: ...
 
+    with pytest.raises(ConfigurationError, match="semaphore_priority"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_priority="high", shared=False, lazy=False)
+        def bad_priority() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="semaphore_on_full"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_waiters=5, shared=False, lazy=False)
+        def cap_without_policy() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="not supported yet"):
+
+        @app.task(
+            base=SemaphoreTask,
+            semaphore_limit=1,
+            semaphore_max_waiters=5,
+            semaphore_on_full="drop_oldest",
+            shared=False,
+            lazy=False,
+        )
+        def drop_oldest() -> None: ...
+
     with pytest.raises(ConfigurationError, match="one semaphore_key"):
 
         @app.task(
@@ -122,3 +146,47 @@ def test_bad_shares_stop_the_app_with_the_entry_named() -> None:
 
     with pytest.raises(ConfigurationError, match=r"semaphore_shares\['enterprise:\*'\]"):
         semaphore_for(app, "export")
+
+
+@pytest.mark.workers
+def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_asked_after_it(proj: Any) -> None:
+    """Limit 1: one task runs, four wait; then one with urgency 60 (the option's function), and
+    one sent with the header semaphore_priority=120: they start right after the running one,
+    the header's first, ahead of the four that asked up to a few seconds before them."""
+    key = "ranked"
+    semaphore = semaphore_for(proj.app, "proj.ranked")
+    # the first holds 4 s: the others all join the line while it runs
+    plain = [proj.ranked.apply_async((4 if n == 0 else 0.2, key), queue=QUEUE) for n in range(5)]
+    wait_until(lambda: semaphore.status().waiter_count >= 4, timeout=30, what="four tasks in line")
+    urgent = proj.ranked.apply_async((0.2, key), {"urgency": 60}, queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count >= 5, timeout=30, what="the urgent task in line")
+    most_urgent = proj.ranked.apply_async((0.2, key), queue=QUEUE, headers={"semaphore_priority": 120})
+    wait_until(lambda: semaphore.status().waiter_count >= 6, timeout=30, what="the most urgent task in line")
+    assert started_ids(proj, key) == [plain[0].id], "all joined the line while the first ran"
+    for result in [*plain, urgent, most_urgent]:
+        result.get(timeout=120)
+    started = started_ids(proj, key)
+    assert started[1:3] == [most_urgent.id, urgent.id], started
+    assert sorted(started) == sorted(r.id for r in [*plain, urgent, most_urgent])
+
+
+@pytest.mark.workers
+def test_a_task_that_finds_its_line_full_fails_at_once_and_the_others_run_once(proj: Any) -> None:
+    """semaphore_max_waiters=2 with semaphore_on_full="reject": one task runs, two wait, a
+    fourth fails at once with SemaphoreUnavailable naming max_waiters (FAILURE, not lost, not
+    run); the two waiting ones run once each."""
+    key = "capped"
+    semaphore = semaphore_for(proj.app, "proj.capped")
+    running = proj.capped.apply_async((3, key), queue=QUEUE)
+    wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
+    waiting = [proj.capped.apply_async((0.1, key), queue=QUEUE) for _ in range(2)]
+    wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="two in line")
+    refused = proj.capped.apply_async((0.1, key), queue=QUEUE)
+    with pytest.raises(Exception, match="max_waiters") as caught:
+        refused.get(timeout=30)
+    assert type(caught.value).__name__ == "SemaphoreUnavailable"
+    assert refused.state == "FAILURE"
+    assert started_ids(proj, key) == [running.id], "the refused task never ran"
+    for result in [running, *waiting]:
+        result.get(timeout=60)
+    assert sorted(started_ids(proj, key)) == sorted(r.id for r in [running, *waiting])

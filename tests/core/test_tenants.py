@@ -7,13 +7,14 @@ test runs real threads through ``acquire`` and checks the order in which they st
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
 import pytest
 import redis
 
-from celery_semaphore import ConfigurationError, FairSemaphore
+from celery_semaphore import ConfigurationError, FairSemaphore, SemaphoreUnavailable
 from celery_semaphore._core.attempts import Ask, new_token
 
 from ..redis_server import RedisServer
@@ -187,3 +188,106 @@ def test_waiting_threads_of_a_second_tenant_start_soon_after_they_arrive(redis_s
     assert b_places[0] <= 3, started
     assert b_places[-1] <= 7, started
     client.close()
+
+
+# -- priority ----------------------------------------------------------------------------------
+
+
+def join_with_priority(semaphore: FairSemaphore, waiter: str, priority: float, tenant: str | None = None) -> None:
+    attempt = semaphore._try(Ask(token=new_token(), waiter=waiter, patience=60, priority=priority, tenant=tenant))
+    assert not attempt.granted
+
+
+def test_a_priority_places_a_call_as_if_it_had_asked_that_much_earlier(held: FairSemaphore) -> None:
+    """w0 asks; 0.5 s later w1 asks, then p with priority 0.3 s: p goes before w1 (asked less
+    than 0.3 s before it) and after w0 (asked more than 0.3 s before it). Then low, priority
+    -0.3 s, goes after w2 that asks just after it."""
+    join(held, "w0", None)
+    first_asked = time.monotonic()
+    wait_until(lambda: time.monotonic() - first_asked > 0.5, timeout=5, what="half a second")
+    join(held, "w1", None)
+    join_with_priority(held, "p", 0.3)
+    join_with_priority(held, "low", -0.3)
+    join(held, "w2", None)
+    assert line(held) == ["w0", "p", "w1", "w2", "low"]
+
+
+def test_a_priority_is_capped_at_600_seconds(held: FairSemaphore) -> None:
+    join(held, "w0", None)
+    join_with_priority(held, "urgent", 1e9)
+    tickets = {waiter.waiter: waiter.ticket for waiter in held.status().waiters}
+    assert 599_000 * 1024 < tickets["w0"] - tickets["urgent"] < 601_000 * 1024
+
+
+def test_a_priority_with_a_tenant_moves_the_call_ahead_by_its_tenants_starts(held: FairSemaphore) -> None:
+    """With a tenant, 3 s of priority is three starts of a share-1 tenant: A's fifth call with
+    priority 3 goes three places earlier in A's turns (after a1, which asked first)."""
+    for n in range(4):
+        join(held, f"a{n}", "A")
+    join_with_priority(held, "a-urgent", 3, tenant="A")
+    assert line(held) == ["a0", "a1", "a-urgent", "a2", "a3"]
+
+
+@pytest.mark.parametrize("priority", ["60", True, float("nan"), [1]])
+def test_a_bad_priority_is_refused_naming_it(redis_client: redis.Redis, priority: object) -> None:
+    semaphore = FairSemaphore(redis_client, "api", 1)
+    semaphore.acquire(timeout=0)
+    with pytest.raises(ConfigurationError, match="priority"):
+        semaphore.acquire(timeout=1, priority=priority)  # type: ignore[arg-type]
+
+
+# -- a full line -------------------------------------------------------------------------------
+
+
+def test_a_full_line_refuses_a_newcomer_at_once_and_keeps_those_in_it(redis_client: redis.Redis) -> None:
+    """max_waiters 2: with one slot held and two waiting, a third call is refused at once,
+    taking no place (SemaphoreUnavailable naming max_waiters); the two in line still ask and
+    keep their places, and once one of them is served a newcomer is let in."""
+    semaphore = FairSemaphore(redis_client, "full", 1, max_waiters=2, patience=60)
+    holder = semaphore.acquire(timeout=0)
+    join(semaphore, "w0", None)
+    join(semaphore, "w1", None)
+    started = time.monotonic()
+    with pytest.raises(SemaphoreUnavailable) as caught:
+        semaphore.acquire(timeout=30)
+    assert time.monotonic() - started < 5, "refused at once, not after the timeout"
+    assert caught.value.max_waiters == 2 and "max_waiters" in str(caught.value)
+    assert pickle.loads(pickle.dumps(caught.value)).max_waiters == 2
+    assert line(semaphore) == ["w0", "w1"]
+    join(semaphore, "w0", None)  # a waiter in line asks again: not a newcomer
+    holder.release()
+    granted = semaphore._try(Ask(token=new_token(), waiter="w0", patience=60))
+    assert granted.granted
+    join(semaphore, "w2", None)
+    assert line(semaphore) == ["w1", "w2"]
+
+
+def test_a_one_shot_try_on_a_full_line_is_refused_as_any_one_shot_try(redis_client: redis.Redis) -> None:
+    semaphore = FairSemaphore(redis_client, "full-once", 1, max_waiters=1, patience=60)
+    semaphore.acquire(timeout=0)
+    join(semaphore, "w0", None)
+    with pytest.raises(SemaphoreUnavailable) as caught:
+        semaphore.acquire(timeout=0)
+    assert caught.value.max_waiters is None  # it asked for no place: the ordinary refusal
+
+
+def test_max_waiters_must_be_a_limit(redis_client: redis.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="max_waiters"):
+        FairSemaphore(redis_client, "full", 1, max_waiters=0)
+
+
+def test_tenants_reports_the_largest_backlogs_with_their_shares(held: FairSemaphore) -> None:
+    """The backlog of a tenant is read from its clock: its calls waiting behind the head (an
+    estimate when its share changed since they joined)."""
+    assert held.tenants() == []
+    held.set_share("B", 2)
+    for n in range(6):
+        join(held, f"a{n}", "A")
+    for n in range(3):
+        join(held, f"b{n}", "B")
+    for n in range(4):
+        join(held, f"g{n}", "big")
+    report = held.tenants()
+    assert [(t.tenant, t.backlog) for t in report] == [("A", 5), ("big", 4), ("B", 3)]
+    assert [(t.share, t.runtime_share) for t in report] == [(1.0, False), (3.0, False), (2.0, True)]
+    assert [t.tenant for t in held.tenants(most=1)] == ["A"]

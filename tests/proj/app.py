@@ -238,6 +238,37 @@ def fair(self: Any, seconds: float, customer: str, key: str = "proj.fair") -> st
     base=SemaphoreTask,
     semaphore_limit=1,
     semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_priority=lambda args, kwargs: kwargs.get("urgency", 0),
+    name="proj.ranked",
+    bind=True,
+)
+def ranked(self: Any, seconds: float, key: str = "proj.ranked", urgency: float = 0) -> str:
+    """Waits outside the worker, placed earlier by its priority (option or message header)."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_max_waiters=2,
+    semaphore_on_full="reject",
+    name="proj.capped",
+    bind=True,
+)
+def capped(self: Any, seconds: float, key: str = "proj.capped") -> str:
+    """At most two wait: a third that finds them fails at once."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
     semaphore_countdown=1,
     name="proj.handoff_twin",
     bind=True,

@@ -181,6 +181,28 @@ def test_set_share_stores_a_runtime_share_and_none_removes_it(proj: Proj) -> Non
     assert not proj.client.hexists(sem.keys.shares, "acme")
 
 
+def test_status_of_a_key_lists_its_tenants_by_calls_waiting(proj: Proj) -> None:
+    """A key whose calls name tenants: status KEY lists the tenants with the most calls waiting,
+    their shares (big:* has 3 from semaphore_shares; a runtime share says so), text and JSON."""
+    holder = proj.hold("proj.fair", 1)
+    sem = FairSemaphore(proj.client, "proj.fair", 1, patience=60, shares={"big:*": 3})  # as the app's
+    sem.set_share("acme", 2)
+    for n, tenant in enumerate(["acme"] * 4 + ["big:co"] * 2 + ["solo"]):
+        assert not sem._try(Ask(token=new_token(), waiter=f"w{n}", tenant=tenant, patience=60)).granted
+    result = proj.cli("status", "proj.fair")
+    assert result.exit_code == 0, result.output
+    text = result.stdout[result.stdout.index("tenants (most waiting first):") :]
+    assert [line.split()[0] for line in text.splitlines()[2:5]] == ["acme", "big:co", "solo"]
+    assert "2 (runtime)" in text
+    tenants = proj.status_json("proj.fair")["tenants"]
+    assert [(t["tenant"], t["share"], t["backlog"]) for t in tenants] == [
+        ("acme", 2.0, 3),
+        ("big:co", 3.0, 2),
+        ("solo", 1.0, 1),
+    ]
+    holder.release()
+
+
 def test_set_limit_with_ttl_expires_by_itself(proj: Proj) -> None:
     """--ttl makes the override lapse on its own; status shows the time it has left."""
     assert proj.cli("set-limit", "crawl:example.com", "4", "--ttl", "30").exit_code == 0

@@ -28,8 +28,14 @@
 --   ARGV[8] tenant       "" or "<share>|<tenant>": the caller's tenant and the share its settings
 --                        give it (a runtime override in KEYS[14] wins): a new waiter's ticket is
 --                        then its tenant's virtual time (see tenant_ticket), not its arrival
---   ARGV[4..8] may be left out when empty (read as ""); KEYS[11..12] are passed only with a run
---   or a tenant, KEYS[13..14] only with a tenant:
+--   ARGV[9] priority_ms  "" or the ms a new waiter is placed earlier than its ask (a priority;
+--                        with a tenant, ms of its tenant's clock, 1000 ms a start at share 1)
+--   ARGV[10] max_waiters "" or the most waiters the line may hold: a new waiter (no ticket yet)
+--                        that finds that many in line takes no place and is answered LINE_FULL
+--                        (the semaphore's on_full "reject"; a purge this try made frees slots
+--                        for the waiters in line at their next ask)
+--   ARGV[4..10] may be left out when empty (read as ""); KEYS[11..12] are passed only with a run,
+--   a tenant, a priority or a max_waiters, KEYS[13..14] only with a tenant:
 --   KEYS[13] tenants     ZSET   tenant -> its clock: the ticket base of its latest waiter
 --   KEYS[14] shares      HASH   tenant -> runtime share (set-share; no expiry, like KEYS[8])
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
@@ -64,6 +70,8 @@ lease_ms, patience_ms = tonumber(lease_ms), tonumber(patience_ms)
 enqueue, fresh = enqueue == '1', fresh == '1'
 local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 local tenant_arg = ARGV[8] or ''
+local priority_ms = tonumber(ARGV[9]) or 0
+local max_waiters = tonumber(ARGV[10])
 
 local now = now_ms()
 
@@ -234,8 +242,15 @@ if ticket then
   end
 else
   ticket = tonumber(ARGV[4])
+  if not ticket and max_waiters and redis.call('ZCARD', K_QUEUE) >= max_waiters then
+    return LINE_FULL
+  end
   if not ticket then
-    ticket = tenant_arg ~= '' and tenant_ticket(now, tenant_arg) or new_ticket(now)
+    if tenant_arg ~= '' then
+      ticket = tenant_ticket(now, tenant_arg) - priority_ms * 1024
+    else
+      ticket = new_ticket(now - priority_ms)
+    end
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
