@@ -47,21 +47,41 @@ class SemaphoreUnavailable(SemaphoreError):
     """No slot was granted within the time the caller allowed: the ``timeout`` of an
     ``acquire``, or, for a Celery task, its ``semaphore_max_wait`` (then in ``max_wait``); or the
     call was refused a place because ``max_waiters`` calls waited already (then in
-    ``max_waiters``)."""
+    ``max_waiters``), or lost its place to another (then ``evicted`` names the policy)."""
 
     def __init__(
-        self, key: str, limit: int, waited: float, max_wait: float | None = None, max_waiters: int | None = None
+        self,
+        key: str,
+        limit: int,
+        waited: float,
+        max_wait: float | None = None,
+        max_waiters: int | None = None,
+        evicted: str | None = None,
     ) -> None:
-        Exception.__init__(self, key, limit, waited, max_wait, max_waiters)
+        Exception.__init__(self, key, limit, waited, max_wait, max_waiters, evicted)
         self.key = key
         self.limit = limit
         self.waited = waited
         self.max_wait = max_wait
         # set when the call was refused a place because its line was full (on_full "reject")
         self.max_waiters = max_waiters
+        # set when the call lost its place in line to another: the policy, "drop_oldest" (the
+        # line was full) or "keep_latest" (a newer call of the same coalesce key took it)
+        self.evicted = evicted
 
     def __str__(self) -> str:
         limit = "no concurrency limit" if self.limit >= NO_LIMIT else f"limit {self.limit}"
+        if self.evicted == "keep_latest":
+            return (
+                f"semaphore {self.key!r} ({limit}): a newer call of the same coalesce key took this "
+                "call's place in line (on_full 'keep_latest'); the newer one runs instead"
+            )
+        if self.evicted is not None:
+            return (
+                f"semaphore {self.key!r} ({limit}): this call was dropped from its line, the oldest "
+                f"waiting when a newer call found {self.max_waiters} waiting, its max_waiters "
+                f"(on_full {self.evicted!r}): send it again, or raise max_waiters"
+            )
         if self.max_waiters is not None:
             return (
                 f"semaphore {self.key!r} ({limit}) refused the call a place in line: "

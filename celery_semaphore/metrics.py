@@ -32,12 +32,14 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._celery.catalogue import Catalogue
+from ._celery.options import fair_by_option
 from ._core import renewer
 from ._core.rules import UNLIMITED
+from ._core.tenants import TenantInfo
 from .errors import SemaphoreError
 
 if TYPE_CHECKING:
@@ -191,6 +193,17 @@ class FamilyStatus:
     starts_in_window: int = 0  # starts in the rate windows ending now (keys with a rate)
     rate: Rate | None = None  # the rate allowing the fewest starts per second
     spacing: float | None = None  # the longest spacing
+    # calls waiting per tenant, summed over the family's keys whose tasks name tenants
+    tenants: dict[str, int] = field(default_factory=dict)
+
+    def add_tenants(self, tenants: Iterable[TenantInfo]) -> None:
+        for info in tenants:
+            self.tenants[info.tenant] = self.tenants.get(info.tenant, 0) + info.backlog
+
+    def top_tenants(self) -> list[tuple[str, int]]:
+        """The family's tenants with the most calls waiting, at most ``TOP_TENANTS``: a bound
+        on the series a scrape exports, however many tenants there are."""
+        return sorted(self.tenants.items(), key=lambda item: (-item[1], item[0]))[:TOP_TENANTS]
 
     def add(self, status: SemaphoreStatus, *, limited: bool = True) -> None:
         """Count one key of the family in; ``limited``: a limit applies to it (the one in
@@ -224,10 +237,15 @@ def family_status(app: Any) -> dict[str, FamilyStatus]:
     for fixed_key in catalogue.fixed:
         families.setdefault(catalogue.family_for(fixed_key), FamilyStatus())
     for key in catalogue.known_keys():
-        status = catalogue.semaphore(key, placeholder_limit=True).status(listed=0)  # counts only
+        semaphore = catalogue.semaphore(key, placeholder_limit=True)
+        status = semaphore.status(listed=0)  # counts only
         # a key no setting or task limits is read with a stand-in limit, which is no limit
         limited = status.limit_source == "override" or catalogue.configured_limit(key) is not None
-        families.setdefault(catalogue.family_for(key), FamilyStatus()).add(status, limited=limited)
+        entry = families.setdefault(catalogue.family_for(key), FamilyStatus())
+        entry.add(status, limited=limited)
+        task = catalogue.task_for(key)
+        if status.waiter_count and task is not None and fair_by_option(type(task)) is not None:
+            entry.add_tenants(semaphore.tenants(most=TOP_TENANTS))  # one more round trip
     return families
 
 
@@ -290,6 +308,14 @@ def _family_values(entry: FamilyStatus) -> dict[str, float]:
     return values
 
 
+# the tenants per family the tenant gauge exports (the most waiting first)
+TOP_TENANTS = 5
+_TENANT_GAUGE = (
+    "celery_semaphore_tenant_waiting",
+    "Calls waiting per tenant (semaphore_fair_by), the family's top five by calls waiting.",
+)
+
+
 class StatusCollector:
     """A Prometheus collector that reads the semaphores of ``app`` from Redis on each scrape.
 
@@ -309,6 +335,7 @@ class StatusCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         gauges = {name: GaugeMetricFamily(name, text, labels=["family"]) for name, text in _FAMILY_GAUGES}
+        gauges[_TENANT_GAUGE[0]] = GaugeMetricFamily(*_TENANT_GAUGE, labels=["family", "tenant"])
         up = GaugeMetricFamily(
             "celery_semaphore_status_up", "1 if the semaphore backend Redis answered this scrape, else 0."
         )
@@ -330,6 +357,8 @@ class StatusCollector:
         for family, entry in sorted(families.items()):
             for name, value in _family_values(entry).items():
                 gauges[name].add_metric([family], value)
+            for tenant, waiting in entry.top_tenants():
+                gauges[_TENANT_GAUGE[0]].add_metric([family, tenant], waiting)
         up.add_metric([], 1)
         return [*gauges.values(), up]
 

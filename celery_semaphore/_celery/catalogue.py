@@ -25,9 +25,9 @@ from ..errors import ConfigurationError, SemaphoreError
 from .config import LimitRule, SemaphoreConfig, config_for
 from .keys import call_key, is_fixed, literal_length, template_pattern
 from .options import (
+    full_line_of,
     is_semaphore_task,
     key_option,
-    max_waiters_of,
     template_of,
     wait_options,
     weight_of_call,
@@ -81,14 +81,19 @@ def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         rule = config.limit_for(key, str(task.name), task)
         if rule is None:
             raise no_limit_error(str(task.name), key)
-        semaphores.append(_semaphore(config, key, rule, lease, max_waiters_of(task)))
+        semaphores.append(_semaphore(config, key, rule, lease, *full_line_of(task)))
     if len(semaphores) == 1 and weight_option(type(task)) is None:
         return semaphores[0]
     return MultiSemaphore(semaphores, weight=weight_of_call(task, args, kwargs))
 
 
 def _semaphore(
-    config: SemaphoreConfig, key: str, rule: LimitRule, lease: float, max_waiters: int | None = None
+    config: SemaphoreConfig,
+    key: str,
+    rule: LimitRule,
+    lease: float,
+    max_waiters: int | None = None,
+    on_full: str = "reject",
 ) -> FairSemaphore:
     return FairSemaphore(
         client_for(config.backend),
@@ -101,6 +106,7 @@ def _semaphore(
         hash_tag=config.hash_tag,
         shares=config.shares,
         max_waiters=max_waiters,
+        on_full=on_full,
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 from .._core.rules import check_rate, check_spacing
 from .._core.tenants import check_tenant
-from .._core.validation import check_limit, check_seconds, priority_ms
+from .._core.validation import check_limit, check_on_full, check_seconds, priority_ms
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
 from .keys import KeyFunction, call_key, check_template
@@ -112,40 +112,57 @@ def priority_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return priority_ms(f"{task.name}.semaphore_priority", value) / 1000
 
 
-# what a call that finds its line full does (semaphore_on_full)
-ON_FULL_POLICIES = ("wait", "reject")
-NOT_YET_POLICIES = ("drop_oldest", "keep_latest")
+def full_line_of(task: Any) -> tuple[int | None, str]:
+    """The task's ``semaphore_max_waiters`` and ``semaphore_on_full`` as the semaphore takes
+    them: (None, "reject") when the line is not capped ("wait", the default)."""
+    on_full = getattr(task, "semaphore_on_full", "wait")
+    if on_full == "wait":
+        return None, "reject"
+    return getattr(task, "semaphore_max_waiters", None), str(on_full)
 
 
-def max_waiters_of(task: Any) -> int | None:
-    """The most calls that may wait in the task's line, when a full line refuses newcomers
-    (``semaphore_on_full="reject"``); None: the line is not capped."""
-    if getattr(task, "semaphore_on_full", "wait") != "reject":
+def coalesce_option(cls: type) -> str | KeyFunction | None:
+    """The ``semaphore_coalesce_by`` option as declared."""
+    return _unbound(inspect.getattr_static(cls, "semaphore_coalesce_by", None))  # type: ignore[no-any-return]
+
+
+def coalesce_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The coalesce key of one call (with ``semaphore_on_full="keep_latest"``), else None."""
+    coalesce = coalesce_option(type(task))
+    if coalesce is None:
         return None
-    return getattr(task, "semaphore_max_waiters", None)
+    return call_key(f"{task.name}.semaphore_coalesce_by", coalesce, task.run, args, kwargs)
 
 
-def _check_full_line(name: str, cls: type) -> None:
-    """``semaphore_max_waiters`` and ``semaphore_on_full``: a cap and what a call that finds it
-    reached does, both or neither (a cap that only waits would cap nothing)."""
+def _check_full_line(name: str, cls: type, parameters: list[inspect.Parameter] | None) -> None:
+    """``semaphore_max_waiters``, ``semaphore_on_full`` and ``semaphore_coalesce_by``: a policy
+    with what it needs ("reject" and "drop_oldest" a cap, "keep_latest" a coalesce key), and
+    no cap without a policy (a cap that only waits would cap nothing)."""
     options = cls.__dict__
     max_waiters = options.get("semaphore_max_waiters")
     on_full = options.get("semaphore_on_full", "wait")
+    coalesce = coalesce_option(cls)
     if max_waiters is not None:
         check_limit(f"{name}.semaphore_max_waiters", max_waiters)
-    if on_full in NOT_YET_POLICIES:
-        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, 'not supported yet: use "reject"')
-    if on_full not in ON_FULL_POLICIES:
-        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, 'expected "wait" or "reject"')
-    if (on_full == "reject") != (max_waiters is not None):
+    if on_full != "wait":
+        check_on_full(f"{name}.semaphore_on_full", on_full, max_waiters)
+    if on_full == "reject" and max_waiters is None:
+        raise ConfigurationError(f"{name}.semaphore_on_full", on_full, "needs semaphore_max_waiters")
+    if on_full == "wait" and max_waiters is not None:
         raise ConfigurationError(
-            f"{name}.semaphore_on_full",
-            on_full,
-            'a full line needs both semaphore_max_waiters and semaphore_on_full="reject"',
+            f"{name}.semaphore_max_waiters",
+            max_waiters,
+            'needs semaphore_on_full: "reject", "drop_oldest" or "keep_latest" (a cap that waits caps nothing)',
         )
-    if max_waiters is not None and (isinstance(key_option(cls), list) or weight_option(cls) is not None):
+    if (on_full == "keep_latest") != (coalesce is not None):
         raise ConfigurationError(
-            f"{name}.semaphore_max_waiters", max_waiters, "works on a task of one semaphore_key and no semaphore_weight"
+            f"{name}.semaphore_coalesce_by", coalesce, 'goes with semaphore_on_full="keep_latest", and it with this'
+        )
+    if isinstance(coalesce, str) and parameters is not None:
+        check_template(f"{name}.semaphore_coalesce_by", coalesce, parameters)
+    if on_full != "wait" and (isinstance(key_option(cls), list) or weight_option(cls) is not None):
+        raise ConfigurationError(
+            f"{name}.semaphore_on_full", on_full, "works on a task of one semaphore_key and no semaphore_weight"
         )
 
 
@@ -236,7 +253,7 @@ def check_task_options(cls: type) -> None:
         if parameters is not None:
             check_template(f"{name}.semaphore_key", item, parameters)
     _check_fair_by(name, cls, parameters)
-    _check_full_line(name, cls)
+    _check_full_line(name, cls, parameters)
     priority = priority_option(cls)
     if priority is not None and not callable(priority):
         priority_ms(f"{name}.semaphore_priority", priority)

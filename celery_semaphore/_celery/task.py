@@ -54,6 +54,7 @@ from .options import (
     PriorityFunction,
     WeightFunction,
     check_task_options,
+    coalesce_of_call,
     priority_of_call,
     template_of,
     tenant_of_call,
@@ -114,6 +115,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     # a task that finds this many waiting fails at once (with semaphore_on_full="reject")
     semaphore_max_waiters: ClassVar[int | None] = None
     semaphore_on_full: ClassVar[str] = "wait"
+    # with semaphore_on_full="keep_latest": calls of one coalesce key keep one place in line
+    semaphore_coalesce_by: ClassVar[str | KeyFunction | None] = None
     # gives a lost pool process's slot back before its message is requeued (worker.py)
     Request: ClassVar[str] = "celery_semaphore._celery.worker:SemaphoreRequest"
 
@@ -292,6 +295,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 fresh=history.waits == 0 and history.ticket is None,
                 tenant=tenant_of_call(self, args, kwargs),
                 priority=priority_of_call(self, args, kwargs),
+                coalesce=coalesce_of_call(self, args, kwargs),
             )
             node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)
@@ -312,6 +316,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 return None
             outages.down(semaphore, error)
             attempt = Waiting(position=0, free=0, limit=semaphore.limit)
+        except SemaphoreUnavailable as error:
+            if error.evicted is not None:  # its place went to another: the wait ends here
+                WaitingDelivery(self, semaphore, history, args, kwargs).lost_place(error)
+            raise  # a full line refused its first ask: it took no place, nothing to undo
         if isinstance(attempt, Duplicate):
             if not attempt.running:
                 logger.info("%s[%s]: another copy of this wait has run; this copy is dropped", self.name, request.id)

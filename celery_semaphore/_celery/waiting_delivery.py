@@ -106,6 +106,15 @@ class WaitingDelivery:
             countdown, backstop = max(1, min(countdown, left)), max(1, min(backstop, left))
         self.wait_outside(attempt, countdown, backstop)
 
+    def lost_place(self, error: SemaphoreUnavailable) -> NoReturn:
+        """Its place went to another (a full line's ``drop_oldest``, or ``keep_latest``'s newer
+        call): the task fails with ``error``, and no other copy of its wait runs (they find the
+        run over and are dropped)."""
+        if self.history.waits:
+            parking().unpark(self.semaphore, self.waiter, self.run)
+            self._end_run()
+        raise error
+
     def _end_run(self) -> None:
         """The wait failed: its run is over, so its stored copy is withdrawn and any other copy
         of it (kept, moved, in flight) is dropped as it asks, instead of failing the task again."""

@@ -53,7 +53,9 @@ class Ask:
     wake-up): if another copy was granted in the last ``remember`` seconds (None: patience plus
     the lease), the try says ``Duplicate`` instead of granting a second slot. ``tenant``: whom
     the call is for; a new waiter is placed by its tenant's share of the line (see ``tenants``).
-    ``priority``: seconds a new waiter is placed earlier than its ask (see ``priority_ms``)."""
+    ``priority``: seconds a new waiter is placed earlier than its ask (see ``priority_ms``).
+    ``coalesce``: with ``on_full="keep_latest"``, a new waiter takes the place of the waiter of
+    the same coalesce key, which is evicted."""
 
     token: str
     waiter: str
@@ -67,6 +69,7 @@ class Ask:
     remember: float | None = None
     tenant: str | None = None
     priority: float = 0.0
+    coalesce: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Generic, TypeVar
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SemaphoreUnavailable
+from .attempts import Ask
 from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
+from .script_calls import LineArgs
 from .scripts import SemaphoreKeys
 from .tenants import Shares, check_share, check_tenant
-from .validation import check_limit, check_name, check_prefix, check_seconds, check_semaphore_name, to_ms
+from .validation import (
+    check_limit,
+    check_name,
+    check_on_full,
+    check_prefix,
+    check_seconds,
+    check_semaphore_name,
+    priority_ms,
+    to_ms,
+)
 
 ClientT = TypeVar("ClientT")
 
@@ -39,6 +50,7 @@ class SemaphoreConfig(Generic[ClientT]):
         hash_tag: str | None = None,
         shares: Mapping[str, float] | Shares | None = None,
         max_waiters: int | None = None,
+        on_full: str = "reject",
     ) -> None:
         self.client: ClientT = self._accept(client)
         self.name = check_semaphore_name("name", name)
@@ -55,8 +67,9 @@ class SemaphoreConfig(Generic[ClientT]):
         self.keys = SemaphoreKeys.of(self.prefix, self.name, self.hash_tag)
         # already checked (the Celery settings' shares, shared by every semaphore of the app)
         self.shares = shares if isinstance(shares, Shares) else Shares("shares", shares)
-        # a new waiter that finds this many in line is refused at once (SemaphoreUnavailable)
+        # what a new waiter that finds max_waiters in line does (see FULL_LINE_POLICIES)
         self.max_waiters = None if max_waiters is None else check_limit("max_waiters", max_waiters)
+        self.on_full = check_on_full("on_full", on_full, self.max_waiters)
         self._lease_ms = to_ms(self.lease)
         self._patience_ms = to_ms(self.patience)
         self._setup()
@@ -79,6 +92,23 @@ class SemaphoreConfig(Generic[ClientT]):
     def renewal_key(self) -> str:
         """Leases with equal renewal keys (and lease lengths, on one client) renew in one call."""
         return self.keys.holders
+
+    def _line_args(self, ask: Ask) -> LineArgs | None:
+        """How ``ask`` takes its place beyond its arrival (tenant, priority, a full line), or
+        None for a plain ask (which then sends none of it)."""
+        full = ""
+        if ask.enqueue and (self.max_waiters is not None or self.on_full == "keep_latest"):
+            full = f"{self.max_waiters or ''}|{self.on_full}|{ask.coalesce or ''}"
+        if ask.tenant is None and not ask.priority and not full:
+            return None
+        priority = priority_ms("priority", ask.priority) if ask.priority else 0
+        return LineArgs(self._tenant_arg(ask.tenant), priority, full)
+
+    def _full_line_error(self, evicted: bool) -> SemaphoreUnavailable:
+        """The error of a call its full line refused (LINE_FULL) or evicted (EVICTED)."""
+        return SemaphoreUnavailable(
+            self.name, self.limit, 0.0, max_waiters=self.max_waiters, evicted=self.on_full if evicted else None
+        )
 
     def _tenant_arg(self, tenant: str | None) -> str:
         """The acquire script's tenant argument for ``tenant`` (checked), "" for none."""

@@ -50,6 +50,18 @@ class ScriptCall(Generic[R]):
     parse: Callable[[Any], R]
 
 
+@dataclass(frozen=True)
+class LineArgs:
+    """How a new waiter takes its place, beyond its arrival (ARGV[8..10] of lua/acquire.lua):
+    ``tenant`` "<share>|<tenant>" or ""; ``priority_ms`` placed that much earlier; ``full``
+    "<max waiters>|<policy>|<coalesce key>" or "". Absent (None) for a plain call, which then
+    sends none of it."""
+
+    tenant: str = ""
+    priority_ms: int = 0
+    full: str = ""
+
+
 def acquire(
     keys: SemaphoreKeys,
     *,
@@ -65,9 +77,7 @@ def acquire(
     wake: str,
     run: str = "",
     remember_ms: int = 0,
-    tenant: str = "",
-    priority_ms: int = 0,
-    max_waiters: int = 0,
+    line: LineArgs | None = None,
 ) -> ScriptCall[AcquireReply]:
     encoded = token.encode()
     args: list[Any] = [
@@ -77,13 +87,10 @@ def acquire(
     ]
     # trailing arguments that are empty are not sent (the script reads them as ""): the
     # uncontended acquire of a blocked caller or a one-shot try sends three
-    if tenant or priority_ms or max_waiters:  # "<share>|<tenant>" (Shares.tenant_arg); ms earlier
-        args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms), tenant]
-        if priority_ms or max_waiters:
-            args.append(number(priority_ms) if priority_ms else b"")
-        if max_waiters:
-            args.append(number(max_waiters))
-        return ScriptCall("acquire", keys.tenant_keys if tenant else keys.encoded, args, acquire_reply)
+    if line is not None:  # who the call is for, how early it goes, what a full line does
+        args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms), line.tenant]
+        args += [number(line.priority_ms) if line.priority_ms else b"", line.full]
+        return ScriptCall("acquire", keys.policy_keys if line.full else keys.tenant_keys, args, acquire_reply)
     if run:
         args += [b"" if ticket is None else number(int(ticket)), wake, run, number(remember_ms)]
     elif wake:

@@ -99,6 +99,7 @@ class SemaphoreKeys:
     run_expiry: str
     tenants: str
     shares: str
+    evicted: str
     base: str  # "{prefix}:{<name>}", the common start of every key and channel (not a key)
 
     @classmethod
@@ -120,6 +121,7 @@ class SemaphoreKeys:
             run_expiry=f"{base}:run_expiry",
             tenants=f"{base}:tenants",
             shares=f"{base}:shares",
+            evicted=f"{base}:evicted",
             base=base,
         )
 
@@ -158,6 +160,12 @@ class SemaphoreKeys:
         tenants' clocks and runtime shares."""
         return [*self.encoded, self.tenants.encode(), self.shares.encode()]
 
+    @functools.cached_property
+    def policy_keys(self) -> list[bytes]:
+        """KEYS[1..15], for an acquire under a full-line policy: ``tenant_keys`` and the marks
+        of evicted waiters."""
+        return [*self.tenant_keys, self.evicted.encode()]
+
     @classmethod
     def of_base(cls, base: str) -> SemaphoreKeys:
         """The keys of the semaphore whose keys start with ``base`` (as a parked task's record
@@ -187,6 +195,7 @@ _KEY_NAMES = (
     "run_expiry",
     "tenants",
     "shares",
+    "evicted",
 )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from ..errors import ConfigurationError, SemaphoreUnavailable
+from ..errors import ConfigurationError
 from . import renewer
 from .attempts import Ask, Attempt, Granted, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
@@ -37,10 +37,12 @@ from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
 from .replies import Holder
 from .rules import Rate, check_rate, check_spacing
+from .script_calls import LineArgs
 from .scripts import Scripts, scripts_for
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
+    EVICTED,
     GRANTED,
     LINE_FULL,
     RENEW_LOST,
@@ -55,7 +57,6 @@ from .validation import (
     check_seconds,
     check_token,
     check_waiter,
-    priority_ms,
     to_ms,
 )
 from .waiting import WakeAddress, acquire_within, wait_for_turn
@@ -221,8 +222,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             ask.wake,
             ask.run or "",
             remember_ms,
-            self._tenant_arg(ask.tenant),
-            priority_ms("priority", ask.priority) if ask.priority else 0,
+            self._line_args(ask),
         )
 
     def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
@@ -247,8 +247,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
         wake: str,
         run: str,
         remember_ms: int,
-        tenant_arg: str = "",
-        priority: int = 0,
+        line: LineArgs | None = None,
     ) -> Attempt:
         """A try with its arguments checked (or made here, as ``acquire`` makes them): the one
         round trip, and what its reply means."""
@@ -268,9 +267,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
                 wake=wake,
                 run=run,
                 remember_ms=remember_ms,
-                tenant=tenant_arg,
-                priority_ms=priority,
-                max_waiters=(self.max_waiters or 0) if enqueue else 0,
+                line=line,
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "acquire") from error
@@ -282,8 +279,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"])
             return Granted(lease)
         if reply.outcome == WAIT and reply.to_wake:
             tell_to_wake(self, reply.to_wake)
-        if reply.outcome == LINE_FULL:
-            raise SemaphoreUnavailable(self.name, self.limit, 0.0, max_waiters=self.max_waiters)
+        if reply.outcome in (LINE_FULL, EVICTED):
+            raise self._full_line_error(reply.outcome == EVICTED)
         return refusal_of(reply, self.name)
 
     def _leave(self, waiter: str, away_for: float | None, wake: str) -> bool:

@@ -48,6 +48,21 @@ def priority_ms(setting: str, value: Any) -> int:
     return round(max(-PRIORITY_CAP, min(PRIORITY_CAP, float(value))) * 1000)
 
 
+# What a new waiter that finds its line full does: refused ("reject"), or the oldest waiter
+# dropped to make room ("drop_oldest"), or, per coalesce key, the older waiter replaced
+# ("keep_latest"; a full line with none to replace rejects).
+FULL_LINE_POLICIES = ("reject", "drop_oldest", "keep_latest")
+
+
+def check_on_full(setting: str, value: Any, max_waiters: int | None) -> str:
+    """A full-line policy; "reject" and "drop_oldest" need a max_waiters to act on."""
+    if value not in FULL_LINE_POLICIES:
+        raise ConfigurationError(setting, value, f"expected one of {', '.join(map(repr, FULL_LINE_POLICIES))}")
+    if value == "drop_oldest" and max_waiters is None:
+        raise ConfigurationError(setting, value, "needs max_waiters: the number of waiters that makes a line full")
+    return str(value)
+
+
 def check_name(setting: str, value: Any) -> str:
     """A semaphore name or key: a non-empty string."""
     if not isinstance(value, str) or not value:

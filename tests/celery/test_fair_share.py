@@ -42,9 +42,15 @@ def started_ids(proj: Any, key: str) -> list[str]:
     return [entry.split()[0].decode() for entry in proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)]
 
 
-def send_and_wait_in_line(proj: Any, key: str, customer: str, count: int, in_line: int) -> list[AsyncResult]:
-    """Send ``count`` tasks of ``customer`` and wait until ``in_line`` tasks wait for the key."""
-    results = [proj.fair.apply_async((0.2, customer, key), queue=QUEUE) for _ in range(count)]
+def send_and_wait_in_line(
+    proj: Any, key: str, customer: str, count: int, in_line: int, first_holds: float = 0.2
+) -> list[AsyncResult]:
+    """Send ``count`` tasks of ``customer`` (the first holding ``first_holds`` seconds, the
+    rest 0.2) and wait until ``in_line`` tasks wait for the key."""
+    results = [proj.fair.apply_async((first_holds, customer, key), queue=QUEUE)]
+    if first_holds > 0.2:  # it must be the one that runs while the line is built
+        wait_until(lambda: results[0].id in started_ids(proj, key), timeout=30, what="the long one to start")
+    results += [proj.fair.apply_async((0.2, customer, key), queue=QUEUE) for _ in range(count - 1)]
     semaphore = semaphore_for(proj.app, "proj.fair")
     wait_until(lambda: semaphore.status().waiter_count >= in_line, timeout=30, what=f"{in_line} tasks in line")
     return results
@@ -56,7 +62,8 @@ def test_a_second_customer_is_served_soon_not_after_the_first_ones_flood(proj: A
     3: B's first starts within the next 2 starts, and B's last before A's last. (First come,
     first served would run all of A's first.) Every task runs once, never two at once."""
     key = "fair-flood"
-    a_results = send_and_wait_in_line(proj, key, "A", 10, 9)
+    # the first holds 5 s, so that the whole line is built while it runs
+    a_results = send_and_wait_in_line(proj, key, "A", 10, 9, first_holds=5)
     b_results = send_and_wait_in_line(proj, key, "B", 3, 12)
     for result in a_results + b_results:
         result.get(timeout=120)
@@ -75,7 +82,7 @@ def test_shares_from_the_settings_give_a_customer_three_starts_for_one(proj: Any
     """semaphore_shares {"big:*": 3}: with both customers waiting, big:co gets three of every
     four starts."""
     key = "fair-shares"
-    small = send_and_wait_in_line(proj, key, "small", 9, 8)
+    small = send_and_wait_in_line(proj, key, "small", 9, 8, first_holds=5)
     big = send_and_wait_in_line(proj, key, "big:co", 9, 17)
     for result in small + big:
         result.get(timeout=120)
@@ -112,17 +119,10 @@ def test_fair_by_is_checked_at_declaration() -> None:
         @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_max_waiters=5, shared=False, lazy=False)
         def cap_without_policy() -> None: ...
 
-    with pytest.raises(ConfigurationError, match="not supported yet"):
+    with pytest.raises(ConfigurationError, match="semaphore_coalesce_by"):
 
-        @app.task(
-            base=SemaphoreTask,
-            semaphore_limit=1,
-            semaphore_max_waiters=5,
-            semaphore_on_full="drop_oldest",
-            shared=False,
-            lazy=False,
-        )
-        def drop_oldest() -> None: ...
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_on_full="keep_latest", shared=False, lazy=False)
+        def keep_latest_without_a_key() -> None: ...
 
     with pytest.raises(ConfigurationError, match="one semaphore_key"):
 
@@ -155,8 +155,10 @@ def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_
     the header's first, ahead of the four that asked up to a few seconds before them."""
     key = "ranked"
     semaphore = semaphore_for(proj.app, "proj.ranked")
-    # the first holds 4 s: the others all join the line while it runs
-    plain = [proj.ranked.apply_async((4 if n == 0 else 0.2, key), queue=QUEUE) for n in range(5)]
+    # the first holds 4 s, and starts before the others are sent: they all join the line while it runs
+    plain = [proj.ranked.apply_async((4, key), queue=QUEUE)]
+    wait_until(lambda: started_ids(proj, key) == [plain[0].id], timeout=30, what="the long one to start")
+    plain += [proj.ranked.apply_async((0.2, key), queue=QUEUE) for _ in range(4)]
     wait_until(lambda: semaphore.status().waiter_count >= 4, timeout=30, what="four tasks in line")
     urgent = proj.ranked.apply_async((0.2, key), {"urgency": 60}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count >= 5, timeout=30, what="the urgent task in line")
@@ -190,3 +192,49 @@ def test_a_task_that_finds_its_line_full_fails_at_once_and_the_others_run_once(p
     for result in [running, *waiting]:
         result.get(timeout=60)
     assert sorted(started_ids(proj, key)) == sorted(r.id for r in [running, *waiting])
+
+
+def _fails_with(result: AsyncResult, match: str) -> None:
+    with pytest.raises(Exception, match=match) as caught:
+        result.get(timeout=60)
+    assert type(caught.value).__name__ == "SemaphoreUnavailable"
+    assert result.state == "FAILURE"
+
+
+@pytest.mark.workers
+def test_drop_oldest_fails_the_oldest_waiting_task_and_runs_the_others_once(proj: Any) -> None:
+    """max_waiters 2, drop_oldest: one runs, two wait (parked); a fourth comes, so the oldest
+    waiting one fails with SemaphoreUnavailable (dropped) and never runs; the rest run once."""
+    key = "dropping"
+    semaphore = semaphore_for(proj.app, "proj.dropping")
+    running = proj.dropping.apply_async((3, key), queue=QUEUE)
+    wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
+    oldest = proj.dropping.apply_async((0.1, key), queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the oldest in line")
+    second = proj.dropping.apply_async((0.1, key), queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="two in line")
+    newest = proj.dropping.apply_async((0.1, key), queue=QUEUE)
+    _fails_with(oldest, "dropped")
+    for result in (running, second, newest):
+        result.get(timeout=60)
+    assert sorted(started_ids(proj, key)) == sorted(r.id for r in (running, second, newest)), "each once"
+
+
+@pytest.mark.workers
+def test_keep_latest_replaces_the_waiting_refresh_and_runs_the_newer_in_its_place(proj: Any) -> None:
+    """keep_latest by dashboard: a refresh of "sales" waits, one of "ops" waits behind it, then
+    a newer refresh of "sales" comes: the older fails (replaced) and never runs, the newer runs
+    once, in the older one's place (before "ops"); nothing else is lost or run twice."""
+    key = "refresh"
+    semaphore = semaphore_for(proj.app, "proj.refresh")
+    running = proj.refresh.apply_async((3, "home", key), queue=QUEUE)
+    wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
+    older = proj.refresh.apply_async((0.1, "sales", key), queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the older refresh in line")
+    ops = proj.refresh.apply_async((0.1, "ops", key), queue=QUEUE)
+    wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="ops in line")
+    newer = proj.refresh.apply_async((0.1, "sales", key), queue=QUEUE)
+    _fails_with(older, "newer call")
+    for result in (running, ops, newer):
+        result.get(timeout=60)
+    assert started_ids(proj, key) == [running.id, newer.id, ops.id]

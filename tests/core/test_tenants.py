@@ -291,3 +291,64 @@ def test_tenants_reports_the_largest_backlogs_with_their_shares(held: FairSemaph
     assert [(t.tenant, t.backlog) for t in report] == [("A", 5), ("big", 4), ("B", 3)]
     assert [(t.share, t.runtime_share) for t in report] == [(1.0, False), (3.0, False), (2.0, True)]
     assert [t.tenant for t in held.tenants(most=1)] == ["A"]
+
+
+def test_drop_oldest_evicts_the_oldest_waiter_which_learns_it_when_it_asks(redis_client: redis.Redis) -> None:
+    """max_waiters 2, drop_oldest: a third call joins and the oldest waiter loses its place;
+    asking again (with its ticket, as a re-sent task would) it is told so, and cannot rejoin."""
+    semaphore = FairSemaphore(redis_client, "drop", 1, max_waiters=2, on_full="drop_oldest", patience=60)
+    semaphore.acquire(timeout=0)
+    first = semaphore._try(Ask(token=new_token(), waiter="w0", patience=60))
+    join(semaphore, "w1", None)
+    join(semaphore, "w2", None)
+    assert line(semaphore) == ["w1", "w2"]
+    with pytest.raises(SemaphoreUnavailable) as caught:
+        semaphore._try(Ask(token=new_token(), waiter="w0", ticket=first.ticket, patience=60))  # type: ignore[union-attr]
+    assert caught.value.evicted == "drop_oldest" and "dropped" in str(caught.value)
+    assert line(semaphore) == ["w1", "w2"]
+
+
+def test_a_blocked_waiter_dropped_from_its_line_is_told_at_once(redis_client: redis.Redis) -> None:
+    """A thread waiting in acquire() whose place is dropped raises within a second (it is
+    told, not left to find out at its next keep-alive ask, patience / 3 = 20 s)."""
+    semaphore = FairSemaphore(redis_client, "drop-told", 1, max_waiters=1, on_full="drop_oldest", patience=60)
+    holder = semaphore.acquire(timeout=0)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            semaphore.acquire(timeout=60)
+        except SemaphoreUnavailable as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the thread in line")
+    join(semaphore, "newcomer", None)
+    started = time.monotonic()
+    thread.join(10)
+    assert raised and time.monotonic() - started < 1.0, raised
+    holder.release()
+
+
+def test_keep_latest_gives_the_older_calls_place_to_the_newer_one_of_its_coalesce_key(
+    redis_client: redis.Redis,
+) -> None:
+    """keep_latest: a refresh of "dash" while one waits takes its place (ahead of x that asked
+    between them); the older one is told it was replaced. Other keys are untouched."""
+    semaphore = FairSemaphore(redis_client, "coalesce", 1, on_full="keep_latest", patience=60)
+    semaphore.acquire(timeout=0)
+    older = semaphore._try(Ask(token=new_token(), waiter="dash-1", coalesce="dash", patience=60))
+    semaphore._try(Ask(token=new_token(), waiter="x", coalesce="other", patience=60))
+    semaphore._try(Ask(token=new_token(), waiter="dash-2", coalesce="dash", patience=60))
+    assert line(semaphore) == ["dash-2", "x"]
+    with pytest.raises(SemaphoreUnavailable) as caught:
+        semaphore._try(Ask(token=new_token(), waiter="dash-1", ticket=older.ticket, coalesce="dash", patience=60))  # type: ignore[union-attr]
+    assert caught.value.evicted == "keep_latest" and "newer" in str(caught.value)
+
+
+def test_a_full_line_policy_is_checked_when_the_semaphore_is_made(redis_client: redis.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="on_full"):
+        FairSemaphore(redis_client, "p", 1, max_waiters=3, on_full="newest")
+    with pytest.raises(ConfigurationError, match="needs max_waiters"):
+        FairSemaphore(redis_client, "p", 1, on_full="drop_oldest")

@@ -269,6 +269,38 @@ def capped(self: Any, seconds: float, key: str = "proj.capped") -> str:
     base=SemaphoreTask,
     semaphore_limit=1,
     semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_max_waiters=2,
+    semaphore_on_full="drop_oldest",
+    name="proj.dropping",
+    bind=True,
+)
+def dropping(self: Any, seconds: float, key: str = "proj.dropping") -> str:
+    """At most two wait: a third that comes makes the oldest waiting one fail."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
+    semaphore_countdown=5,
+    semaphore_on_full="keep_latest",
+    semaphore_coalesce_by="{dashboard}",
+    name="proj.refresh",
+    bind=True,
+)
+def refresh(self: Any, seconds: float, dashboard: str, key: str = "proj.refresh") -> str:
+    """One waiting refresh per dashboard: a newer one takes the older one's place."""
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=1,
+    semaphore_inline_wait=0,
     semaphore_countdown=1,
     name="proj.handoff_twin",
     bind=True,
@@ -394,6 +426,8 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
     semaphore_inline_wait=0,
     semaphore_countdown=(1, 3),
     semaphore_lease=2,
+    # three tenants, so that the chaos also runs the line's fair-share ordering
+    semaphore_fair_by=lambda args, kwargs: f"tenant{int(args[0] * 1000) % 3}",
     name="proj.chaos",
     bind=True,
     acks_late=True,
@@ -402,7 +436,8 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
 def chaos(self: Any, seconds: float, key: str = "chaos") -> str:
     """Every wait is a re-sent message (no in-process wait), a killed holder's slot comes back
     within 2 s, and a child killed mid-body has its message redelivered. Records its process id
-    with its start and end, so a run cut short by a kill ends when that process was killed."""
+    with its start and end, so a run cut short by a kill ends when that process was killed.
+    Its calls belong to three tenants (semaphore_fair_by)."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 

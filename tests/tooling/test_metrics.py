@@ -172,6 +172,44 @@ def test_collector_reports_holders_and_waiters_per_family(collector_app: Any, re
     client.close()
 
 
+def test_collector_reports_the_top_tenants_of_a_family_by_calls_waiting(
+    collector_app: Any, redis_server: RedisServer
+) -> None:
+    """A task with semaphore_fair_by: its family's tenants with the most calls waiting, summed
+    over its keys, at most five series (seven tenants wait here)."""
+
+    @limit_concurrency(
+        1, key="mexport:{region}", app=collector_app, name="m.export", shared=False, semaphore_fair_by="{customer}"
+    )
+    def export(region: str, customer: str) -> None: ...
+
+    client = redis_server.client(db=1)
+    registry = CollectorRegistry()
+    register_status_collector(collector_app, registry)
+    leases = []
+    for region in ("eu", "us"):
+        semaphore = FairSemaphore(client, f"mexport:{region}", 1, lease=30, patience=60)
+        leases.append(semaphore.acquire(timeout=5))
+        for n, customer in enumerate(["acme"] * 3 + ["globex"] + [f"small{i}" for i in range(5)]):
+            assert not semaphore._try(
+                Ask(token=new_token(), waiter=f"{region}{n}", tenant=customer, patience=60)
+            ).granted
+    try:
+        samples = {
+            sample.labels["tenant"]: sample.value
+            for metric in registry.collect()
+            if metric.name == "celery_semaphore_tenant_waiting"
+            for sample in metric.samples
+            if sample.labels["family"] == "mexport:{region}"
+        }
+        # acme's first call heads each line: two behind the head in each of two keys
+        assert len(samples) == 5 and samples["acme"] == 4 and samples["globex"] == 2, samples
+    finally:
+        for lease in leases:
+            lease.release()
+        client.close()
+
+
 def test_collector_reports_down_instead_of_failing_the_scrape(collector_app: Any) -> None:
     """With the backend Redis unreachable, a scrape still succeeds and says status_up 0."""
     collector_app.conf.semaphore_backend_url = f"redis://127.0.0.1:{free_port()}/1"
@@ -196,6 +234,7 @@ def test_registering_the_collector_does_not_touch_redis(collector_app: Any) -> N
         "celery_semaphore_rate_period_seconds",
         "celery_semaphore_starts_in_window",
         "celery_semaphore_spacing_seconds",
+        "celery_semaphore_tenant_waiting",
         "celery_semaphore_status_up",
     ]
 

@@ -30,14 +30,22 @@
 --                        then its tenant's virtual time (see tenant_ticket), not its arrival
 --   ARGV[9] priority_ms  "" or the ms a new waiter is placed earlier than its ask (a priority;
 --                        with a tenant, ms of its tenant's clock, 1000 ms a start at share 1)
---   ARGV[10] max_waiters "" or the most waiters the line may hold: a new waiter (no ticket yet)
---                        that finds that many in line takes no place and is answered LINE_FULL
---                        (the semaphore's on_full "reject"; a purge this try made frees slots
---                        for the waiters in line at their next ask)
+--   ARGV[10] full        "" or "<max waiters>|<policy>|<coalesce key>", what a full line does
+--                        (max may be "": no cap). A new waiter (no ticket yet) that finds max
+--                        in line: "reject": takes no place, answered LINE_FULL (a purge this
+--                        try made frees slots for those in line at their next ask);
+--                        "drop_oldest": the oldest waiter not offered a slot is evicted and
+--                        the new one joins. "keep_latest": a new waiter whose coalesce key
+--                        another waiter has takes that one's ticket (its place), and that one
+--                        is evicted; with none to replace, a full line rejects. An evicted
+--                        waiter is told (notify), and answered EVICTED whenever it asks again
+--                        (KEYS[15], for EVICTED_MS)
 --   ARGV[4..10] may be left out when empty (read as ""); KEYS[11..12] are passed only with a run,
---   a tenant, a priority or a max_waiters, KEYS[13..14] only with a tenant:
+--   a tenant, a priority or a full-line policy, KEYS[13..14] only with a tenant or a policy,
+--   KEYS[15] only with a policy:
 --   KEYS[13] tenants     ZSET   tenant -> its clock: the ticket base of its latest waiter
 --   KEYS[14] shares      HASH   tenant -> runtime share (set-share; no expiry, like KEYS[8])
+--   KEYS[15] evicted     ZSET   waiter -> until when (server ms) it is answered EVICTED
 -- Tickets are server time (ms) * 1024 plus a counter (mod 1024) for ties: ordered by first ask,
 -- and still ordered after the counter key expired. A float holds them exactly (below 2^53).
 -- Returns (the codes are named in _lib.lua), when granted, the bare integer outcome (GRANTED or
@@ -71,7 +79,8 @@ enqueue, fresh = enqueue == '1', fresh == '1'
 local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 local tenant_arg = ARGV[8] or ''
 local priority_ms = tonumber(ARGV[9]) or 0
-local max_waiters = tonumber(ARGV[10])
+local max_waiters, full_policy, coalesce = string.match(ARGV[10] or '', '^(%d*)|([%w_]+)|(.*)$')
+max_waiters = tonumber(max_waiters)
 
 local now = now_ms()
 
@@ -125,6 +134,56 @@ if fresh then
 end
 
 -- @rest-of-lib
+
+-- A full line (ARGV[10]): an evicted waiter is told, and answered EVICTED for this long whenever
+-- it asks again (a Celery task's backstop copy comes back within minutes; an hour is ample)
+local K_EVICTED = KEYS[15]
+local EVICTED_MS = 3600000
+-- how many waiters from the head drop_oldest looks at for one not offered a slot
+local EVICT_SCAN = 10
+
+local function evict(victim, now)
+  local address = wake_address(victim)
+  drop_waiter(victim)
+  redis.call('ZREMRANGEBYSCORE', K_EVICTED, '-inf', now)
+  redis.call('ZADD', K_EVICTED, now + EVICTED_MS, victim)
+  extend(K_EVICTED, EVICTED_MS + GRACE_MS, false)
+  notify(address, victim)
+end
+
+local function is_offered(candidate)
+  return redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. candidate) ~= false
+end
+
+-- A new waiter at a full line (see ARGV[10]): the ticket it takes over (keep_latest), or nil;
+-- or false when it must be answered LINE_FULL.
+local function make_room(now)
+  local taken
+  if full_policy == 'keep_latest' and coalesce ~= '' then
+    local field = 'c:' .. coalesce
+    local older = redis.call('HGET', K_WAITER_INFO, field)
+    if older and older ~= waiter and not is_offered(older) then
+      taken = tonumber(redis.call('ZSCORE', K_QUEUE, older))
+      if taken then
+        evict(older, now)
+      end
+    end
+    redis.call('HSET', K_WAITER_INFO, field, waiter)
+  end
+  if taken or not max_waiters or redis.call('ZCARD', K_QUEUE) < max_waiters then
+    return taken
+  end
+  if full_policy == 'drop_oldest' then
+    local oldest = redis.call('ZRANGE', K_QUEUE, 0, EVICT_SCAN - 1)
+    for i = 1, #oldest do
+      if oldest[i] ~= waiter and not is_offered(oldest[i]) then
+        evict(oldest[i], now)
+        return nil
+      end
+    end
+  end
+  return false
+end
 
 -- A tenant's clocks only move on a contended ask (a waiter taking a place): starts on free slots
 -- with nobody waiting leave them, since there is nobody to be fair to.
@@ -242,8 +301,14 @@ if ticket then
   end
 else
   ticket = tonumber(ARGV[4])
-  if not ticket and max_waiters and redis.call('ZCARD', K_QUEUE) >= max_waiters then
-    return LINE_FULL
+  if full_policy and ticket and (tonumber(redis.call('ZSCORE', K_EVICTED, waiter)) or 0) > now then
+    return EVICTED  -- its place went to another (drop_oldest, keep_latest): it may not come back
+  end
+  if full_policy and not ticket then
+    ticket = make_room(now)
+    if ticket == false then
+      return LINE_FULL
+    end
   end
   if not ticket then
     if tenant_arg ~= '' then
