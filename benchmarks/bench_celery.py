@@ -66,12 +66,25 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   figure depends on the CPU: 200 first deliveries are refused in the first two seconds, and with
   ``--children 4`` (the default here) 8 pool processes on 2 cores queue for the CPU meanwhile;
   ``--children 2`` is Celery's own default on such a machine.
+* ``tenants``: fair share between tenants (``semaphore_fair_by``). Tenant A sends 1,000 tasks of
+  50 ms at once to a key of limit 4 (200 with ``--quick``), tenant B sends 20 one second later,
+  2 workers x 4 prefork children, Redis broker. Cases: ``fair_by`` (the task declares
+  ``semaphore_fair_by="{tenant}"``) and ``fifo`` (the same task without it: one first-come line,
+  the baseline); ``*_parked`` the same with ``semaphore_inline_wait = 0`` (a refused task parks
+  at once: the workers take the flood off the broker's queue as fast as they can refuse it, so
+  B's tasks reach the semaphore's line sooner); ``*_parked_queues`` also sends each tenant's
+  tasks to a queue of its own, both consumed by both workers (B's tasks are not behind A's in
+  the broker at all). Figures, from B's arrival (when its first task was sent): B's first body start,
+  B's starts p50 / p99, how many of A's bodies started in between, when B's last and A's last
+  body ended and their ratio, the highest number of bodies at once, bodies run twice.
 * ``overhead``: the same do-nothing task with and without the semaphore (a key whose limit is
   never reached), one worker with one child, sent as a backlog: median ``task_prerun`` to
   ``task_postrun`` ms per task, and the difference.
 
-Targets: issue 8's (order, backlogs, ``handoff``, ``overhead``), and issue 17's: the hand-off's
-p50 <= 15 ms and p99 <= 60 ms on RabbitMQ too, classic and quorum queues.
+Targets: issue 8's (order, backlogs, ``handoff``, ``overhead``), issue 17's: the hand-off's
+p50 <= 15 ms and p99 <= 60 ms on RabbitMQ too, classic and quorum queues; and fair share's: B's
+first start within one hold plus 50 ms of its arrival in every round, B done in at most half
+the time A takes.
 
 First asks, starts, ends, releases and deliveries are recorded by the workers' app
 (benchmarks/bench_celery_app.py) from Celery signals and in the task bodies, independently of
@@ -398,7 +411,29 @@ class Rolling:
     cases: tuple[str, ...] = ("restarted", "steady")
 
 
-Scenario = Fairness | Handoff | Overhead | Rolling
+@dataclass(frozen=True)
+class Tenants:
+    """A flood of one tenant on one key, and a second tenant a moment later: fair share."""
+
+    name: str
+    title: str
+    flood: int  # tenant A's tasks, sent at once
+    late: int  # tenant B's, sent ``after`` seconds later
+    hold: float
+    limit: int
+    after: float = 1.0
+    broker: str = "redis"
+    cases: tuple[str, ...] = (
+        "fair_by",
+        "fifo",
+        "fair_by_parked",
+        "fifo_parked",
+        "fair_by_parked_queues",
+        "fifo_parked_queues",
+    )
+
+
+Scenario = Fairness | Handoff | Overhead | Rolling | Tenants
 
 
 def scenarios(quick: bool) -> list[Scenario]:
@@ -440,6 +475,14 @@ def scenarios(quick: bool) -> list[Scenario]:
             80 if quick else 200,
             0.1,
             3.0 if quick else 10.0,
+        ),
+        Tenants(
+            "tenants",
+            "fair share: tenant A floods a key, tenant B sends a few a second later",
+            flood=200 if quick else 1000,
+            late=20,
+            hold=0.05,
+            limit=4,
         ),
     ]
 
@@ -657,6 +700,54 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
     }
 
 
+def tenants_round(lab: Lab, spec: Tenants, case: str, round_no: int, broker_url: str) -> dict[str, Any]:
+    """Tenant A's ``spec.flood`` tasks sent at once, tenant B's ``spec.late`` ``spec.after``
+    seconds after A's first was sent, all to one key. Cases ``fair_by*`` send a task declaring
+    ``semaphore_fair_by="{tenant}"``, ``fifo*`` the same task without it; ``*_parked*`` sets
+    ``semaphore_inline_wait = 0`` (a refused task parks at once, so the workers take every
+    message of the flood off the broker queue as fast as they can refuse it); ``*_queues`` sends
+    each tenant's tasks to a queue of its own, both consumed by both workers. Seconds from B's
+    arrival (the moment its first task was sent) to B's starts, and to the last end of each."""
+    key = f"{spec.name}-{case}-r{round_no}-{lab.nonce}"
+    queue = f"bc-{key}"
+    task = "bench.tenant" if case.startswith("fair_by") else "bench.tenant_fifo"
+    queues = (f"{queue}-a", f"{queue}-b") if case.endswith("_queues") else (queue, queue)
+    conf: dict[str, Any] = {"semaphore_limits": {"bc:*": spec.limit}}
+    if "_parked" in case:
+        conf["semaphore_inline_wait"] = 0
+    lab.clean(broker_url)
+    with lab.workers(broker_url, [",".join(sorted(set(queues)))] * WORKERS, CHILDREN, conf) as group:
+        began = time.time()
+        a_ids = lab.send(broker_url, task, [(spec.hold, key, "A")] * spec.flood, queues[0])
+        time.sleep(max(0.0, began + spec.after - time.time()))
+        arrived = time.time()
+        b_ids = lab.send(broker_url, task, [(spec.hold, key, "B")] * spec.late, queues[1])
+        ideal = (spec.flood + spec.late) * spec.hold / spec.limit
+        lab.wait_for(a_ids + b_ids, "bench:ends", group, timeout=max(120.0, 20 * ideal))
+        all_starts = [e for e in _events(lab.probe, "bench:starts") if e.key == f"bc:{key}"]
+        ends = _events(lab.probe, "bench:ends")
+        maximum = int(lab.probe.get(f"probe:bc:{key}:max") or 0)
+    starts = _first_by_task(all_starts)
+    b_set = set(b_ids)
+    b_waits = sorted((starts[t].at - arrived) * 1000 for t in b_ids)
+    a_after = [e.at for t, e in starts.items() if t not in b_set and e.at >= arrived]
+    b_done = max(e.at for e in ends if e.task in b_set) - arrived
+    a_done = max(e.at for e in ends if e.task in set(a_ids)) - arrived
+    return {
+        "b_first_ms": b_waits[0],
+        "b_p50_ms": percentile(b_waits, 50),
+        "b_p99_ms": percentile(b_waits, 99),
+        # A's starts between B's arrival and B's first start: how far B was behind the flood
+        "a_before_b": sum(at < arrived + b_waits[0] / 1000 for at in a_after),
+        "b_done_s": b_done,
+        "a_done_s": a_done,
+        "b_over_a": b_done / a_done,
+        "max_concurrency": maximum,
+        "ran_twice": len(all_starts) - len(starts),
+        "send_a_s": arrived - began,
+    }
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile, by linear interpolation between closest ranks; NaN with no values."""
     if not values:
@@ -755,6 +846,8 @@ def run_scenario(lab: Lab, spec: Scenario, rounds: int, only: set[str] | None, a
                     result = handoff_round(lab, spec, round_no, broker)
                 elif isinstance(spec, Rolling):
                     result = rolling_round(lab, spec, case, round_no, broker)
+                elif isinstance(spec, Tenants):
+                    result = tenants_round(lab, spec, case, round_no, broker)
                 else:
                     result = fairness_round(lab, spec, case, round_no, broker)
             except RoundFailed as error:
@@ -819,6 +912,19 @@ FAIRNESS_COLUMNS = [
     ("runs/task", "runs_per_task", 2),
     ("max runs", "runs_max", 0),
     ("msgs/task", "msgs_per_task", 2),
+    ("max conc.", "max_concurrency", 0),
+    ("ran twice", "ran_twice", 0),
+]
+
+
+TENANTS_COLUMNS = [
+    ("B first start ms", "b_first_ms", 0),
+    ("B p50 ms", "b_p50_ms", 0),
+    ("B p99 ms", "b_p99_ms", 0),
+    ("A starts first", "a_before_b", 0),
+    ("B done s", "b_done_s", 2),
+    ("A done s", "a_done_s", 2),
+    ("B/A done", "b_over_a", 3),
     ("max conc.", "max_concurrency", 0),
     ("ran twice", "ran_twice", 0),
 ]
@@ -914,6 +1020,14 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
             for r in outcome.rounds[case]
             if r.get("slow_starts")
         ]
+    elif isinstance(spec, Tenants):
+        head = (
+            f"{spec.name}: {spec.title}: A {spec.flood} x {spec.hold} s, B {spec.late} x {spec.hold} s "
+            f"{spec.after:g} s later, limit {spec.limit}, {WORKERS} workers x {CHILDREN}; from B's arrival"
+        )
+        rows = [["case", *(title for title, _, _ in TENANTS_COLUMNS)]]
+        for case in outcome.rounds:
+            rows.append([case, *(show(figures(outcome, case, name), digits) for _, name, digits in TENANTS_COLUMNS)])
     else:
         head = f"{spec.name}: {spec.title}: {spec.tasks} tasks per case and round"
         rows = [["case", "prerun->postrun median ms", "p90 ms", "wall ms/task", "delta median ms", "delta wall ms"]]
@@ -977,6 +1091,13 @@ def targets(specs: Sequence[Scenario]) -> list[Target]:
         Target("rolling", "p99_ms", 60, "release -> next start p99 ms outside the restarts (pooled)"),
         Target("rolling", "max_all_ms", 2500, "release -> next start, worst ms, restarts included", worst=True),
     ]
+    for spec in specs:  # fair share: B's first start within one hold plus 50 ms, B done long before A
+        if isinstance(spec, Tenants):
+            found += [
+                Target(spec.name, "b_first_ms", spec.hold * 1000 + 50, "B's first start after its arrival, ms", True),
+                Target(spec.name, "b_over_a", 0.5, "B done / A done (from B's arrival)", worst=True),
+                Target(spec.name, "max_concurrency", spec.limit, "max concurrency (limit)", worst=True),
+            ]
     return found
 
 
@@ -988,7 +1109,7 @@ def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[s
         outcome = outcomes.get(target.scenario)
         if outcome is None or outcome.skipped:
             continue
-        for case in ("semaphore", "countdown", "restarted"):
+        for case in ("semaphore", "countdown", "restarted", "fair_by", "fair_by_parked", "fair_by_parked_queues"):
             if not outcome.rounds.get(case):
                 continue
             if isinstance(outcome.spec, Rolling) and target.figure == "p99_ms":
@@ -1007,7 +1128,11 @@ def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[s
                 value = max(values) if target.worst else statistics.median(values)
                 digits = 0 if target.figure in ("max_displacement", "max_concurrency") else 2
                 measured = show(values, digits)
-                naive = show(figures(outcome, "naive", target.figure), digits)
+                baseline = "naive"
+                if isinstance(outcome.spec, Tenants):
+                    baseline = case.replace("fair_by", "fifo")
+                naive = show(figures(outcome, baseline, target.figure), digits)
+                naive = naive if baseline == "naive" else f"{baseline} {naive}"
             verdicts.append(
                 {
                     "scenario": target.scenario,
@@ -1055,7 +1180,9 @@ a task ran in a pool child (task_prerun); msgs: its messages received by a worke
 bodies running at once (concurrency probe). ran twice: bodies run a second time (must be 0).
 naive: one-shot try + self.retry(countdown=1); countdown: semaphore_inline_wait = 0.
 hand-off: not waiting: links that first asked after their predecessor's release (no sample);
-max send->ask: longest time from sending a link to its first ask; round s: the round's wall time."""
+max send->ask: longest time from sending a link to its first ask; round s: the round's wall time.
+tenants: from B's arrival (its first task sent); A starts first: A's bodies that started between
+B's arrival and B's first start; parked: semaphore_inline_wait = 0; queues: a queue per tenant."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -1065,12 +1192,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer tasks (order 30, backlogs 200, hand-off 2 x 10, overhead 100), for development",
+        help="fewer tasks (order 30, backlogs 200, hand-off 2 x 10, overhead 100, tenants' flood 200), for development",
     )
     parser.add_argument(
         "--only",
         help="comma-separated scenarios or scenario/case: order, backlog-redis, "
-        "backlog-amqp, handoff, handoff-amqp, handoff-quorum, overhead "
+        "backlog-amqp, handoff, handoff-amqp, handoff-quorum, overhead, rolling, tenants "
         "(e.g. order/semaphore)",
     )
     parser.add_argument("--json", help="also write every round's figures, versions and the commit here")

@@ -176,8 +176,27 @@ class TimedSemaphoreTask(AskStamped, SemaphoreTask):
 @app.task(base=TimedSemaphoreTask, semaphore_key="bc:{key}", bind=True, name="bench.fair")
 def fair(self: Any, seconds: float, key: str) -> None:
     """Limited by the semaphore: ``semaphore_limits`` gives ``bc:*`` its limit (set per worker)."""
-    self.request.bench_key = f"bc:{key}"
-    _hold(self, seconds, f"bc:{key}")
+    _limited(self, seconds, key)
+
+
+def _limited(task: Task, seconds: float, key: str) -> None:
+    """The body of a task holding a slot of ``bc:{key}``: its release is timed, its hold recorded."""
+    task.request.bench_key = f"bc:{key}"
+    _hold(task, seconds, f"bc:{key}")
+
+
+@app.task(
+    base=TimedSemaphoreTask, semaphore_key="bc:{key}", semaphore_fair_by="{tenant}", bind=True, name="bench.tenant"
+)
+def tenant_fair(self: Any, seconds: float, key: str, tenant: str) -> None:
+    """``bench.fair`` with a tenant: placed in line by its tenant's virtual time."""
+    _limited(self, seconds, key)
+
+
+@app.task(base=TimedSemaphoreTask, semaphore_key="bc:{key}", bind=True, name="bench.tenant_fifo")
+def tenant_fifo(self: Any, seconds: float, key: str, tenant: str) -> None:
+    """The same task without ``semaphore_fair_by``: one first-come line, the baseline."""
+    _limited(self, seconds, key)
 
 
 # A plain one-shot semaphore, as a user writes one by hand: drop expired holders, and take a slot

@@ -17,6 +17,16 @@ host's robots.txt is read again before they do. Until then (and for a site that 
 nothing) the glob ``crawl:*`` in ``semaphore_limits`` gives each host the safe default of one
 page at a time, one a second.
 
+Story 3, two customers on one plan: ``export_report(customer, i)`` calls the same paid API for
+one of our customers. One customer's flood must not starve the others: ``semaphore_fair_by``
+puts each waiting call in line by its customer's share, not by its arrival, so a customer who
+comes after another's flood of calls is served within about one call's time, and the two share
+the API's slots from then on. With ``semaphore_inline_wait=0`` a refused call leaves the worker
+at once: the workers take the whole flood off the broker's queue and into the semaphore's line,
+where the customer's share can place it (a call still waiting in the broker's queue is in no
+line yet). Its key is its own here only so the demo can tell the stories one after the other:
+in your project, put ``semaphore_fair_by`` on the one task that calls the API.
+
 Everything here uses the public API only. Not about the semaphore, and so elsewhere: the HTTP
 and HTML plumbing (``web.py``) and the demo that runs these tasks on real workers against local
 stand-ins of the API and the sites (``demo/``, ``python -m example_project``). Of the demo, only
@@ -45,6 +55,7 @@ SAFE_CRAWL_DELAY = 1.0  # and one a second
 ROBOTS_TTL = 600.0  # a robots.txt is trusted this long: what was read from it lapses then,
 ROBOTS_REREAD = 540.0  # so a host's next page after this long reads it again, before the lapse
 HTTP_TIMEOUT = 15.0
+FAIR_BY = "{customer}"  # story 3: the tenant of a call, a template over the task's arguments
 
 app = Celery("example_project")
 app.conf.update(
@@ -98,11 +109,12 @@ def call_api_unprotected(i: int) -> int:
     return post_report(i).status
 
 
-def post_report(i: int) -> web.Reply:
-    """POST report ``i`` to the paid API. One body for both tasks, so the semaphore is the only
-    difference between them."""
-    with record_call() as call:
-        reply = web.http_post(app.conf.paid_api_port, f"/v1/reports/{i}", timeout=HTTP_TIMEOUT)
+def post_report(i: int, customer: str = "") -> web.Reply:
+    """POST report ``i`` (of ``customer``, in story 3) to the paid API. One body for every task,
+    so the semaphore is the only difference between them."""
+    path = f"/v1/customers/{customer}/reports/{i}" if customer else f"/v1/reports/{i}"
+    with record_call(tenant=customer) as call:
+        reply = web.http_post(app.conf.paid_api_port, path, timeout=HTTP_TIMEOUT)
         call.status = reply.status
     return reply
 
@@ -165,3 +177,21 @@ def crawl(host: str, path: str) -> int:
         for href in web.extract_links(body):
             schedule(*web.resolve_link(host, href))
     return call.status
+
+
+# -- story 3: two customers on one plan -------------------------------------------------------
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    base=SemaphoreTask,
+    semaphore_limit=API_LIMIT,
+    semaphore_rate=API_QUOTA,
+    semaphore_fair_by=FAIR_BY,
+    semaphore_inline_wait=0,
+    name="demo.export_report",
+    shared=False,
+)
+def export_report(customer: str, i: int) -> int:
+    """Post report ``i`` of ``customer`` to the paid API, in line by the customer's
+    share (``semaphore_shares`` could give a customer more: 1 each here); the HTTP status."""
+    return post_report(i, customer).status

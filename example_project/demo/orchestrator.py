@@ -1,13 +1,14 @@
 """The demo's orchestrator: ``python -m example_project [--quick] [--no-live]``.
 
 It starts everything it needs (a Redis unless ``REDIS_URL`` is set, the two local HTTP servers,
-two real ``celery worker`` subprocesses), tells the two stories of ``example_project/tasks.py``,
+two real ``celery worker`` subprocesses), tells the three stories of ``example_project/tasks.py``,
 shows what happened (a live view of each semaphore while the tasks run, a summary table, a PNG
 chart), and stops everything again, also on Ctrl-C and on errors. The exit code is 0 only when
 every check held wherever the semaphore was in charge: the API's limit and quota kept (no 429
 but the one of its maintenance window), no call during the pause that 429 asked for and the
-paused call first after it, no robots.txt violation (Crawl-concurrency or Crawl-delay), and all
-the work done.
+paused call first after it, no robots.txt violation (Crawl-concurrency or Crawl-delay), a
+customer who comes after another's flood served within about one call's time, and all the work
+done.
 """
 
 from __future__ import annotations
@@ -38,7 +39,17 @@ from .. import tasks
 from . import records, wiring
 from .processes import Interrupted, WorkerProcess, guard
 from .records import Keys
-from .report import KeyResult, Pause, Span, checks_for, draw_chart, makespan, peak_in_flight, summary_table
+from .report import (
+    KeyResult,
+    Latecomer,
+    Pause,
+    Span,
+    checks_for,
+    draw_chart,
+    makespan,
+    peak_in_flight,
+    summary_table,
+)
 from .servers import CrawlSiteServer, PaidApiServer, SiteSpec
 from .settings import DemoSettings
 
@@ -59,6 +70,8 @@ PHASE_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0
 STOP_TIMEOUT_INTERRUPTED = 3.0
 REFRESH = 0.2
+# Story 3's two customers: the one who floods the API, the one who comes a moment later.
+FLOODER, LATECOMER = "acme", "globex"
 
 
 @dataclass(frozen=True)
@@ -67,12 +80,16 @@ class Scenario:
     around half a minute, yet long enough that 8 pool processes overlap on a busy 2-core box.
     The API allows ``tasks.API_LIMIT`` calls at once and ``tasks.API_QUOTA`` in any window:
     the rules the tasks hold it to. More calls than one window's quota, so the quota shows; the
-    first call of the run meets the API's maintenance window, ``maintenance`` seconds long."""
+    first call of the run meets the API's maintenance window, ``maintenance`` seconds long.
+    Story 3: ``FLOODER`` sends ``flood`` calls at once, ``LATECOMER`` ``late`` once they wait in
+    line; together within one window of the quota, so the story shows the customers' order alone."""
 
     api_calls: int
     api_service: float
     maintenance: float
     sites: dict[str, SiteSpec] = field(default_factory=dict)
+    flood: int = 16
+    late: int = 4
 
 
 # A site whose pages take longer than its Crawl-delay (gamma) shows both rules at work: its
@@ -354,24 +371,15 @@ class Demo:
             finished, results = self.send_api_calls(task, key if protected else None, refresh)
         stats = api.stats()
         spans = self.spans(series)
-        result = KeyResult(
+        result = self.api_result(
+            stats,
+            spans,
             story="paid API",
             key=key,
-            limit=tasks.API_LIMIT,
             protected=protected,
             calls=scenario.api_calls,
-            served=int(stats["ok"]),
-            rejected=int(stats["rejected"]),
-            server_peak=int(stats["max_observed_concurrency"]),
-            client_peak=peak_in_flight(spans),
-            makespan=makespan(spans),
-            service_time=scenario.api_service,
             origin=origin,
-            spans=tuple(spans),
             finished=finished and all(r.ready() for r in results),
-            quota=tasks.API_QUOTA,
-            max_in_window=int(stats["max_in_window"]),
-            rejected_for={reason: int(n) for reason, n in stats["rejected_for"].items()},
             pause=Pause.from_stats(stats["maintenance"]),
         )
         reasons = ", ".join(f"{n} for {reason}" for reason, n in result.rejected_for.items() if n)
@@ -382,6 +390,24 @@ class Demo:
             f"{period:g} s (allows {count}), {result.makespan:.1f} s"
         )
         return result
+
+    def api_result(self, stats: dict[str, Any], spans: list[Span], **run: Any) -> KeyResult:
+        """A run on the paid API (``run``: what only the run knows), as the API's counters and
+        the tasks' spans tell it."""
+        return KeyResult(
+            limit=tasks.API_LIMIT,
+            served=int(stats["ok"]),
+            rejected=int(stats["rejected"]),
+            server_peak=int(stats["max_observed_concurrency"]),
+            client_peak=peak_in_flight(spans),
+            makespan=makespan(spans),
+            service_time=self.scenario.api_service,
+            spans=tuple(spans),
+            quota=tasks.API_QUOTA,
+            max_in_window=int(stats["max_in_window"]),
+            rejected_for={reason: int(n) for reason, n in stats["rejected_for"].items()},
+            **run,
+        )
 
     def send_api_calls(self, task: Any, paused_key: str | None, refresh: Callable[[], None]) -> tuple[bool, list[Any]]:
         """Send the run's calls and wait for them; (all finished, their results). With a
@@ -459,6 +485,59 @@ class Demo:
             self.say(f"  {host}: robots.txt says {self.robots_rules(key)}; {self.site_summary(stats[host])}")
         return results
 
+    # -- story 3 ------------------------------------------------------------------------------
+
+    def customers(self) -> KeyResult:
+        """``FLOODER``'s flood, then ``LATECOMER``'s few calls once the whole flood has asked for
+        a slot (so it waits in the semaphore's line, not in the broker's queue), all on the key
+        of ``tasks.export_report``, which puts each call in line by its customer."""
+        stack, scenario = self.stack, self.scenario
+        api, task = stack.api, tasks.export_report
+        key, total = task.name, scenario.flood + scenario.late
+        api.reset_stats()
+        self.say(
+            f"[bold]Story 3: two customers share the paid API[/] ({tasks.API_LIMIT} at once; semaphore_fair_by="
+            f"{tasks.FAIR_BY!r}): {FLOODER} sends {scenario.flood} calls at once, {LATECOMER} {scenario.late} "
+            "once they wait in line"
+        )
+        origin = time.time()
+        semaphore = semaphore_for(tasks.app, key)
+
+        def rows() -> list[Row]:
+            return [self.semaphore_row(key, total, int(api.stats()["rejected"]))]
+
+        def flood_in_line() -> bool:
+            """Every call of the flood has asked: it holds a slot, waits in line, or is done."""
+            status = semaphore.status(listed=0)
+            done = int(stack.data.get(stack.keys.done(key)) or 0)
+            return status.holder_count + status.waiter_count + done >= scenario.flood
+
+        with self.display("Story 3: two customers share the paid API", rows) as refresh:
+            results = [task.delay(FLOODER, i) for i in range(scenario.flood)]
+            done = self.wait(f"story 3: {FLOODER}'s flood in line", flood_in_line, refresh)
+            arrived = time.time()
+            results += [task.delay(LATECOMER, i) for i in range(scenario.late)]
+            done = done and self.wait("story 3", lambda: all(r.ready() for r in results), refresh)
+        stats = api.stats()
+        spans = self.spans(key)
+        latecomer = Latecomer(LATECOMER, FLOODER, arrived)
+        result = self.api_result(
+            stats,
+            spans,
+            story="customers",
+            key=key,
+            protected=True,
+            calls=total,
+            origin=origin,
+            finished=done and all(r.ready() for r in results),
+            latecomer=latecomer,
+        )
+        self.say(
+            f"  starts in order ({FLOODER[0]}: {FLOODER}, {LATECOMER[0].upper()}: {LATECOMER}, |: {LATECOMER} "
+            f"comes): {latecomer.order(spans)}"
+        )
+        return result
+
     def robots_rules(self, key: str) -> str:
         """What the crawler read in the host's robots.txt: the runtime limit and spacing it
         stored ("nothing" where it stored neither)."""
@@ -490,7 +569,7 @@ class Demo:
 
     def run(self) -> int:
         self.start()
-        results = [self.paid_api(protected=False), self.paid_api(protected=True), *self.crawler()]
+        results = [self.paid_api(protected=False), self.paid_api(protected=True), *self.crawler(), self.customers()]
         self.console.print()
         self.console.print(summary_table(results))
         checks = checks_for(results, self.errors())
@@ -557,9 +636,10 @@ class Demo:
             return
         if self.settings.data_url:
             hosts = self.sites.hosts if self.sites is not None else []
-            semaphore = semaphore_for(tasks.app, tasks.call_api.name)
-            semaphore.resume()
-            semaphore.reset()
+            for key in (tasks.call_api.name, tasks.export_report.name):
+                semaphore = semaphore_for(tasks.app, key)
+                semaphore.resume()
+                semaphore.reset()
             for host in hosts:
                 semaphore = semaphore_for(tasks.app, f"crawl:{host}")
                 semaphore.clear_limit()

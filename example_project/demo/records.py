@@ -106,10 +106,10 @@ def in_demo() -> bool:
 
 
 @contextmanager
-def record_call(series: str | None = None) -> Iterator[Call]:
+def record_call(series: str | None = None, tenant: str = "") -> Iterator[Call]:
     """Record the HTTP call made in the block for the demo's chart and makespans: in flight
     while it runs, then a span with its status, under ``series`` (the running task's name by
-    default). Outside a demo run, nothing is recorded."""
+    default) and for ``tenant`` (the customer, if any). Outside a demo run, nothing is recorded."""
     call = Call()
     if not in_demo():
         yield call
@@ -122,7 +122,7 @@ def record_call(series: str | None = None) -> Iterator[Call]:
         yield call
     finally:
         end = time.time()
-        span = {"key": series, "start": start, "end": end, "status": call.status, "pid": os.getpid()}
+        span = {"key": series, "start": start, "end": end, "status": call.status, "pid": os.getpid(), "tenant": tenant}
         pipe = client.pipeline(transaction=False)
         pipe.decr(names.in_flight(series))
         pipe.rpush(names.spans, json.dumps(span))

@@ -22,17 +22,25 @@ from .servers import ARRIVAL_SLACK
 
 @dataclass(frozen=True)
 class Span:
-    """One HTTP call: wall-clock start and end (seconds), status (0: the call raised)."""
+    """One HTTP call: wall-clock start and end (seconds), status (0: the call raised), and the
+    customer it was made for (story 3; "" elsewhere)."""
 
     key: str
     start: float
     end: float
     status: int
+    tenant: str = ""
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Span:
         value = json.loads(raw)
-        return cls(str(value["key"]), float(value["start"]), float(value["end"]), int(value["status"]))
+        return cls(
+            str(value["key"]),
+            float(value["start"]),
+            float(value["end"]),
+            int(value["status"]),
+            str(value.get("tenant") or ""),
+        )
 
 
 def concurrency_steps(spans: Iterable[Span], origin: float) -> tuple[list[float], list[int]]:
@@ -106,6 +114,31 @@ class Pause:
 
 
 @dataclass(frozen=True)
+class Latecomer:
+    """Story 3: the customer who came while another's flood waited in line, and when (wall
+    clock, as the orchestrator sent its first call)."""
+
+    tenant: str
+    flooder: str
+    arrived: float
+
+    def starts(self, spans: Sequence[Span]) -> list[Span]:
+        """The two customers' calls in the order they started."""
+        return sorted((s for s in spans if s.tenant in (self.tenant, self.flooder)), key=lambda s: s.start)
+
+    def order(self, spans: Sequence[Span]) -> str:
+        """The order of starts, a letter per call ("aaaa|aGaG..."), "|" where the latecomer came:
+        lower case the flooder's initial, upper case the latecomer's."""
+        marks, came = [], False
+        for s in self.starts(spans):
+            if not came and s.start >= self.arrived:
+                marks.append("|")
+                came = True
+            marks.append(self.tenant[0].upper() if s.tenant == self.tenant else self.flooder[0].lower())
+        return "".join(marks)
+
+
+@dataclass(frozen=True)
 class KeyResult:
     """One row of the summary: a semaphore key (or the unprotected run) and what it achieved.
     The rules beyond the limit are the server's: the API's quota and maintenance window, a
@@ -132,6 +165,7 @@ class KeyResult:
     crawl_delay: float | None = None  # the site's Crawl-delay (seconds between two requests)
     min_gap: float | None = None  # the shortest time the site saw between two page requests
     too_early: int = 0  # page requests the site saw sooner than its Crawl-delay after the last
+    latecomer: Latecomer | None = None  # story 3: the customer who came after another's flood
 
     @property
     def ideal(self) -> float:
@@ -188,6 +222,8 @@ def checks_for(results: Sequence[KeyResult], errors: Sequence[str]) -> list[Chec
             checks.append(_contrast(r))
         elif r.story == "paid API":
             checks += [*_api_checks(r), _work_done(r, "calls served")]
+        elif r.latecomer is not None:
+            checks += [*_api_checks(r), _fair_check(r, r.latecomer), _work_done(r, "calls served")]
         else:
             checks += [*_site_checks(r), _work_done(r, "pages crawled")]
     first = f": {errors[0]}" if errors else ""
@@ -227,8 +263,8 @@ def _api_checks(r: KeyResult) -> list[Check]:
         checks.append(
             Check(
                 f"{r.key}: API quota never exceeded: max {r.max_in_window} calls in any {period:g} s "
-                f"(quota {count}; a call may come {ARRIVAL_SLACK:g} s early), {others} answered 429 "
-                f"except the maintenance window's {maintenance}",
+                f"(quota {count}; a call may come {ARRIVAL_SLACK:g} s early), {others} answered 429"
+                + (f" except the maintenance window's {maintenance}" if r.pause is not None else ""),
                 r.max_in_window <= count and others == 0,
             )
         )
@@ -261,6 +297,30 @@ def _pause_check(key: str, pause: Pause, limit: int) -> Check:
         and pause.quiet_for is not None
         and pause.quiet_for >= pause.seconds
         and pause.told_in_first_wave(limit),
+    )
+
+
+def _fair_check(r: KeyResult, late: Latecomer) -> Check:
+    """The latecomer is served within about one call's time of coming, not after the flood: at
+    most two waves of the key's slots (``2 * limit`` starts: the calls running when it came
+    end, and it is among the next) of the flooder's waiting calls start before its first, and
+    its last starts while the flooder still has calls to start. First come, first served, all
+    of the flood would start first. Two waves, not one: on a busy 2-core host the latecomer's
+    tasks may reach a pool process only after the next wave was handed out."""
+    starts = late.starts(r.spans)
+    theirs = [s for s in starts if s.tenant == late.tenant]
+    flood = [s for s in starts if s.tenant == late.flooder]
+    if not theirs or not flood:
+        return Check(f"{r.key}: fair share: {late.tenant} or {late.flooder} never started", False)
+    first, last = theirs[0].start, theirs[-1].start
+    waiting = [s for s in flood if s.start >= late.arrived]
+    ahead = sum(s.start < first for s in waiting)
+    after = sum(s.start > last for s in waiting)
+    return Check(
+        f"{r.key}: fair share: {late.tenant} came with {len(waiting)} of {late.flooder}'s calls waiting; its first "
+        f"started {first - late.arrived:.2f} s later (a call takes {r.service_time:g} s), after {ahead} of them, "
+        f"and its last before {after} of them",
+        ahead <= 2 * r.limit and ahead < len(waiting) and after > 0,
     )
 
 
@@ -337,19 +397,22 @@ def draw_chart(results: Sequence[KeyResult], path: Path) -> Path:
     """Story 1 on the top row: calls in flight for its two runs (the limit dashed, 429s
     marked, the pause shaded) and the calls started in the quota's trailing window against
     the quota. Story 2 below: calls in flight per host, and the page requests per host over
-    time, so the Crawl-delay shows as the gaps."""
+    time, so the Crawl-delay shows as the gaps. Story 3 last: calls in flight, and each
+    customer's calls started over time, from when the latecomer came."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     api = [r for r in results if r.story == "paid API"]
-    sites = [r for r in results if r.story != "paid API"]
+    sites = [r for r in results if r.story == "crawler"]
+    customers = [r for r in results if r.latecomer is not None]
     rows = [
         (title, row, extra)
         for title, row, extra in (
             ("Story 1: paid API, 429 beyond its limit or its quota (same time scale for both runs)", api, _quota_panel),
             ("Story 2: polite crawler, a semaphore per host, rules from robots.txt", sites, _gaps_panel),
+            ("Story 3: two customers share the paid API, semaphore_fair_by", customers, _customers_panel),
         )
         if row
     ]
@@ -432,6 +495,28 @@ def _gaps_panel(ax: Any, row: Sequence[KeyResult], right: float) -> None:
     ax.invert_yaxis()
     ax.set_title("page requests per host\n(min gap: as the site saw it)", fontsize=9)
     _axes(ax, "", right)
+
+
+def _customers_panel(ax: Any, row: Sequence[KeyResult], right: float) -> None:
+    """Each customer's calls started so far, over time, when the latecomer came, and the
+    flooder's last start (first come, first served, the latecomer would start only then): from
+    its coming on the two lines climb together, each at its share."""
+    for r in row:
+        late = r.latecomer
+        if late is None:
+            continue
+        for tenant, colour in ((late.flooder, "tab:orange"), (late.tenant, "tab:green")):
+            starts = [s.start - r.origin for s in late.starts(r.spans) if s.tenant == tenant]
+            times, counts = [0.0, *starts], list(range(len(starts) + 1))
+            ax.step(times, counts, where="post", color=colour, linewidth=1.6, label=f"{tenant} ({len(starts)})")
+        came = late.arrived - r.origin
+        ax.axvline(came, color="tab:green", linestyle=":", linewidth=1.4, label=f"{late.tenant} comes")
+        # first come, first served, the latecomer's first call would start after the whole flood
+        flood = max((s.start - r.origin for s in r.spans if s.tenant == late.flooder), default=came)
+        ax.axvline(flood, color="tab:gray", linestyle="--", linewidth=1.2, label="first come, first served")
+        ax.set_title(f"calls started per customer\n({late.tenant} comes after {late.flooder}'s flood)", fontsize=9)
+    _axes(ax, "calls started", right)
+    ax.yaxis.get_major_locator().set_params(integer=True)
 
 
 def _axes(ax: Any, ylabel: str, right: float) -> None:

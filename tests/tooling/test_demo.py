@@ -189,11 +189,15 @@ def _assert_checks_hold(output: str) -> None:
     """Every check the demo prints holds, and says what the servers saw: the API's limit and
     quota kept, its maintenance 429 the only one, no call during the pause it asked for and the
     paused call first after it; on every host no violation, each Crawl-delay read from
-    robots.txt and honoured; all work done."""
+    robots.txt and honoured; the customer who comes after another's flood served within two
+    waves of the key's slots (at most 8 of the flood's waiting calls, and not all, before its
+    first), and its last before the flood's last; all work done."""
     contrast = re.search(r"^check: paid-api \(no semaphore\), the contrast: (\d+) answered 429", output, re.M)
     assert contrast is not None, output
     assert int(contrast.group(1)) > 0, output
-    _check(r"demo\.call_api: concurrency never over the limit: peak [0-4] of limit 4, 0 answered 429 for it", output)
+    for key in (r"demo\.call_api", r"demo\.export_report"):
+        _check(rf"{key}: concurrency never over the limit: peak [0-4] of limit 4, 0 answered 429 for it", output)
+        _check(rf"{key}: (\d+)/\1 calls served", output)
     quota = _check(
         r"demo\.call_api: API quota never exceeded: max (\d+) calls in any 10 s \(quota 20; a call may come "
         r"0\.1 s early\), 0 answered 429 except the maintenance window's 1",
@@ -206,7 +210,6 @@ def _assert_checks_hold(output: str) -> None:
         output,
     )
     assert float(pause.group(1)) >= 2.0, output
-    _check(r"demo\.call_api: (\d+)/\1 calls served", output)
     delays = set()
     for host in HOSTS:
         key = re.escape(f"crawl:{host}")
@@ -223,6 +226,18 @@ def _assert_checks_hold(output: str) -> None:
         assert float(gap.group(1)) >= delay - 0.1, output
         _check(rf"{key}: (\d+)/\1 pages crawled", output)
     assert len(delays) == len(HOSTS), f"every host has its own Crawl-delay: {delays}"
+    _check(
+        r"demo\.export_report: API quota never exceeded: max \d+ calls in any 10 s \(quota 20; [^)]*\), 0 answered 429",
+        output,
+    )
+    fair = _check(
+        r"demo\.export_report: fair share: globex came with (\d+) of acme's calls waiting; its first started "
+        r"(\d+\.\d+) s later \(a call takes [\d.]+ s\), after (\d+) of them, and its last before (\d+) of them",
+        output,
+    )
+    assert int(fair.group(3)) <= min(8, int(fair.group(1)) - 1), output
+    assert int(fair.group(4)) > 0, output
+    assert re.search(r" starts in order \(a: acme, G: globex, \|: globex comes\): a+\|[aG]*G", output), output
     _check(r"task failures: 0", output)
 
 
