@@ -17,6 +17,11 @@ latency (each start after the first 10 against the moment a holder let go of the
 took, the k-th start against the (k-10)-th release, a release timed as the holder sends it: the
 line is never empty meanwhile); and the most connections of the event loop's client at any
 sample (CLIENT LIST, by client name).
+
+Then, on another key of limit 1 held by one coroutine, ``--cancel-rounds`` times: 500 coroutines
+join its line, and once all 500 stand in it (``status().waiter_count``) they are all cancelled at
+once; it reports the ms from the cancel until the line is empty again (status asked every ms),
+each round's figure.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ LIMIT = 10
 HOLD_S = 0.010
 COUNTER = "bench-async:held"
 READY = "bench-async:process-holds"  # the coroutines start once both processes hold slots
+CANCELLED = 500  # waiters cancelled at once, in each cancel round
 
 
 # (kind, asked, started, released, ticket): times in time.monotonic() seconds (one clock for every
@@ -138,6 +144,33 @@ async def _coroutines(port: int, count: int, ramp_s: float) -> tuple[list[Record
     return records, most
 
 
+async def _cancelling(port: int, waiters: int, rounds: int) -> list[float]:
+    """Each round: ``waiters`` coroutines in line behind a holder, all cancelled at once; the ms
+    until none of them is left in the line."""
+    client = redis.asyncio.Redis(host=LOOPBACK, port=port)
+    sem = AsyncFairSemaphore(client, NAME + "-cancel", limit=1)
+    holder = await sem.acquire()
+    took = []
+
+    async def in_line() -> None:
+        await sem.acquire(timeout=60)  # never granted: the holder keeps the one slot
+
+    for _ in range(rounds):
+        line = [asyncio.ensure_future(in_line()) for _ in range(waiters)]
+        while (await sem.status(listed=0)).waiter_count < waiters:
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        for waiter in line:
+            waiter.cancel()
+        while (await sem.status(listed=0)).waiter_count > 0:
+            await asyncio.sleep(0.001)
+        took.append(round((time.monotonic() - started) * 1000, 1))
+        await asyncio.gather(*line, return_exceptions=True)
+    await holder.release()
+    await client.aclose()
+    return took
+
+
 def _sampler(port: int, stop: threading.Event, out: dict[str, int]) -> None:
     client = redis.Redis(host=LOOPBACK, port=port)
     sem = FairSemaphore(client, NAME, limit=LIMIT)
@@ -175,7 +208,7 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
 
 
-def run(coroutines: int, threads: int, ramp_ms: float) -> dict[str, Any]:
+def run(coroutines: int, threads: int, ramp_ms: float, cancel_rounds: int = 5) -> dict[str, Any]:
     with RedisServer() as server:
         context = multiprocessing.get_context("spawn")
         stop, out = context.Event(), context.Queue()
@@ -202,6 +235,7 @@ def run(coroutines: int, threads: int, ramp_ms: float) -> dict[str, Any]:
             process.join(60)
         sampling.set()
         sampler.join()
+        cancelled = asyncio.run(_cancelling(server.port, CANCELLED, cancel_rounds)) if cancel_rounds else []
     by_start = sorted(records, key=lambda record: record[2])
     releases = sorted(record[3] for record in records)
     hand_offs = [(by_start[k][2] - releases[k - LIMIT]) * 1000 for k in range(LIMIT, len(by_start))]
@@ -232,6 +266,7 @@ def run(coroutines: int, threads: int, ramp_ms: float) -> dict[str, Any]:
         "hand_off_to_coroutine_p50_p99_ms": [round(_percentile(to_kind["coroutine"], f), 2) for f in (0.5, 0.99)],
         "hand_off_to_process_p50_p99_ms": [round(_percentile(to_kind["process"], f), 2) for f in (0.5, 0.99)],
         "loop_connections_max": sampled["connections"],
+        "cancel_500_to_empty_ms": cancelled,
     }
 
 
@@ -240,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coroutines", type=int, default=1000, help="coroutines in the loop (default 1000)")
     parser.add_argument("--threads", type=int, default=5, help="blocking callers per worker process (default 5)")
     parser.add_argument("--ramp-ms", type=float, default=1.0, help="ms between two coroutines' starts (default 1)")
+    parser.add_argument("--cancel-rounds", type=int, default=5, help="rounds of 500 cancelled waiters (default 5)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
-    result = run(args.coroutines, args.threads, args.ramp_ms)
+    result = run(args.coroutines, args.threads, args.ramp_ms, args.cancel_rounds)
     for key, value in result.items():
         print(f"{key:24} {value}")
     if args.json:
@@ -254,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         and result["hand_off_p50_ms"] <= 2.0
         and result["hand_off_p99_ms"] <= 10.0
         and result["loop_connections_max"] <= 3
+        and max(result["cancel_500_to_empty_ms"], default=0.0) <= 100.0
     )
     print("targets met" if ok else "targets NOT met")
     return 0 if ok else 1

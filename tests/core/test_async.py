@@ -86,8 +86,10 @@ def test_timeout_raises_what_the_blocking_class_raises(redis_server: RedisServer
 
 def test_cancelling_500_waiters_empties_the_line_at_once(redis_server: RedisServer) -> None:
     """Cancelled waiters leave the line as they are cancelled, not when their places lapse after
-    ``patience`` (5 s). Measured at 20-50 ms for the 500 on 2 shared cores; the bound is 1 s so
-    that a loaded machine does not fail it, and still well under the 5 s of a lapse."""
+    ``patience`` (5 s). The 500 leaves go out in one write and run one after another in Redis:
+    ``python -m benchmarks.bench_async`` measures 10-50 ms from the cancel to an empty line on 2
+    shared cores (its target: 100 ms). The bound is 0.5 s: ten times the worst measured, room for a
+    CI machine several times slower, and still a tenth of a lapse, which is what it tells apart."""
 
     async def main() -> float:
         client = async_client(redis_server)
@@ -99,7 +101,11 @@ def test_cancelling_500_waiters_empties_the_line_at_once(redis_server: RedisServ
         await client.aclose()
         return took
 
-    assert asyncio.run(main()) < 1.0
+    assert asyncio.run(main()) < CANCEL_BOUND_S
+
+
+# the bound on emptying a line of 500 cancelled waiters (see the test above)
+CANCEL_BOUND_S = 0.5
 
 
 async def time_to_empty_the_line(
