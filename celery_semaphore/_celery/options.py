@@ -72,19 +72,29 @@ def weight_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return check_limit(f"{task.name}.semaphore_weight", weight)
 
 
+def text_option(cls: type, option: str) -> str | KeyFunction | None:
+    """A template-or-function option as declared (``semaphore_fair_by``,
+    ``semaphore_coalesce_by``): a function stored on a class would otherwise come back bound."""
+    return _unbound(inspect.getattr_static(cls, option, None))  # type: ignore[no-any-return]
+
+
 def fair_by_option(cls: type) -> str | KeyFunction | None:
     """The ``semaphore_fair_by`` option as declared (None: one first-come line)."""
-    return _unbound(inspect.getattr_static(cls, "semaphore_fair_by", None))  # type: ignore[no-any-return]
+    return text_option(cls, "semaphore_fair_by")
+
+
+def _text_of_call(task: Any, option: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """A template-or-function option filled in for one call (None without the option)."""
+    declared = text_option(type(task), option)
+    if declared is None:
+        return None
+    return call_key(f"{task.name}.{option}", declared, task.run, args, kwargs)
 
 
 def tenant_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The tenant one call waits for, from ``semaphore_fair_by`` (None without the option)."""
-    fair_by = fair_by_option(type(task))
-    if fair_by is None:
-        return None
-    return check_tenant(
-        f"{task.name}.semaphore_fair_by", call_key(f"{task.name}.semaphore_fair_by", fair_by, task.run, args, kwargs)
-    )
+    tenant = _text_of_call(task, "semaphore_fair_by", args, kwargs)
+    return None if tenant is None else check_tenant(f"{task.name}.semaphore_fair_by", tenant)
 
 
 # the message header a caller sets to give one call its own priority (the option's name, so that
@@ -121,17 +131,9 @@ def full_line_of(task: Any) -> tuple[int | None, str]:
     return getattr(task, "semaphore_max_waiters", None), str(on_full)
 
 
-def coalesce_option(cls: type) -> str | KeyFunction | None:
-    """The ``semaphore_coalesce_by`` option as declared."""
-    return _unbound(inspect.getattr_static(cls, "semaphore_coalesce_by", None))  # type: ignore[no-any-return]
-
-
 def coalesce_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The coalesce key of one call (with ``semaphore_on_full="keep_latest"``), else None."""
-    coalesce = coalesce_option(type(task))
-    if coalesce is None:
-        return None
-    return call_key(f"{task.name}.semaphore_coalesce_by", coalesce, task.run, args, kwargs)
+    return _text_of_call(task, "semaphore_coalesce_by", args, kwargs)
 
 
 def _check_full_line(name: str, cls: type, parameters: list[inspect.Parameter] | None) -> None:
@@ -141,7 +143,7 @@ def _check_full_line(name: str, cls: type, parameters: list[inspect.Parameter] |
     options = cls.__dict__
     max_waiters = options.get("semaphore_max_waiters")
     on_full = options.get("semaphore_on_full", "wait")
-    coalesce = coalesce_option(cls)
+    coalesce = text_option(cls, "semaphore_coalesce_by")
     if max_waiters is not None:
         check_limit(f"{name}.semaphore_max_waiters", max_waiters)
     if on_full != "wait":

@@ -47,10 +47,12 @@ def send_and_wait_in_line(
 ) -> list[AsyncResult]:
     """Send ``count`` tasks of ``customer`` (the first holding ``first_holds`` seconds, the
     rest 0.2) and wait until ``in_line`` tasks wait for the key."""
-    results = [proj.fair.apply_async((first_holds, customer, key), queue=QUEUE)]
+    results = [proj.fair.apply_async((first_holds,), {"customer": customer, "key": key}, queue=QUEUE)]
     if first_holds > 0.2:  # it must be the one that runs while the line is built
         wait_until(lambda: results[0].id in started_ids(proj, key), timeout=30, what="the long one to start")
-    results += [proj.fair.apply_async((0.2, customer, key), queue=QUEUE) for _ in range(count - 1)]
+    results += [
+        proj.fair.apply_async((0.2,), {"customer": customer, "key": key}, queue=QUEUE) for _ in range(count - 1)
+    ]
     semaphore = semaphore_for(proj.app, "proj.fair")
     wait_until(lambda: semaphore.status().waiter_count >= in_line, timeout=30, what=f"{in_line} tasks in line")
     return results
@@ -156,13 +158,13 @@ def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_
     key = "ranked"
     semaphore = semaphore_for(proj.app, "proj.ranked")
     # the first holds 4 s, and starts before the others are sent: they all join the line while it runs
-    plain = [proj.ranked.apply_async((4, key), queue=QUEUE)]
+    plain = [proj.ranked.apply_async((4,), {"key": key}, queue=QUEUE)]
     wait_until(lambda: started_ids(proj, key) == [plain[0].id], timeout=30, what="the long one to start")
-    plain += [proj.ranked.apply_async((0.2, key), queue=QUEUE) for _ in range(4)]
+    plain += [proj.ranked.apply_async((0.2,), {"key": key}, queue=QUEUE) for _ in range(4)]
     wait_until(lambda: semaphore.status().waiter_count >= 4, timeout=30, what="four tasks in line")
-    urgent = proj.ranked.apply_async((0.2, key), {"urgency": 60}, queue=QUEUE)
+    urgent = proj.ranked.apply_async((0.2,), {"key": key, "urgency": 60}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count >= 5, timeout=30, what="the urgent task in line")
-    most_urgent = proj.ranked.apply_async((0.2, key), queue=QUEUE, headers={"semaphore_priority": 120})
+    most_urgent = proj.ranked.apply_async((0.2,), {"key": key}, queue=QUEUE, headers={"semaphore_priority": 120})
     wait_until(lambda: semaphore.status().waiter_count >= 6, timeout=30, what="the most urgent task in line")
     assert started_ids(proj, key) == [plain[0].id], "all joined the line while the first ran"
     for result in [*plain, urgent, most_urgent]:
@@ -179,11 +181,11 @@ def test_a_task_that_finds_its_line_full_fails_at_once_and_the_others_run_once(p
     run); the two waiting ones run once each."""
     key = "capped"
     semaphore = semaphore_for(proj.app, "proj.capped")
-    running = proj.capped.apply_async((3, key), queue=QUEUE)
+    running = proj.capped.apply_async((3,), {"key": key}, queue=QUEUE)
     wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
-    waiting = [proj.capped.apply_async((0.1, key), queue=QUEUE) for _ in range(2)]
+    waiting = [proj.capped.apply_async((0.1,), {"key": key}, queue=QUEUE) for _ in range(2)]
     wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="two in line")
-    refused = proj.capped.apply_async((0.1, key), queue=QUEUE)
+    refused = proj.capped.apply_async((0.1,), {"key": key}, queue=QUEUE)
     with pytest.raises(Exception, match="max_waiters") as caught:
         refused.get(timeout=30)
     assert type(caught.value).__name__ == "SemaphoreUnavailable"
@@ -207,13 +209,13 @@ def test_drop_oldest_fails_the_oldest_waiting_task_and_runs_the_others_once(proj
     waiting one fails with SemaphoreUnavailable (dropped) and never runs; the rest run once."""
     key = "dropping"
     semaphore = semaphore_for(proj.app, "proj.dropping")
-    running = proj.dropping.apply_async((3, key), queue=QUEUE)
+    running = proj.dropping.apply_async((3,), {"key": key}, queue=QUEUE)
     wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
-    oldest = proj.dropping.apply_async((0.1, key), queue=QUEUE)
+    oldest = proj.dropping.apply_async((0.1,), {"key": key}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the oldest in line")
-    second = proj.dropping.apply_async((0.1, key), queue=QUEUE)
+    second = proj.dropping.apply_async((0.1,), {"key": key}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="two in line")
-    newest = proj.dropping.apply_async((0.1, key), queue=QUEUE)
+    newest = proj.dropping.apply_async((0.1,), {"key": key}, queue=QUEUE)
     _fails_with(oldest, "dropped")
     for result in (running, second, newest):
         result.get(timeout=60)
@@ -227,13 +229,13 @@ def test_keep_latest_replaces_the_waiting_refresh_and_runs_the_newer_in_its_plac
     once, in the older one's place (before "ops"); nothing else is lost or run twice."""
     key = "refresh"
     semaphore = semaphore_for(proj.app, "proj.refresh")
-    running = proj.refresh.apply_async((3, "home", key), queue=QUEUE)
+    running = proj.refresh.apply_async((3,), {"dashboard": "home", "key": key}, queue=QUEUE)
     wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
-    older = proj.refresh.apply_async((0.1, "sales", key), queue=QUEUE)
+    older = proj.refresh.apply_async((0.1,), {"dashboard": "sales", "key": key}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the older refresh in line")
-    ops = proj.refresh.apply_async((0.1, "ops", key), queue=QUEUE)
+    ops = proj.refresh.apply_async((0.1,), {"dashboard": "ops", "key": key}, queue=QUEUE)
     wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="ops in line")
-    newer = proj.refresh.apply_async((0.1, "sales", key), queue=QUEUE)
+    newer = proj.refresh.apply_async((0.1,), {"dashboard": "sales", "key": key}, queue=QUEUE)
     _fails_with(older, "newer call")
     for result in (running, ops, newer):
         result.get(timeout=60)

@@ -224,82 +224,41 @@ def handoff(self: Any, seconds: float, key: str = "proj.handoff") -> str:
     return str(self.request.id)
 
 
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=1,
-    semaphore_inline_wait=0,
-    semaphore_countdown=5,
-    semaphore_fair_by="{customer}",
-    name="proj.fair",
-    bind=True,
-)
-def fair(self: Any, seconds: float, customer: str, key: str = "proj.fair") -> str:
-    """Waits outside the worker, placed in line by its customer's share (semaphore_shares)."""
-    _held(key, seconds, self.request.id)
-    return str(self.request.id)
+def _line_task(name: str, doc: str, **options: Any) -> Any:
+    """A task of limit 1 that waits outside the worker (countdown 5 s, so a release must bring
+    it back long before) and records its run under the probe ``key`` of its call; ``options``
+    say how its line is ordered. Its other arguments are keywords the options' templates read."""
+
+    def run(self: Any, seconds: float, *, key: str, **call: Any) -> str:
+        _held(key, seconds, self.request.id)
+        return str(self.request.id)
+
+    run.__doc__ = doc
+    options = {"semaphore_limit": 1, "semaphore_inline_wait": 0, "semaphore_countdown": 5, **options}
+    return app.task(base=SemaphoreTask, name=name, bind=True, **options)(run)
 
 
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=1,
-    semaphore_inline_wait=0,
-    semaphore_countdown=5,
+fair = _line_task("proj.fair", "Placed in line by its customer's share.", semaphore_fair_by="{customer}")
+ranked = _line_task(
+    "proj.ranked",
+    "Placed earlier by its priority: the option's function or the message header.",
     semaphore_priority=lambda args, kwargs: kwargs.get("urgency", 0),
-    name="proj.ranked",
-    bind=True,
 )
-def ranked(self: Any, seconds: float, key: str = "proj.ranked", urgency: float = 0) -> str:
-    """Waits outside the worker, placed earlier by its priority (option or message header)."""
-    _held(key, seconds, self.request.id)
-    return str(self.request.id)
-
-
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=1,
-    semaphore_inline_wait=0,
-    semaphore_countdown=5,
-    semaphore_max_waiters=2,
-    semaphore_on_full="reject",
-    name="proj.capped",
-    bind=True,
+capped = _line_task(
+    "proj.capped", "At most two wait: a third fails at once.", semaphore_max_waiters=2, semaphore_on_full="reject"
 )
-def capped(self: Any, seconds: float, key: str = "proj.capped") -> str:
-    """At most two wait: a third that finds them fails at once."""
-    _held(key, seconds, self.request.id)
-    return str(self.request.id)
-
-
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=1,
-    semaphore_inline_wait=0,
-    semaphore_countdown=5,
+dropping = _line_task(
+    "proj.dropping",
+    "At most two wait: a third that comes makes the oldest waiting one fail.",
     semaphore_max_waiters=2,
     semaphore_on_full="drop_oldest",
-    name="proj.dropping",
-    bind=True,
 )
-def dropping(self: Any, seconds: float, key: str = "proj.dropping") -> str:
-    """At most two wait: a third that comes makes the oldest waiting one fail."""
-    _held(key, seconds, self.request.id)
-    return str(self.request.id)
-
-
-@app.task(
-    base=SemaphoreTask,
-    semaphore_limit=1,
-    semaphore_inline_wait=0,
-    semaphore_countdown=5,
+refresh = _line_task(
+    "proj.refresh",
+    "One waiting refresh per dashboard: a newer one takes the older one's place.",
     semaphore_on_full="keep_latest",
     semaphore_coalesce_by="{dashboard}",
-    name="proj.refresh",
-    bind=True,
 )
-def refresh(self: Any, seconds: float, dashboard: str, key: str = "proj.refresh") -> str:
-    """One waiting refresh per dashboard: a newer one takes the older one's place."""
-    _held(key, seconds, self.request.id)
-    return str(self.request.id)
 
 
 @app.task(
