@@ -51,7 +51,7 @@ class AsyncMultiSemaphore(MultiConfig[AsyncFairSemaphore], AsyncWaiting):
             return type(self)(self.semaphores, weight=weight).acquire(timeout, label=label)
         return super().acquire(timeout, label=label)
 
-    def _first_ask(self, label: str | None, *, once: bool) -> Ask:
+    def _first_ask(self, label: str | None = None, *, once: bool) -> Ask:
         return Ask(token=self.token_for(), waiter=self.waiter_id(), enqueue=not once, label=label, fresh=True)
 
     async def try_acquire(

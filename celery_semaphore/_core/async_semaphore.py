@@ -32,14 +32,14 @@ from . import async_renewer
 from . import script_calls as calls
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
-from .async_waiting import Asking, AsyncAttempt, AsyncWaiting
+from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting
 from .attempts import Ask, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .redis_errors import RedisErrors
 from .replies import Holder
 from .rules import Rate, check_rate, check_spacing
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
-from .storage import CLAIMED, GRANTED
+from .storage import CLAIMED, EVICTED, GRANTED, LINE_FULL
 from .validation import check_limit, check_seconds, check_token, check_waiter, to_ms
 
 logger = logging.getLogger("celery_semaphore")
@@ -70,11 +70,22 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
 
     # -- acquiring -------------------------------------------------------------------------
 
-    def _first_ask(self, label: str | None, *, once: bool) -> Ask:
+    def acquire(
+        self, timeout: float | None = None, *, label: str | None = None, tenant: str | None = None, priority: float = 0
+    ) -> Acquiring:
+        """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try that
+        never queues). Raises SemaphoreUnavailable when the time runs out, as the blocking class
+        does. ``await`` it for an AsyncLease, or ``async with`` it. ``tenant`` and ``priority``
+        place a waiting call as for ``FairSemaphore.acquire``."""
+        return self._acquiring(timeout, label=label, tenant=tenant, priority=priority)
+
+    def _first_ask(
+        self, label: str | None = None, *, once: bool, tenant: str | None = None, priority: float = 0
+    ) -> Ask:
         token = new_token()
-        if once:
+        if once:  # a try that never queues takes no place: tenant and priority do not matter
             return Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True)
-        return Ask(token=token, waiter=new_token(), label=label, fresh=True)
+        return Ask(token=token, waiter=new_token(), label=label, fresh=True, tenant=tenant, priority=priority)
 
     async def try_acquire(
         self, *, waiter: str | None = None, token: str | None = None, enqueue: bool = True, label: str | None = None
@@ -99,6 +110,7 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
         check_waiter("waiter", ask.waiter)
         label = default_label() if ask.label is None else ask.label
         patience_ms = self._patience_ms if ask.patience is None else to_ms(check_seconds("patience", ask.patience))
+        line = self._line_args(ask)
         asking.in_flight = True
         with RedisErrors(self.name, "acquire"):
             reply = await self._scripts.run(
@@ -114,10 +126,13 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
                     label=label,
                     ticket=ask.ticket,
                     wake=ask.wake,
+                    line=line,
                 ),
                 urgent=urgent,
             )
         asking.in_flight = False
+        if reply.outcome in (LINE_FULL, EVICTED):
+            raise self._full_line_error(reply.outcome == EVICTED)
         if reply.outcome in (GRANTED, CLAIMED):
             lease = AsyncLease(self, ask.token, label=label)
             async_renewer.track(lease)

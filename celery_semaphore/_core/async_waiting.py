@@ -55,16 +55,16 @@ class Acquiring:
     """What ``acquire`` returns: ``await`` it for the lease, or ``async with`` it to hold the
     slots for the block (they go back however the block ends)."""
 
-    __slots__ = ("_label", "_lease", "_semaphore", "_timeout")
+    __slots__ = ("_ask", "_lease", "_semaphore", "_timeout")
 
-    def __init__(self, semaphore: AsyncWaiting, timeout: float | None, label: str | None) -> None:
+    def __init__(self, semaphore: AsyncWaiting, timeout: float | None, ask: Ask) -> None:
         self._semaphore = semaphore
         self._timeout = timeout
-        self._label = label
+        self._ask = ask
         self._lease: AsyncLease | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncLease]:
-        return self._semaphore._acquire(self._timeout, self._label).__await__()
+        return self._semaphore._acquire(self._timeout, self._ask).__await__()
 
     async def __aenter__(self) -> AsyncLease:
         self._lease = await self
@@ -88,7 +88,7 @@ class AsyncWaiting:
     client: Any
     keys: SemaphoreKeys  # the keys whose wake address the wait listens on
 
-    def _first_ask(self, label: str | None, *, once: bool) -> Ask:
+    def _first_ask(self, label: str | None = None, *, once: bool) -> Ask:
         """The first try of an acquire (``once``: a one-shot try that never queues)."""
         raise NotImplementedError
 
@@ -110,14 +110,17 @@ class AsyncWaiting:
         """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try that
         never queues). Raises SemaphoreUnavailable when the time runs out, as the blocking class
         does. ``await`` it for an AsyncLease, or ``async with`` it."""
+        return self._acquiring(timeout, label=label)
+
+    def _acquiring(self, timeout: float | None, **first: Any) -> Acquiring:
+        """``acquire`` with its first ask made of ``first`` (``_first_ask``'s keywords)."""
         if timeout is not None:
             timeout = check_seconds("timeout", timeout, allow_zero=True)
-        return Acquiring(self, timeout, label)
+        return Acquiring(self, timeout, self._first_ask(once=timeout == 0, **first))
 
-    async def _acquire(self, timeout: float | None, label: str | None) -> AsyncLease:
+    async def _acquire(self, timeout: float | None, ask: Ask) -> AsyncLease:
         started = time.monotonic()
         asking = Asking()
-        ask = self._first_ask(label, once=timeout == 0)
         try:
             attempt = await (self._try(ask, asking) if timeout == 0 else self._wait(ask, timeout, asking))
         except BaseException:

@@ -7,14 +7,18 @@ test runs real threads through ``acquire`` and checks the order in which they st
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import pickle
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
+import redis.asyncio
 
-from celery_semaphore import ConfigurationError, FairSemaphore, SemaphoreUnavailable
+from celery_semaphore import AsyncFairSemaphore, ConfigurationError, FairSemaphore, SemaphoreUnavailable
 from celery_semaphore._core.attempts import Ask, new_token
 
 from ..redis_server import RedisServer
@@ -352,3 +356,46 @@ def test_a_full_line_policy_is_checked_when_the_semaphore_is_made(redis_client: 
         FairSemaphore(redis_client, "p", 1, max_waiters=3, on_full="newest")
     with pytest.raises(ConfigurationError, match="needs max_waiters"):
         FairSemaphore(redis_client, "p", 1, on_full="drop_oldest")
+
+
+# -- the same from coroutines ------------------------------------------------------------------
+
+
+def test_coroutines_take_tenant_priority_and_a_full_line_as_threads_do(redis_server: RedisServer) -> None:
+    """AsyncFairSemaphore.acquire(tenant=..., priority=...) places coroutines in the same line
+    as blocking callers, by the same rules: B's coroutine one for one with A's calls, the
+    urgent one (priority 600) at the head. Its full line drops the oldest waiter, the urgent
+    coroutine, which is told at once and raises."""
+    blocking = FairSemaphore(redis_server.client(), "mixed", 1, patience=60, max_waiters=6, on_full="drop_oldest")
+    holder = blocking.acquire(timeout=0)
+    for n in range(3):
+        join(blocking, f"a{n}", "A")
+
+    async def until_true(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, "not within 10 s"
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port)
+        sem = AsyncFairSemaphore(client, "mixed", 1, patience=60, max_waiters=6, on_full="drop_oldest")
+        b = asyncio.ensure_future(sem.acquire(timeout=30, tenant="B"))
+        await until_true(lambda: blocking.status().waiter_count == 4)
+        urgent = asyncio.ensure_future(sem.acquire(timeout=30, priority=600))
+        await until_true(lambda: blocking.status().waiter_count == 5)
+        order = line(blocking)
+        # coroutines' waiter ids are random: they are the places no "a" call holds
+        assert [place for place, waiter in enumerate(order) if not waiter.startswith("a")] == [0, 3], order
+        join(blocking, "a3", "A")  # six in line: the next newcomer drops the oldest, the urgent one
+        join(blocking, "a4", "A")
+        with pytest.raises(SemaphoreUnavailable) as caught:
+            await asyncio.wait_for(urgent, 5)
+        assert caught.value.evicted == "drop_oldest"
+        b.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await b
+        await client.aclose()
+
+    asyncio.run(main())
+    holder.release()
