@@ -369,7 +369,7 @@ def test_coroutines_take_tenant_priority_and_a_full_line_as_threads_do(redis_ser
     blocking = FairSemaphore(redis_server.client(), "mixed", 1, patience=60, max_waiters=6, on_full="drop_oldest")
     holder = blocking.acquire(timeout=0)
     for n in range(3):
-        join(blocking, f"a{n}", "A")
+        join(blocking, f"A-{n}", "A")
 
     async def until_true(condition: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 10
@@ -385,10 +385,10 @@ def test_coroutines_take_tenant_priority_and_a_full_line_as_threads_do(redis_ser
         urgent = asyncio.ensure_future(sem.acquire(timeout=30, priority=600))
         await until_true(lambda: blocking.status().waiter_count == 5)
         order = line(blocking)
-        # coroutines' waiter ids are random: they are the places no "a" call holds
-        assert [place for place, waiter in enumerate(order) if not waiter.startswith("a")] == [0, 3], order
-        join(blocking, "a3", "A")  # six in line: the next newcomer drops the oldest, the urgent one
-        join(blocking, "a4", "A")
+        # coroutines' waiter ids are random hex: they are the places no "A-" call holds
+        assert [place for place, waiter in enumerate(order) if not waiter.startswith("A-")] == [0, 3], order
+        join(blocking, "A-3", "A")  # six in line: the next newcomer drops the oldest, the urgent one
+        join(blocking, "A-4", "A")
         with pytest.raises(SemaphoreUnavailable) as caught:
             await asyncio.wait_for(urgent, 5)
         assert caught.value.evicted == "drop_oldest"
