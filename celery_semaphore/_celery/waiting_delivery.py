@@ -262,10 +262,10 @@ class WaitingDelivery:
             countdown = backstop_countdown
         # back where it came from: a copy that came through the wake queue goes to its origin
         backstop = self._copy_due_in(countdown, headers)
-        # Step away, parked: a parked waiter is offered its turn like a present one and woken
-        # through this process; should its place lapse, its ticket travels in the headers and
-        # puts it back where it was.
-        leave(semaphore, waiter, away_for=countdown + AWAY_SLACK, wake=address)
+        # The backstop copy is sent before the waiter is parked: once parked, a release may
+        # offer it its turn and its wake copy may start at once, withdrawing the stored copy as
+        # the run begins; a copy stored after that would outlive the run (and could take a
+        # killed run over when its lease lapses).
         try:
             send_copy(self.task.app, backstop)
         except Exception as error:
@@ -276,6 +276,10 @@ class WaitingDelivery:
                 f"could not re-send {self.task.name}[{self.request.id}] to wait for {semaphore.name!r}: {error}",
                 key=semaphore.name,
             ) from error
+        # Step away, parked: a parked waiter is offered its turn like a present one and woken
+        # through this process; should its place lapse, its ticket travels in the headers and
+        # puts it back where it was.
+        leave(semaphore, waiter, away_for=countdown + AWAY_SLACK, wake=address)
         raise Retry(
             f"waiting for a slot of {semaphore.name!r}: place {attempt.position} in line, retry in {countdown} s",
             when=countdown,

@@ -58,6 +58,16 @@ def parked(proj: Any, semaphore_key: str, task_id: str) -> bool:
     return any(w.waiter == task_id and w.present for w in status.waiters)
 
 
+def has_its_place(proj: Any, semaphore_key: str, probe_key: str, task_id: str) -> bool:
+    """Whether the acquire script has placed ``task_id``: it is in the line of ``semaphore_key``
+    or its body has started (recorded under ``probe_key``). The order of a line is made there,
+    so a test that sends tasks one at a time waits on this, not on a signal of the worker that
+    fires a moment before the script runs."""
+    if any(started == task_id for started, _ in starts(proj, probe_key)):
+        return True
+    return any(w.waiter == task_id for w in semaphore_for(proj.app, semaphore_key).status().waiters)
+
+
 def logs(workers: list[Worker]) -> str:
     return "".join(worker.log() for worker in workers)
 
@@ -130,16 +140,14 @@ def test_tasks_sent_one_at_a_time_start_in_that_order(proj: Any) -> None:
     """Tasks sent one after another to two workers, each waiting outside the worker for a slot
     of limit 1, start in the order they were sent."""
     key = "handoff-order"
-    asks = proj.probe("proj.handoff")  # first asks are recorded under the semaphore key
-    asked_before = asks.client.llen("probe:proj.handoff:asks")
     results = []
     for _ in range(8):
         results.append(send(proj.handoff, 0.15, key))
-        # sent one at a time: each asks before the next is sent
+        # sent one at a time: each has its place before the next is sent
         wait_until(
-            lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
+            lambda: has_its_place(proj, "proj.handoff", key, results[-1].id),
             timeout=30,
-            what="the task to ask",
+            what="the task to have its place",
         )
     for result in results:
         result.get(timeout=60)

@@ -87,7 +87,7 @@ def test_hand_off_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str,
     0.1 s tasks takes far less than one countdown per task."""
     import tests.proj.app as proj
 
-    from ..celery.test_celery_handoff import starts
+    from ..celery.test_celery_handoff import has_its_place, starts
     from ..waiting import wait_until
 
     env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
@@ -95,15 +95,14 @@ def test_hand_off_on_a_rabbitmq_broker(celery_stack: CeleryStack, amqp_url: str,
     try:
         sender = Celery("sender", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
         key = "amqp-handoff"
-        asks = proj.probe("proj.handoff")
-        asked_before = asks.client.llen("probe:proj.handoff:asks")
         results = []
         for _ in range(6):
             results.append(sender.send_task("proj.handoff", (0.1, key), queue=amqp_queue))
+            # the order is made by the acquire script: wait for it, not for the prerun signal
             wait_until(
-                lambda: asks.client.llen("probe:proj.handoff:asks") - asked_before >= len(results),
+                lambda: has_its_place(proj, "proj.handoff", key, results[-1].id),
                 timeout=30,
-                what="the task to ask",
+                what="the task to have its place",
             )
         for result in results:
             result.get(timeout=120)
