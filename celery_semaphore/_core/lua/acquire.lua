@@ -135,90 +135,98 @@ end
 
 -- @rest-of-lib
 
--- A full line (ARGV[10]): an evicted waiter is told, and answered EVICTED for this long whenever
--- it asks again (a Celery task's backstop copy comes back within minutes; an hour is ample)
+-- The helpers of a tenant and of a full line are made only for a call that carries one: a
+-- plain call (most of them) pays nothing for making closures it never calls.
+local make_room, tenant_ticket
 local K_EVICTED = KEYS[15]
-local EVICTED_MS = 3600000
--- how many waiters from the head drop_oldest looks at for one not offered a slot
-local EVICT_SCAN = 10
 
-local function evict(victim, now)
-  local address = wake_address(victim)
-  drop_waiter(victim)
-  redis.call('ZREMRANGEBYSCORE', K_EVICTED, '-inf', now)
-  redis.call('ZADD', K_EVICTED, now + EVICTED_MS, victim)
-  extend(K_EVICTED, EVICTED_MS + GRACE_MS, false)
-  notify(address, victim)
-end
+if full_policy then
+  -- A full line (ARGV[10]): an evicted waiter is told, and answered EVICTED for this long whenever
+  -- it asks again (a Celery task's backstop copy comes back within minutes; an hour is ample)
+  local EVICTED_MS = 3600000
+  -- how many waiters from the head drop_oldest looks at for one not offered a slot
+  local EVICT_SCAN = 10
 
-local function is_offered(candidate)
-  return redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. candidate) ~= false
-end
+  local function evict(victim, now)
+    local address = wake_address(victim)
+    drop_waiter(victim)
+    redis.call('ZREMRANGEBYSCORE', K_EVICTED, '-inf', now)
+    redis.call('ZADD', K_EVICTED, now + EVICTED_MS, victim)
+    extend(K_EVICTED, EVICTED_MS + GRACE_MS, false)
+    notify(address, victim)
+  end
 
--- A new waiter at a full line (see ARGV[10]): the ticket it takes over (keep_latest), or nil;
--- or false when it must be answered LINE_FULL.
-local function make_room(now)
-  local taken
-  if full_policy == 'keep_latest' and coalesce ~= '' then
-    local field = 'c:' .. coalesce
-    local older = redis.call('HGET', K_WAITER_INFO, field)
-    if older and older ~= waiter and not is_offered(older) then
-      taken = tonumber(redis.call('ZSCORE', K_QUEUE, older))
-      if taken then
-        evict(older, now)
+  local function is_offered(candidate)
+    return redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. candidate) ~= false
+  end
+
+  -- A new waiter at a full line (see ARGV[10]): the ticket it takes over (keep_latest), or nil;
+  -- or false when it must be answered LINE_FULL.
+  make_room = function(now)
+    local taken
+    if full_policy == 'keep_latest' and coalesce ~= '' then
+      local field = 'c:' .. coalesce
+      local older = redis.call('HGET', K_WAITER_INFO, field)
+      if older and older ~= waiter and not is_offered(older) then
+        taken = tonumber(redis.call('ZSCORE', K_QUEUE, older))
+        if taken then
+          evict(older, now)
+        end
+      end
+      redis.call('HSET', K_WAITER_INFO, field, waiter)
+    end
+    if taken or not max_waiters or redis.call('ZCARD', K_QUEUE) < max_waiters then
+      return taken
+    end
+    if full_policy == 'drop_oldest' then
+      local oldest = redis.call('ZRANGE', K_QUEUE, 0, EVICT_SCAN - 1)
+      for i = 1, #oldest do
+        if oldest[i] ~= waiter and not is_offered(oldest[i]) then
+          evict(oldest[i], now)
+          return nil
+        end
       end
     end
-    redis.call('HSET', K_WAITER_INFO, field, waiter)
+    return false
   end
-  if taken or not max_waiters or redis.call('ZCARD', K_QUEUE) < max_waiters then
-    return taken
-  end
-  if full_policy == 'drop_oldest' then
-    local oldest = redis.call('ZRANGE', K_QUEUE, 0, EVICT_SCAN - 1)
-    for i = 1, #oldest do
-      if oldest[i] ~= waiter and not is_offered(oldest[i]) then
-        evict(oldest[i], now)
-        return nil
-      end
-    end
-  end
-  return false
 end
 
--- A tenant's clocks only move on a contended ask (a waiter taking a place): starts on free slots
--- with nobody waiting leave them, since there is nobody to be fair to.
-local K_TENANTS, K_SHARES = KEYS[13], KEYS[14]
--- one start at share 1 moves a tenant's clock by this many tickets (shares up to 1000 keep a
--- whole step); a multiple of 1024, so that ticket = clock + a tie-breaking counter below 1024
-local STEP_AT_SHARE_1 = 1000 * 1024
--- an idle tenant's clock is kept this long after its last ask, then forgotten (so it comes back
--- at the line's clock, as it would anyway)
-local TENANT_CLOCK_TTL_MS = 3600000
+if tenant_arg ~= '' then
+  -- A tenant's clocks only move on a contended ask (a waiter taking a place): starts on free slots
+  -- with nobody waiting leave them, since there is nobody to be fair to.
+  local K_TENANTS, K_SHARES = KEYS[13], KEYS[14]
+  -- one start at share 1 moves a tenant's clock by this many tickets (shares up to 1000 keep a
+  -- whole step); a multiple of 1024, so that ticket = clock + a tie-breaking counter below 1024
+  local STEP_AT_SHARE_1 = 1000 * 1024
+  -- an idle tenant's clock is kept this long after its last ask, then forgotten (so it comes back
+  -- at the line's clock, as it would anyway)
+  local TENANT_CLOCK_TTL_MS = 3600000
 
--- Weighted fair queueing by virtual time, inside one line: a new waiter of a tenant is placed at
--- max(the line's clock, its tenant's clock) + 1000 / share (in tickets of 1024). The line's clock
--- is the clock of the head of the line, or, with nobody in line, the latest tenant clock: an idle
--- tenant comes back there, with no credit saved up, while one that drained and comes back at
--- once keeps its own clock. Clocks behind the line's are forgotten here (the same as absent), so
--- idle tenants cost nothing. Ties between tenants break by the counter of new_ticket: by arrival
--- (it wraps after 1024 asks, the only case in which two tied asks may swap).
-local function tenant_ticket(now, share_and_tenant)
-  local default_share, tenant = string.match(share_and_tenant, '^([^|]+)|(.*)$')
-  local share = tonumber(redis.call('HGET', K_SHARES, tenant)) or tonumber(default_share)
-  local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
-  local line_clock
-  if #head > 0 then
-    line_clock = math.floor(tonumber(head[2]) / 1024) * 1024
-  else
-    local latest = redis.call('ZRANGE', K_TENANTS, -1, -1, 'WITHSCORES')
-    line_clock = #latest > 0 and tonumber(latest[2]) or now * 1024
+  -- Weighted fair queueing by virtual time, inside one line: a new waiter of a tenant is placed at
+  -- max(the line's clock, its tenant's clock) + 1000 / share (in tickets of 1024). The line's clock
+  -- is the clock of the head of the line, or, with nobody in line, the latest tenant clock: an idle
+  -- tenant comes back there, with no credit saved up, while one that drained and comes back at
+  -- once keeps its own clock. Clocks behind the line's are forgotten here (the same as absent), so
+  -- idle tenants cost nothing. Ties between tenants break by the counter of new_ticket: by arrival
+  -- (it wraps after 1024 asks, the only case in which two tied asks may swap).
+  tenant_ticket = function(now, share_and_tenant)
+    local default_share, tenant = string.match(share_and_tenant, '^([^|]+)|(.*)$')
+    local share = tonumber(redis.call('HGET', K_SHARES, tenant)) or tonumber(default_share)
+    local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
+    local line_clock
+    if #head > 0 then
+      line_clock = math.floor(tonumber(head[2]) / 1024) * 1024
+    else
+      local latest = redis.call('ZRANGE', K_TENANTS, -1, -1, 'WITHSCORES')
+      line_clock = #latest > 0 and tonumber(latest[2]) or now * 1024
+    end
+    local clock = math.max(line_clock, tonumber(redis.call('ZSCORE', K_TENANTS, tenant)) or 0)
+      + math.max(1, math.floor(STEP_AT_SHARE_1 / 1024 / share + 0.5)) * 1024
+    redis.call('ZREMRANGEBYSCORE', K_TENANTS, '-inf', string.format('(%.0f', line_clock))
+    redis.call('ZADD', K_TENANTS, clock, tenant)
+    extend(K_TENANTS, TENANT_CLOCK_TTL_MS, false)
+    return clock + new_ticket(now) % 1024
   end
-  local clock = math.max(line_clock, tonumber(redis.call('ZSCORE', K_TENANTS, tenant)) or 0)
-    + math.max(1, math.floor(STEP_AT_SHARE_1 / 1024 / share + 0.5)) * 1024
-  redis.call('ZREMRANGEBYSCORE', K_TENANTS, '-inf', string.format('(%.0f', line_clock))
-  redis.call('ZADD', K_TENANTS, clock, tenant)
-  extend(K_TENANTS, TENANT_CLOCK_TTL_MS, false)
-  return clock + new_ticket(now) % 1024
 end
 
 local average
