@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from celery import Celery
 from kombu import Connection  # type: ignore[attr-defined]  # kombu ships no type hints
 
 from benchmarks.bench_celery import (
@@ -153,6 +154,9 @@ class Settings:
     interval: float
     ctl_every: float
     timeout: float  # seconds the drain may take before the round is cut short
+    # "task": the semaphore case is sent through its task's apply_async in an app of the
+    # sender's own (placed at send where it would wait); "by-name": app.send_task, as before
+    send: str = "task"
 
     @property
     def ideal(self) -> float:
@@ -431,6 +435,42 @@ def drain(lab: Lab, group: Sequence[Worker], tasks: int, timeout: float) -> None
         time.sleep(0.2)
 
 
+_PRODUCERS: dict[tuple[str, str], Any] = {}
+
+
+def producer_task(lab: Lab, broker_url: str, settings: Settings) -> Any:
+    """The semaphore task as an application's producer has it: declared in an app of the
+    sender's own, with the rule the workers declare (both read ``settings.env``), so that
+    ``apply_async`` asks the line as it sends (``semaphore_place_at_send``). Imported here only:
+    the by-name sender (``--send by-name``) runs while the library is broken."""
+    key = (broker_url, json.dumps(settings.env, sort_keys=True))
+    if key not in _PRODUCERS:
+        from celery_semaphore import SemaphoreTask
+
+        app = Celery("bench-backlog-producer", broker=broker_url, set_as_current=False)
+        app.conf.update(semaphore_backend_url=lab.env["PROJ_SEMAPHORE_URL"], task_ignore_result=True)
+        rate = settings.env["BENCH_BACKLOG_RATE"] or None
+
+        @app.task(
+            base=SemaphoreTask,
+            name=TASK,
+            shared=False,
+            semaphore_key="bb:{key}",
+            semaphore_limit=settings.limit,
+            semaphore_rate=rate,
+        )
+        def work(seq: int, key: str) -> None: ...
+
+        _PRODUCERS[key] = work
+    return _PRODUCERS[key]
+
+
+def send_through_task(task: Any, calls: list[tuple[Any, ...]], queue: str) -> list[str]:
+    """Publish the calls back to back on one producer, through the task's ``apply_async``."""
+    with task.app.producer_or_acquire() as producer:
+        return [str(task.apply_async(args, queue=queue, producer=producer).id) for args in calls]
+
+
 def backlog_round(
     lab: Lab, settings: Settings, broker: str, broker_url: str, round_no: int, case: str = "semaphore"
 ) -> dict[str, Any]:
@@ -457,8 +497,14 @@ def backlog_round(
             sampler = Sampler(lab, r, group, settings)
             with sampler:
                 r.began = time.time()
+                placing = settings.send == "task" and case == "semaphore"
+                through = producer_task(lab, broker_url, settings) if placing else None
                 for first in range(0, settings.tasks, SEND_CHUNK):
-                    ids += lab.send(broker_url, task, calls[first : first + SEND_CHUNK], r.queue)
+                    chunk = calls[first : first + SEND_CHUNK]
+                    if through is not None:
+                        ids += send_through_task(through, chunk, r.queue)
+                    else:
+                        ids += lab.send(broker_url, task, chunk, r.queue)
                     r.sent = min(settings.tasks, first + SEND_CHUNK)
                 send_s = time.time() - r.began
                 try:
@@ -913,6 +959,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--broker", choices=(*BROKERS, "both"), help="redis, amqp or both (rate: both, throughput: redis)"
     )
+    parser.add_argument(
+        "--send",
+        choices=("task", "by-name"),
+        default="task",
+        help="how the semaphore case is sent: through its task's apply_async in a producer app that "
+        "declares it (placed at send where it would wait; the default), or by name (app.send_task: "
+        "every task goes to its queue and asks there)",
+    )
     parser.add_argument("--rounds", type=int, help="rounds per broker (3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a tenth of the tasks and 1 round unless told otherwise")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples (1)")
@@ -938,6 +992,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         interval=args.interval,
         ctl_every=args.ctl_every,
         timeout=0.0,
+        send=args.send,
     )
     settings = dataclasses.replace(
         settings, timeout=args.timeout if args.timeout is not None else defaults["timeout"] * settings.ideal + 180

@@ -264,7 +264,7 @@ def set_limit(
     if ttl is not None and limit is None and not isinstance(rate, Rate) and not isinstance(spacing, float):
         raise click.UsageError("--ttl needs a rule to set: 'none' drops a rule at once, for good", ctx=ctx)
     with _as_click_errors():
-        catalogue = _catalogue(ctx)
+        catalogue = _waking_parked_tasks(_catalogue(ctx))  # a looser rule offers them starts
         _note_unknown_key(ctx, catalogue, key, "override")
         sem = catalogue.semaphore(key, placeholder_limit=True)
         if limit is not None:
@@ -293,7 +293,7 @@ def unset_limit(ctx: click.Context, key: str) -> None:
     spacing stays: set-limit KEY --rate none --spacing none drops those.
     """
     with _as_click_errors():
-        catalogue = _catalogue(ctx)
+        catalogue = _waking_parked_tasks(_catalogue(ctx))  # a higher limit in code offers starts
         sem = catalogue.semaphore(key, placeholder_limit=True)
         had_override = sem.status().limit_source == "override"
         sem.clear_limit()

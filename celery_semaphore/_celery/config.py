@@ -77,6 +77,8 @@ class SemaphoreConfig:
     hash_tag: str | None = None
     # semaphore_shares, checked: each tenant's share of a key's line (tenants.py)
     shares: Shares = field(default_factory=lambda: Shares("semaphore_shares", None))
+    # a task that would wait takes its place as it is sent, and is delivered once (placing.py)
+    place_at_send: bool = True
 
     def limit_for(self, key: str, task_name: str, task: Any | None) -> LimitRule | None:
         """The configured rules of one semaphore key: an exact key, the task name, a glob over
@@ -205,6 +207,9 @@ def parse_config(app: Any) -> SemaphoreConfig:
     fail_open = conf.get("semaphore_fail_open", False)
     if not isinstance(fail_open, bool):
         raise ConfigurationError("semaphore_fail_open", fail_open, "expected True or False")
+    place_at_send = conf.get("semaphore_place_at_send", True)
+    if not isinstance(place_at_send, bool):
+        raise ConfigurationError("semaphore_place_at_send", place_at_send, "expected True or False")
     exact, globs = parse_limits(conf.get("semaphore_limits"))
     # a Redis broker (plain or Sentinel) redelivers an unacked message after this long
     visibility_timeout = float(transport_options.get("visibility_timeout", 3600)) if broker is not None else None
@@ -229,6 +234,7 @@ def parse_config(app: Any) -> SemaphoreConfig:
         ),
         hash_tag=_hash_tag(conf.get("semaphore_hash_tag")),
         shares=Shares("semaphore_shares", conf.get("semaphore_shares")),
+        place_at_send=place_at_send,
     )
 
 

@@ -134,7 +134,7 @@ class Parking:
             if parked is not None and parked is entry:
                 self._to_send.put(parked)
 
-        recorded = self._record(semaphore, waiter, run, wake_copy, away_for)
+        recorded = self.record(semaphore, waiter, run, wake_copy, away_for)
         handle = wake_ups.on_wake(channel, waiter, woken)
         entry = _Parked(
             handle,
@@ -191,10 +191,11 @@ class Parking:
         with self._lock:
             self._wake_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
 
-    def _record(
+    def record(
         self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any, away_for: float
     ) -> bool:
-        """Keep the wake copy in Redis too, due when ``away_for`` is up; whether it is kept there."""
+        """Keep the wake copy in Redis, due when ``away_for`` is up (any process's sweep sends it
+        then, if no copy of the wait asked), and sweep it from here; whether it is kept there."""
         copy = serialized(wake_copy)
         if copy is None:
             return False

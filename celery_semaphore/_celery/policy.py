@@ -15,6 +15,7 @@ import math
 import random
 
 from .._core.attempts import Waiting
+from .._core.rules import Rules
 
 # Come back after this share of the expected wait, so the waiter is present when its turn comes.
 EARLY = 0.8
@@ -30,6 +31,11 @@ VISIBILITY_MARGIN = 0.5
 # Below RabbitMQ's default consumer_timeout (30 min), past which a copy a worker holds closes its
 # channel; long enough that a waiting task costs next to nothing.
 KEPT_APART_BACKSTOP_S = 300.0
+# ... or, for a task far back in a long line, this many times its expected wait (so that it is
+# not delivered, refused and parked again every few minutes while it waits its turn: a line of
+# 10,000 under a rate of 20/s is 500 s long), up to this long.
+BACKSTOP_PER_EXPECTED_WAIT = 2.0
+BACKSTOP_MOST_S = 6 * 3600.0
 # A start a rate, a spacing or a pause reserves further off than this parks its task as well as
 # sending it for then: an operator's resume or looser rule may bring the start forward, and only
 # a wake-up reaches a task away for a day. A nearer one comes back by its copy alone.
@@ -96,12 +102,22 @@ def countdown(
     return max(1, round(min(max(base, low), max(high, 1.0))))
 
 
+def expected_start(waiting: Waiting, rules: Rules) -> float:
+    """Seconds until this waiter's turn at the earliest, from its place in line and every rule
+    declared: the hold times and the limit, the rate, the spacing (0 when none says more)."""
+    ahead = waiting.position
+    by_rate = ahead * rules.rate.period / rules.rate.count if rules.rate is not None else 0.0
+    by_spacing = ahead * rules.spacing if rules.spacing is not None else 0.0
+    return max(expected_wait(waiting) or 0.0, by_rate, by_spacing)
+
+
 def backstop(
     bounds: tuple[float, float],
     *,
     visibility_timeout: float | None = None,
     kept_apart: bool = False,
     bounds_given: bool = False,
+    expected: float = 0.0,
 ) -> int:
     """The countdown of a parked task's backstop copy. Its hand-off brings a parked task back
     when its turn comes; the copy only covers a lost wake-up (its process died, Redis lost the
@@ -113,10 +129,14 @@ def backstop(
     where the countdown was set (``bounds_given``: it keeps its meaning, the longest a waiting
     task stays away): a parked task is delivered again when a slot is offered to it, and
     otherwise once per backstop. Else it is a countdown message held by a worker: the upper
-    bound, below the broker's visibility timeout."""
+    bound, below the broker's visibility timeout. ``expected``: the task's expected wait
+    (``expected_start``); a kept-apart copy of a task far back in line is due later still."""
     high = bounds[1]
     if kept_apart:
-        return max(1, round(high if bounds_given else KEPT_APART_BACKSTOP_S))
+        if bounds_given:
+            return max(1, round(high))
+        longer = min(BACKSTOP_MOST_S, BACKSTOP_PER_EXPECTED_WAIT * expected)
+        return max(1, round(max(KEPT_APART_BACKSTOP_S, longer)))
     if visibility_timeout is not None:
         high = min(high, visibility_timeout * VISIBILITY_MARGIN)
     return max(1, round(high))

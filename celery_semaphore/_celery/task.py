@@ -62,6 +62,7 @@ from .options import (
 )
 from .outages import outages
 from .pausing import SemaphorePaused, members, pause_and_stand_first
+from .placing import placed_at_send
 from .pool_room import pool_room
 from .started import store_started, take_over_started
 from .tokens import process_token, task_key, waiter_of
@@ -132,6 +133,29 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
         install(app)
         return bound
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Send the task; one that would wait takes its place in line now and is delivered
+        once, when its turn comes (``placing.py``), instead of being delivered, refused and
+        parked by a worker."""
+        if shadow is None and not self.app.conf.task_always_eager:
+            sent = {name: value for name, value in (("link", link), ("link_error", link_error)) if value is not None}
+            placement = placed_at_send(self, args, kwargs, task_id, {**options, **sent})
+            if placement is not None and placement.parked:
+                return self.AsyncResult(placement.task_id)
+            if placement is not None:  # it starts on arrival: sent with the start it was offered
+                task_id, options["headers"] = placement.task_id, placement.headers
+        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

@@ -108,7 +108,7 @@ class WaitingDelivery:
         )
         # a parked task comes back through the hand-off, so its backstop copy is late: sooner, it
         # would come back, be refused and be re-sent over and over
-        backstop = self._longest_countdown()
+        backstop = self._longest_countdown(attempt)
         if options.max_wait is not None:
             left = round(options.max_wait - waited + 0.5)
             countdown, backstop = max(1, min(countdown, left)), max(1, min(backstop, left))
@@ -139,12 +139,14 @@ class WaitingDelivery:
         origin = WaitHistory.of(self.request).origin or queue_of(self.task.app, self.request)
         return origin is not None and (stores_copies(self.task.app) or holds_backstops(self.task.app))
 
-    def _longest_countdown(self) -> float:
+    def _longest_countdown(self, attempt: Waiting | None = None) -> float:
+        """The backstop's countdown: for a refusal (``attempt``), later the further back in line."""
         return policy.backstop(
             self.options.countdown,
             visibility_timeout=self.config.visibility_timeout,
             kept_apart=self.keeps_copies_apart(),
             bounds_given=self.options.countdown_given,
+            expected=0.0 if attempt is None else expected_start_of(self.semaphore, attempt),
         )
 
     def note_first_wait(self) -> None:
@@ -285,6 +287,13 @@ class WaitingDelivery:
             when=countdown,
             sig=backstop,
         )
+
+
+def expected_start_of(semaphore: AnySemaphore, attempt: Waiting) -> float:
+    """Seconds until a refused task's turn at the earliest, by the rules of its semaphore (of its
+    first key, for several: the line it waits in longest is at least that long)."""
+    first = semaphore if isinstance(semaphore, FairSemaphore) else semaphore.semaphores[0]
+    return policy.expected_start(attempt, first.rules)
 
 
 def leave(semaphore: AnySemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:

@@ -107,6 +107,16 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class StartsOnArrival:
+    """A task being placed as it is sent that would start now: it holds an offer of the start
+    (a slot, and under a rate or a spacing the start itself) under ``ticket``, which its first
+    delivery claims by asking with that ticket within the claim window (2 s); later, the start
+    has gone on to the next waiter and the ticket puts it back in its place."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
 class Duplicate:
     """A try under a ``run`` id that another copy of the same run already used: that copy holds
     the slot now (``running``), or the run finished. This copy must not run now; a running twin

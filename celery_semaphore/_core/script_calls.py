@@ -32,7 +32,7 @@ from .replies import (
 )
 from .rules import Rules
 from .script_args import number
-from .storage import CLAIMED, GRANTED, INFO_SEPARATOR, RUNNING, as_text
+from .storage import CLAIMED, FREE, GRANTED, INFO_SEPARATOR, RUNNING, as_text
 
 if TYPE_CHECKING:
     from .scripts import SemaphoreKeys
@@ -62,6 +62,10 @@ class LineArgs:
     full: str = ""
 
 
+# acquire's enqueue flag (in ARGV[3]) for a task being sent: take a place, never a slot
+PLACING = 2
+
+
 def acquire(
     keys: SemaphoreKeys,
     *,
@@ -70,7 +74,7 @@ def acquire(
     rules: Rules,
     lease_ms: int,
     patience_ms: int,
-    enqueue: bool,
+    enqueue: int,
     fresh: bool,
     label: str,
     ticket: int | None,
@@ -106,6 +110,8 @@ def acquire_reply(reply: Any) -> AcquireReply:
     code = int(reply[0])
     if code == RUNNING:  # with the lease left of the copy that runs
         return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
+    if code == FREE:  # placing: offered the start it would take now, under this ticket
+        return AcquireReply(code, 0, 0, 0, -1, int(float(as_text(reply[1]))), 0, to_wake=waiters_of(reply[2:]))
     if code in (GRANTED, CLAIMED):  # a grant that handed slots to waiters its caller wakes
         return AcquireReply(code, 0, 0, 0, -1, None, 0, to_wake=waiters_of(reply[1:]))
     outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms, opens_ms = reply[:9]
@@ -198,9 +204,12 @@ def status_reply(reply: Any) -> StatusReply:
     )
 
 
-def set_limit(keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, rules: Rules) -> ScriptCall[int]:
+def set_limit(
+    keys: SemaphoreKeys, *, override: int | None, ttl_ms: int | None, rules: Rules
+) -> ScriptCall[tuple[str, ...]]:
+    """The waiters the new limit offered a slot whose wake-up nobody heard (see set_limit.lua)."""
     args = ["" if override is None else override, "" if ttl_ms is None else ttl_ms, rules.arg]
-    return ScriptCall("set_limit", keys.line_keys, args, int)
+    return ScriptCall("set_limit", keys.line_keys, args, lambda reply: waiters_of(reply[1:]))
 
 
 def set_gate(keys: SemaphoreKeys, *, kind: str, value: str, ttl_ms: int | None, rules: Rules) -> ScriptCall[GateReply]:
@@ -220,7 +229,7 @@ def reset(keys: SemaphoreKeys) -> ScriptCall[int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def settings(rules: bytes, lease_ms: int, patience_ms: int, enqueue: bool, fresh: bool, label: str) -> bytes:
+def settings(rules: bytes, lease_ms: int, patience_ms: int, enqueue: int, fresh: bool, label: str) -> bytes:
     """acquire's ARGV[3]: the arguments that rarely change between calls, packed once (see
     lua/acquire.lua): every argument sent costs the client a trip through redis-py's encoder."""
     return b"%s|%d|%d|%d%d|%s" % (rules, lease_ms, patience_ms, enqueue, fresh, label.encode())

@@ -31,18 +31,29 @@ import redis.cluster
 
 from ..errors import ConfigurationError
 from . import renewer
-from .attempts import Ask, Attempt, Granted, OneTry, default_label, new_token, refusal_of
+from .attempts import (
+    Ask,
+    Attempt,
+    Granted,
+    OneTry,
+    StartsOnArrival,
+    Waiting,
+    default_label,
+    new_token,
+    refusal_of,
+)
 from .config import SemaphoreConfig
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
 from .replies import Holder
 from .rules import Rate, check_rate, check_spacing
-from .script_calls import LineArgs
+from .script_calls import PLACING, LineArgs
 from .scripts import Scripts, scripts_for
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
     EVICTED,
+    FREE,
     GRANTED,
     LINE_FULL,
     RENEW_LOST,
@@ -210,6 +221,38 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             self._line_args(ask),
         )
 
+    def _place(self, ask: Ask) -> Waiting | StartsOnArrival | None:
+        """Take a place in line for a task being sent, never a slot: Waiting, and the Celery
+        glue parks the task there at once, so that its first delivery is the one its turn
+        sends; or, where it would start now, StartsOnArrival: offered the start, which its first
+        delivery claims. None when its line is full: nothing was placed, and the task is sent
+        as it is, to be refused by its worker."""
+        check_waiter("waiter", ask.waiter)
+        try:
+            reply = self._scripts.acquire(
+                self.keys,
+                token=ask.token,
+                waiter=ask.waiter,
+                rules=self.rules,
+                lease_ms=self._lease_ms,
+                patience_ms=self._patience_ms,
+                enqueue=PLACING,
+                fresh=True,
+                label=ask.label or "",
+                ticket=None,
+                wake="",
+                line=self._line_args(ask),
+            )
+        except REDIS_ERRORS as error:
+            raise translate(error, self.name, "acquire") from error
+        tell_to_wake(self, reply.to_wake)
+        if reply.outcome == FREE and reply.ticket is not None:
+            return StartsOnArrival(reply.ticket)
+        if reply.outcome != WAIT:  # LINE_FULL: its worker refuses it, loudly
+            return None
+        attempt = refusal_of(reply, self.name)
+        return attempt if isinstance(attempt, Waiting) else None
+
     def _wait(self, ask: Ask, timeout: float | None) -> Attempt:
         """Try, and while refused sleep until told a slot is offered, then claim it; until
         granted or ``timeout`` seconds pass (None: no bound). Returns the last try; a waiter that
@@ -362,13 +405,15 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
         check_limit("limit", limit)
         ttl_ms = None if ttl is None else to_ms(check_seconds("ttl", ttl))
         with RedisErrors(self.name, "set_limit"):
-            self._scripts.set_limit(self.keys, override=limit, ttl_ms=ttl_ms, rules=self.rules)
+            to_wake = self._scripts.set_limit(self.keys, override=limit, ttl_ms=ttl_ms, rules=self.rules)
+        tell_to_wake(self, to_wake)
 
     def clear_limit(self) -> None:
         """Drop the runtime override; the limit given in code applies again (and if that is
         higher, the slots it frees are offered at once)."""
         with RedisErrors(self.name, "clear_limit"):
-            self._scripts.set_limit(self.keys, override=None, ttl_ms=None, rules=self.rules)
+            to_wake = self._scripts.set_limit(self.keys, override=None, ttl_ms=None, rules=self.rules)
+        tell_to_wake(self, to_wake)
 
     def set_rate(self, rate: Rate | str | tuple[int, float] | None, *, ttl: float | None = None) -> None:
         """Store a runtime rate (``"500/m"``) that wins over the one given in code, for every

@@ -28,6 +28,7 @@ RAN = 4  # another copy of this run held its slot and gave it back: the run is o
 TOO_HEAVY = 5  # acquire_many: the weight is above a limit in force (the try would wait forever)
 LINE_FULL = 6  # acquire: a new waiter found max_waiters in line and took no place
 EVICTED = 7  # acquire: this waiter's place went to another (drop_oldest, keep_latest)
+FREE = 8  # acquire, placing: a newcomer would be granted now, so nothing was placed
 
 # What renew and renew_many answer, one code per token.
 RENEW_LOST = 0

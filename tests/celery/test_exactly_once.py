@@ -361,7 +361,9 @@ def test_a_redelivered_first_message_does_not_rerun_a_success_the_redis_forgot(
     second = None
     try:
         semaphore_for(proj.app, proj.dies_at_first_refusal.name).acquire(timeout=5)  # the task is refused
-        result = proj.dies_at_first_refusal.apply_async(queue=queue)
+        # sent by name, as it is: a first message that its worker refuses (placed at send, the
+        # task would have no first message to deliver again)
+        result = proj.app.send_task(proj.dies_at_first_refusal.name, queue=queue)
         assert first.process is not None
         wait_until(
             lambda: first.process is not None and first.process.poll() is not None,

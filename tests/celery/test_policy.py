@@ -98,3 +98,25 @@ def test_a_backstop_kept_in_the_broker_comes_after_minutes_unless_the_countdown_
     assert backstop((1.0, 30.0), visibility_timeout=20, kept_apart=True) == KEPT_APART_BACKSTOP_S
     assert backstop((1.0, 30.0), visibility_timeout=20, kept_apart=True, bounds_given=True) == 30
     assert backstop((1.0, 4.0), kept_apart=True, bounds_given=True) == 4
+
+
+def test_a_backstop_kept_in_the_broker_comes_after_twice_the_expected_wait_of_a_long_line() -> None:
+    """Far back in a long line, a backstop due after 5 minutes would deliver the task, refuse
+    it and park it again every 5 minutes while it waits: it is due after twice its expected
+    wait instead (by the rate, the spacing, or the hold times and the limit), at most 6 hours,
+    and never sooner than 5 minutes; a countdown that was set keeps its meaning."""
+    from celery_semaphore._celery.policy import BACKSTOP_MOST_S, KEPT_APART_BACKSTOP_S, backstop, expected_start
+    from celery_semaphore._core.rules import Rate, Rules
+
+    far_back = Waiting(position=9_999, free=0, limit=1000, hold_time=0.005)
+    by_rate = expected_start(far_back, Rules(1000, Rate(20, 1.0)))
+    assert by_rate == pytest.approx(9_999 / 20)
+    assert backstop((1.0, 30.0), kept_apart=True, expected=by_rate) == round(2 * 9_999 / 20)
+    assert expected_start(far_back, Rules(1000, None, 3.0)) == pytest.approx(3 * 9_999)
+    assert backstop((1.0, 30.0), kept_apart=True, expected=3 * 9_999) == BACKSTOP_MOST_S
+    by_holds = expected_start(Waiting(position=400, free=0, limit=4, hold_time=2.0), Rules(4))
+    assert by_holds == pytest.approx(101 * 2.0)
+    assert backstop((1.0, 30.0), kept_apart=True, expected=by_holds) == 404
+    near = expected_start(Waiting(position=10, free=0, limit=4, hold_time=2.0), Rules(4))
+    assert backstop((1.0, 30.0), kept_apart=True, expected=near) == KEPT_APART_BACKSTOP_S
+    assert backstop((1.0, 30.0), kept_apart=True, bounds_given=True, expected=by_rate) == 30

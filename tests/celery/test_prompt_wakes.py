@@ -78,8 +78,9 @@ def test_resume_starts_the_head_of_the_line_at_once(proj: Any, celery_stack: Cel
         semaphore_cli(celery_stack, "pause", key)
         proj.probe(gate).client.rpush(f"gate:{gate}", 1)
         assert holder.get(timeout=30) == holder.id
+        # placed in line as it was sent, the waiter's only refusal is its wake copy's
         wait_until(
-            lambda: retries.lrange(f"probe:{key}:retries", 0, -1).count(waiter.id.encode()) >= 2,
+            lambda: retries.lrange(f"probe:{key}:retries", 0, -1).count(waiter.id.encode()) >= 1,
             timeout=30,
             what="the waiter's wake copy refused while paused",
         )
@@ -176,14 +177,10 @@ def test_a_raised_limit_starts_a_parked_waiter_at_once(proj: Any, celery_stack: 
         holder = proj.gated_slot.apply_async((gate,), {"key": probe}, queue="raise")
         wait_until(lambda: started_at(proj, probe, holder.id), timeout=30, what="the holder runs")
         waiter = proj.gated_slot.apply_async(("",), {"key": probe}, queue="raise")
-        retries = proj.probe(key).client
         wait_until(
-            lambda: (
-                any(w.waiter == task_key(waiter.id) for w in semaphore.status().waiters)
-                and waiter.id.encode() in retries.lrange(f"probe:{key}:retries", 0, -1)
-            ),
+            lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
             timeout=30,
-            what="the waiter parked outside the worker",
+            what="the waiter parked outside the worker (as it was sent)",
         )
         try:
             raised_at = time.time()

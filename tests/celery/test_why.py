@@ -67,19 +67,25 @@ def cli(*args: str) -> Any:
     return CliRunner().invoke(celery, ["-A", "tests.proj.app", "semaphore", "why", *args])
 
 
+def as_is(task: Any, *args: Any) -> Any:
+    """Sent by name, as it is: its worker asks and waits in-process (a task placed at send
+    waits parked, before any worker sees it)."""
+    return task.app.send_task(task.name, args, queue=QUEUE)
+
+
 def test_running_waiting_for_a_slot_behind_the_line_then_done(proj: Any, worker: Worker) -> None:
     gate = f"why-{uuid.uuid4().hex[:8]}"
     first = proj.why_waits.apply_async((gate,), queue=QUEUE)
     running = answer_when(proj, first.id, "running")
     (slot,) = running["slots"]
     assert slot["key"] == "proj.why_waits" and first.id in slot["worker"] and slot["lease_left"] > 0
-    second = proj.why_waits.apply_async((gate,), queue=QUEUE)
+    second = as_is(proj.why_waits, gate)
     waiting = answer_when(proj, second.id, "waiting", "limit")
     (entry,) = waiting["keys"]
     assert entry["key"] == "proj.why_waits" and entry["position"] == 0 and entry["free"] == 0
     assert entry["present"] and not entry["parked"]
     assert [first.id in holder["worker"] for holder in entry["holders_ahead"]] == [True]
-    third = proj.why_waits.apply_async((gate,), queue=QUEUE)
+    third = as_is(proj.why_waits, gate)
     behind = answer_when(proj, third.id, "waiting", "line")
     assert behind["keys"][0]["position"] == 1
 
@@ -132,7 +138,7 @@ def test_waiting_for_a_pause(proj: Any, worker: Worker) -> None:
     semaphore = semaphore_for(proj.app, "proj.why_paused")
     semaphore.pause(60)
     try:
-        paused = proj.why_paused.apply_async(queue=QUEUE)
+        paused = as_is(proj.why_paused)
         answer = answer_when(proj, paused.id, "waiting", "pause")
         assert answer["keys"][0]["rules"]["paused"]
         assert "held back by the key is paused" in cli(paused.id).stdout

@@ -40,7 +40,9 @@ def test_a_woken_task_starts_before_the_tasks_received_ahead_of_it(celery_stack:
     ):
         holder = proj.gated_slot.apply_async((f"{key}-holder", key), queue="woken-holder")
         wait_until(lambda: probe.llen(f"probe:{key}:starts") == 1, timeout=30, what="the holder runs")
-        waiter = proj.gated_slot.apply_async(("", key), queue="woken")
+        # sent by name, as it is: its worker refuses and parks it (placed at send, its wake copy
+        # would be its first delivery)
+        waiter = proj.app.send_task(proj.gated_slot.name, ("", key), queue="woken")
         semaphore = semaphore_for(proj.app, "proj.gated_slot")
         wait_until(
             lambda: (

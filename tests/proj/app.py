@@ -18,7 +18,6 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from celery_semaphore import SemaphoreTask, limit_concurrency
-from celery_semaphore._celery.catalogue import semaphore_for_call
 
 from ..concurrency_probe import ConcurrencyProbe
 
@@ -186,14 +185,6 @@ def waits_then_retries(self: Any, seconds: float) -> dict[str, Any]:
     if self.request.retries == 0:
         raise self.retry(countdown=2)
     return {"retries": self.request.retries, "waits": getattr(self.request, "csem_waits", None)}
-
-
-@signals.task_prerun.connect
-def _record_first_ask(task_id: str | None = None, task: Any = None, **_: Any) -> None:
-    """The order in which tasks first asked for a slot (their first delivery), for fairness."""
-    if isinstance(task, SemaphoreTask) and getattr(task.request, "csem_waits", None) is None:
-        key = semaphore_for_call(task, tuple(task.request.args or ()), dict(task.request.kwargs or {})).name
-        probe(key).client.rpush(f"probe:{key}:asks", f"{task_id} {time.time()}")
 
 
 @app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.soft_limited", bind=True, soft_time_limit=0.5)

@@ -24,7 +24,7 @@ from celery.result import AsyncResult
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.config import forget_config
 
-from ..celery.test_celery_handoff import first_asks, inversions, starts
+from ..celery.test_celery_handoff import inversions, sent_in_order, starts
 from ..celery_stack import CeleryStack
 from ..redis_server import RedisClusterSet, RedisSentinelSet
 from ..waiting import wait_until
@@ -91,16 +91,17 @@ def proj(topology: Topology) -> Any:
 
 
 def test_tasks_hold_the_limit_and_start_in_first_ask_order(topology: Topology, proj: Any) -> None:
-    """12 tasks waiting outside the worker for a slot of limit 1: never two at once, each once,
-    in first-ask order, woken by hand-off through the topology's pub/sub."""
+    """12 tasks waiting outside the worker for a slot of limit 1, placed in line as they are
+    sent: never two at once, each once, in the order sent, woken by hand-off through the
+    topology's pub/sub."""
     key = f"topology-order-{topology.name}"
-    results = [topology.send(proj.handoff, 0.05, key) for _ in range(12)]
+    results, asked = sent_in_order(lambda: topology.send(proj.handoff, 0.05, key), 12)
     for result in results:
         assert result.get(timeout=120) == result.id
     ids = {r.id for r in results}
     started = [task_id for task_id, _ in starts(proj, key)]
     assert sorted(started) == sorted(ids)
-    assert inversions(started, first_asks(proj, "proj.handoff", ids)) == []
+    assert inversions(started, asked, resolution=0.0) == []
     assert proj.probe(key).maximum == 1
     wait_until(
         lambda: semaphore_for(proj.app, "proj.handoff").status().holder_count == 0, timeout=10, what="no slot held"

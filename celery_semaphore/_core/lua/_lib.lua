@@ -70,6 +70,7 @@ local RAN = 4
 local TOO_HEAVY = 5
 local LINE_FULL = 6
 local EVICTED = 7
+local FREE = 8
 -- renew and renew_many: one code per token
 local RENEW_LOST = 0
 local RENEW_RENEWED = 1

@@ -11,7 +11,13 @@
 --     lease_ms     lease length for a granted slot
 --     patience_ms  how long a refused waiter keeps its place without asking again
 --     enqueue      "1": a new waiter takes a ticket; "0": a one-shot try that never queues and
---                  is granted only if it passes no present waiter
+--                  is granted only if it passes no present waiter; "2": *placing*, for a task
+--                  being sent (fresh): a new waiter takes a ticket as with "1" but is never
+--                  granted here. Where it would start now it is *offered* the start instead
+--                  (untold) and answered FREE with its ticket: its sender sends it to its queue
+--                  carrying the ticket, and its ask there claims the offer. Until then the offer
+--                  counts as a slot taken and, under a rate or a spacing, as a start, so that a
+--                  burst of sends is not all answered FREE, nor passes the ones in flight
 --     fresh        "1": the caller knows this waiter never asked before, so when nobody is
 --                  present and a slot is free the grant skips the line entirely (the
 --                  uncontended fast path: no purge, no queue keys touched)
@@ -52,7 +58,8 @@
 -- CLAIMED: the common answer stays short to parse), or {CLAIMED, to_wake...} when the claim
 -- handed the next start on to a waiter nobody heard; for a duplicate run, {RUNNING, lease_ms}
 -- (its other copy holds the slot now, its lease lasting lease_ms more unless renewed) or RAN
--- (the run finished); when refused, {WAIT, position, free, limit, hold, ticket, turn, retry_ms,
+-- (the run finished); placing (enqueue "2") where a grant would come now, {FREE, ticket,
+-- to_wake...}; when refused, {WAIT, position, free, limit, hold, ticket, turn, retry_ms,
 -- opens_ms, to_wake...}:
 --   outcome  GRANTED: the slot is held under token (also when token already held it, so a
 --            resend by redis-py after a connection error is harmless); CLAIMED: granted by
@@ -73,9 +80,10 @@
 
 local token, waiter = ARGV[1], ARGV[2]
 local spec, lease_ms, patience_ms, enqueue, fresh, label =
-  string.match(ARGV[3], '^([%d/]+)|(%d+)|(%d+)|([01])([01])|(.*)$')
+  string.match(ARGV[3], '^([%d/]+)|(%d+)|(%d+)|([012])([01])|(.*)$')
 lease_ms, patience_ms = tonumber(lease_ms), tonumber(patience_ms)
-enqueue, fresh = enqueue == '1', fresh == '1'
+local placing = enqueue == '2'
+enqueue, fresh = enqueue ~= '0', fresh == '1'
 local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
 local tenant_arg = ARGV[8] or ''
 local priority_ms = tonumber(ARGV[9]) or 0
@@ -83,6 +91,7 @@ local max_waiters, full_policy, coalesce = string.match(ARGV[10] or '', '^(%d*)|
 max_waiters = tonumber(max_waiters)
 
 local now = now_ms()
+local free_now  -- placing: the waiter would start now (see enqueue "2")
 
 if run ~= '' then
   local taken, lease_left_ms = run_taken(run, token, now)
@@ -118,8 +127,12 @@ if fresh then
   size = redis.call('ZCARD', K_HOLDERS)
   if size < r.limit and redis.call('ZCARD', r.gated and K_QUEUE or K_PRESENT) == 0
       and (not r.gated or gate_wait(r, now, 1) == 0) then
-    hold(token, now, lease_ms, label, size == 0)
-    return granted(GRANTED, r)
+    if placing then
+      free_now = true
+    else
+      hold(token, now, lease_ms, label, size == 0)
+      return granted(GRANTED, r)
+    end
   end
   -- a one-shot try that finds every slot taken, none of them lapsed (what the purge would free)
   -- and none its own (a repeat of a granted try): refused here, before the line's helpers are
@@ -134,6 +147,22 @@ if fresh then
 end
 
 -- @rest-of-lib
+
+-- Placing (enqueue "2"), for a waiter that would start now: in line and offered the start,
+-- untold, so that its ask (carrying the ticket) claims it within the claim window.
+local function sent_free(ticket)
+  redis.call('ZADD', K_QUEUE, ticket, waiter)
+  redis.call('ZADD', K_DEADLINES, now + math.max(patience_ms, CLAIM_MS), waiter)
+  redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR)
+  local claim_by = offer(waiter, now, now, false)
+  extend(K_HOLDERS, claim_by - now + GRACE_MS, size == 0)
+  extend_line(math.max(patience_ms, CLAIM_MS) + GRACE_MS)
+  return {FREE, string.format('%.0f', ticket), unpack(to_wake)}
+end
+
+if free_now then
+  return sent_free(new_ticket(now))
+end
 
 -- The helpers of a tenant and of a full line are made only for a call that carries one: a
 -- plain call (most of them) pays nothing for making closures it never calls.
@@ -332,6 +361,9 @@ redis.call('ZADD', K_PRESENT, ticket, waiter)
 redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
 
 local left, chosen, offered, delayed = hand_off(now, r, waiter, size)
+if chosen and placing then
+  return sent_free(ticket)
+end
 if chosen then
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)

@@ -4,7 +4,8 @@
 --   ARGV[1] override  the new limit, or "" to clear the override
 --   ARGV[2] ttl_ms    "" to keep the override until cleared; or its lifetime in ms
 --   ARGV[3] rules     the rules given in code, which apply where no override is stored
--- Returns the limit in force afterwards.
+-- Returns the limit in force afterwards, followed by the waiters offered a slot whose wake-up
+-- nobody heard, if any ({limit, to_wake...}; see notify in _lib.lua): its caller wakes them.
 
 if ARGV[1] == '' then
   redis.call('DEL', K_LIMIT)
@@ -16,4 +17,4 @@ end
 local now = now_ms()
 local r = rules_in_force(ARGV[3], now)
 settle(now, r)
-return r.limit
+return {r.limit, unpack(to_wake)}

@@ -1,0 +1,206 @@
+"""Placing at send: a task that would wait takes its place in line as it is sent, and its one
+delivery is the wake copy its turn sends. A task that would start now is sent as it is.
+
+Real Redis for the semaphore and a real Redis broker; the queue of the first tests has no
+worker, so what the sender left (the line, the broker's lists and store) is read as it is. The
+last tests run real workers and count each task's deliveries in their logs (Celery logs every
+message it receives).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_semaphore import semaphore_for
+from celery_semaphore._celery.config import forget_config
+from celery_semaphore._celery.due_copies import due_copies_for
+from celery_semaphore._celery.parked_records import parked_keys
+from celery_semaphore._celery.tokens import task_key
+
+from ..celery_stack import CeleryStack
+from ..waiting import wait_until
+from ..workers import Worker, worker_group
+
+IDLE_QUEUE = "placing-idle"  # no worker consumes it
+QUEUE = "placing"
+
+
+@pytest.fixture
+def proj(celery_stack: CeleryStack) -> Any:
+    import tests.proj.app as proj
+
+    return proj
+
+
+def broker(proj: Any) -> Any:
+    store = due_copies_for(proj.app)
+    assert store is not None, "the test app's broker is Redis"
+    return store.client
+
+
+def stored_runs(proj: Any, task_id: str) -> list[bytes]:
+    store = due_copies_for(proj.app)
+    assert store is not None
+    return [run for run in store.client.hkeys(store.keys[1]) if run.startswith(task_id.encode())]
+
+
+def in_line(proj: Any, semaphore_key: str, task_id: str) -> bool:
+    return any(w.waiter == task_key(task_id) for w in semaphore_for(proj.app, semaphore_key).status().waiters)
+
+
+def test_a_task_that_would_start_now_is_sent_holding_the_offer_of_its_start(proj: Any) -> None:
+    """A free slot and nobody waiting: the message goes to its queue, carrying the ticket of the
+    start it was offered; the offer counts as the slot taken, so the next task sent waits (its
+    place behind the first, which its arrival claims)."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    assert semaphore.status().holder_count == 0
+    client = broker(proj)
+    client.delete(IDLE_QUEUE)
+    first = proj.handoff.apply_async((0.1, "placing-free"), queue=IDLE_QUEUE)
+    second = proj.handoff.apply_async((0.1, "placing-free"), queue=IDLE_QUEUE)
+    try:
+        assert client.llen(IDLE_QUEUE) == 1, "the first sent to its queue, the second parked"
+        assert json.loads(client.lindex(IDLE_QUEUE, 0))["headers"]["id"] == first.id
+        assert json.loads(client.lindex(IDLE_QUEUE, 0))["headers"]["csem_ticket"] is not None
+        waiters = {w.waiter: w for w in semaphore.status().waiters}
+        assert waiters[task_key(first.id)].offered, "the first holds the offer of its start"
+        assert waiters[task_key(first.id)].position < waiters[task_key(second.id)].position
+        assert stored_runs(proj, first.id) == []
+        assert len(stored_runs(proj, second.id)) == 1
+    finally:
+        semaphore.leave(task_key(first.id))
+        semaphore.leave(task_key(second.id))
+        client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
+
+
+def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends_it(proj: Any) -> None:
+    """Its only slot held: the task is in line (parked) before any worker saw it, its queue is
+    empty, its backstop copy waits in the broker's store and its wake copy in the parked record.
+    The release that makes its turn sends the wake copy: one message, in the wake queue."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    wake_queue = f"{IDLE_QUEUE}.semaphore-wake"
+    client = broker(proj)
+    client.delete(IDLE_QUEUE, wake_queue)
+    try:
+        result = proj.handoff.apply_async((0.1, "placing-wait"), queue=IDLE_QUEUE)
+        waiters = {w.waiter: w for w in semaphore.status().waiters}
+        assert task_key(result.id) in waiters, "placed in line as it was sent"
+        assert client.llen(IDLE_QUEUE) == 0, "not sent to its queue"
+        assert len(stored_runs(proj, result.id)) == 1, "its backstop copy is stored in the broker"
+        _, copies, *_ = parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore"))
+        records = semaphore.client.hkeys(copies)
+        assert any(result.id.encode() in record for record in records), "its wake copy is recorded"
+    finally:
+        holder.release()
+    wait_until(lambda: client.llen(wake_queue) == 1, timeout=10, what="the wake copy sent by the release")
+    assert client.llen(IDLE_QUEUE) == 0
+    message = client.lindex(wake_queue, 0)
+    assert result.id.encode() in message
+    client.delete(IDLE_QUEUE, wake_queue)
+    semaphore.leave(task_key(result.id))
+
+
+def test_placing_turned_off_sends_every_task_as_it_is(proj: Any) -> None:
+    """``semaphore_place_at_send = False``: a task that would wait is sent to its queue, and
+    waits there as before (its worker refuses it and parks it)."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    client = broker(proj)
+    client.delete(IDLE_QUEUE)
+    proj.app.conf.semaphore_place_at_send = False
+    forget_config(proj.app)
+    try:
+        result = proj.handoff.apply_async((0.1, "placing-off"), queue=IDLE_QUEUE)
+        assert client.llen(IDLE_QUEUE) == 1
+        assert not in_line(proj, "proj.handoff", result.id)
+    finally:
+        holder.release()
+        proj.app.conf.semaphore_place_at_send = True
+        forget_config(proj.app)
+        client.delete(IDLE_QUEUE)
+
+
+def test_a_task_sent_with_a_countdown_is_sent_as_it_is(proj: Any) -> None:
+    """A countdown is the caller's own delay: the task asks when it comes, not as it is sent."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    client = broker(proj)
+    client.delete(IDLE_QUEUE)
+    try:
+        result = proj.handoff.apply_async((0.1, "placing-countdown"), queue=IDLE_QUEUE, countdown=60)
+        assert client.llen(IDLE_QUEUE) == 1
+        assert not in_line(proj, "proj.handoff", result.id)
+    finally:
+        holder.release()
+        client.delete(IDLE_QUEUE)
+
+
+@pytest.fixture(scope="module")
+def workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
+    with worker_group(celery_stack.env, queue=QUEUE, names=("p1", "p2")) as group:
+        yield group
+
+
+def received(workers: list[Worker], task_id: str) -> int:
+    """How many times the workers received a message of ``task_id`` (Celery logs each one)."""
+    pattern = re.compile(rf"Task [\w.]+\[{re.escape(task_id)}\] received")
+    return sum(len(pattern.findall(worker.log())) for worker in workers)
+
+
+@pytest.mark.workers
+def test_tasks_that_would_wait_are_delivered_once_each_and_start_in_the_order_sent(
+    proj: Any, workers: list[Worker]
+) -> None:
+    """Eight tasks sent while the one slot is held: each one is delivered once (its wake copy),
+    runs once, and they start in the order they were sent."""
+    key = "placing-order"
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    try:
+        results = [proj.handoff.apply_async((0.05, key), queue=QUEUE) for _ in range(8)]
+        for result in results:
+            assert in_line(proj, "proj.handoff", result.id)
+    finally:
+        holder.release()
+    for result in results:
+        assert result.get(timeout=60) == result.id
+    entries = proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)
+    started = [entry.split()[0].decode() for entry in entries]
+    assert started == [result.id for result in results]
+    assert proj.probe(key).maximum == 1
+    wait_until(
+        lambda: all(received(workers, result.id) >= 1 for result in results), timeout=10, what="every receipt logged"
+    )
+    assert [received(workers, result.id) for result in results] == [1] * 8
+
+
+@pytest.mark.workers
+def test_a_group_and_a_chain_placed_at_send_complete_with_their_results(proj: Any, workers: list[Worker]) -> None:
+    """A group sends its tasks on one producer, with its group id and index; a chain sends its
+    first task carrying the rest. Placed at send while the slot is held, both complete with the
+    results Celery would give, each task delivered once."""
+    from celery import chain, group
+
+    key = "placing-canvas"
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    try:
+        grouped = group(proj.handoff.s(0.05, key).set(queue=QUEUE) for _ in range(3)).apply_async()
+        chained = chain(
+            proj.handoff.si(0.05, key).set(queue=QUEUE), proj.handoff.si(0.05, key).set(queue=QUEUE)
+        ).apply_async()
+        placed = [child.id for child in grouped.results] + [chained.parent.id]
+        for task_id in placed:
+            assert in_line(proj, "proj.handoff", task_id), "placed in line as it was sent"
+    finally:
+        holder.release()
+    assert grouped.get(timeout=60) == [child.id for child in grouped.results]
+    assert chained.get(timeout=60) == chained.id
+    wait_until(lambda: received(workers, chained.id) >= 1, timeout=10, what="the chain's second task logged")
+    assert [received(workers, task_id) for task_id in placed] == [1] * 4
