@@ -87,7 +87,7 @@ def _body(task: Any, seq: int) -> None:
     """A trivial body: record its start (and the server time of its grant), sleep ``HOLD``."""
     started = time.time()
     granted = "-"
-    lease = task.semaphore_held()
+    lease = task.semaphore_held() if isinstance(task, SemaphoreTask) else None  # the plain task holds none
     if lease is not None:
         info = lease.semaphore.client.hget(lease.semaphore.keys.holder_info, f"h:{lease.token}")
         if info:
