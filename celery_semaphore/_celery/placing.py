@@ -23,9 +23,9 @@ before its backstop copy was sent, the sender never returned from ``apply_async`
 failed, as a failed publish does) and the place lapses unclaimed; after the copy, the copy is
 due within the backstop time; after the record, the record's sweep or the copy sends it.
 
-Only where the copies wait in the broker's Redis (the Redis broker), for a task with one key and
-no weight, routed to a queue by name, sent without a countdown or an ETA, and not itself a copy
-of a wait (a wake, backstop or retry copy carries the wait's headers and is sent as it is).
+Only where the copies wait in the broker (the broker's Redis, or RabbitMQ's backstop queues), for
+a task with one key and no weight, routed to a queue by name, sent without a countdown or an
+ETA, and not itself a copy of a wait (a wake, backstop or retry copy carries the wait's headers and is sent as it is).
 ``semaphore_place_at_send = False`` turns it off. Any doubt (Redis down, a send option a copy
 cannot carry) sends the task as it is: placing is an optimisation, never a new way to fail.
 """
@@ -33,6 +33,7 @@ cannot carry) sends the task as it is: placing is an optimisation, never a new w
 from __future__ import annotations
 
 import logging
+import time
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from .._core.semaphore import FairSemaphore
 from .._core.validation import priority_ms
 from ..errors import ConfigurationError, SemaphoreError
 from . import policy
+from .backstop import holds_backstops
 from .catalogue import semaphore_for_call
 from .config import config_for
 from .due_copies import send_copy, stores_copies
@@ -60,6 +62,7 @@ from .stamping import stamp
 from .tokens import task_key
 from .wait_headers import (
     COPY_ID_HEADER,
+    DUE_HEADER,
     DUE_IN_HEADER,
     FIRST_REFUSED_HEADER,
     QUEUE_HEADER,
@@ -72,7 +75,7 @@ from .wait_headers import (
 from .wait_runs import AWAY_SLACK
 from .waiting_delivery import expected_start_of, leave
 from .wake_copies import serialized
-from .wake_queues import backstop_queue, is_derived_queue, wake_queue
+from .wake_queues import backstop_queue, is_derived_queue, wake_aware, wake_queue
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -156,8 +159,10 @@ def _offered_start(task: Any, task_id: str, headers: dict[str, Any], ticket: int
 def _applies(task: Any, options: dict[str, Any]) -> bool:
     app = task.app
     try:
-        if app.conf.task_always_eager or not config_for(app).place_at_send or not stores_copies(app):
+        if app.conf.task_always_eager or not config_for(app).place_at_send:
             return False
+        if not stores_copies(app) and not holds_backstops(app):
+            return False  # a broker where a copy due later would be a countdown held by a worker
     except ConfigurationError:  # a worker refuses to start on it; a sender sends as it did
         return False
     if any(options.get(name) is not None for name in _LOCAL_OPTIONS):
@@ -229,6 +234,7 @@ class _ParkedAtSend:
     def park(self) -> None:
         """Send the copies and park the place; on a failed send the place is given up and the
         error raised, as a failed publish raises from ``apply_async``."""
+        wake_aware(self.task.app)  # its wake and backstop queues are declared like its queue
         reserved = self.attempt.retry_after
         if reserved is not None:  # a start held for it at a known moment: its copy is due then
             self._send(self._stored_copy(reserved))
@@ -258,10 +264,16 @@ class _ParkedAtSend:
         return float(backstop)
 
     def _stored_copy(self, due_in: float) -> Any:
-        return self._copy(
-            queue=backstop_queue(self.queue),
-            headers={**self.headers, DUE_IN_HEADER: due_in, COPY_ID_HEADER: self.run},
+        """A copy due in ``due_in`` seconds, waiting in the broker: in the broker's Redis under
+        its run (the Redis broker), or in its backstop queue, held by a worker's main process
+        until due (RabbitMQ)."""
+        app = self.task.app
+        due = (
+            {DUE_IN_HEADER: due_in, COPY_ID_HEADER: self.run}
+            if stores_copies(app)
+            else {DUE_HEADER: time.time() + due_in}
         )
+        return self._copy(queue=backstop_queue(self.queue), headers={**self.headers, **due})
 
     def _copy(self, *, queue: str, headers: dict[str, Any]) -> Any:
         options = {**self.options, "task_id": self.task_id, "queue": queue, "headers": headers}

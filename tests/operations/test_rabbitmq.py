@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import Iterator
 
 import pytest
 from celery import Celery
+from celery.exceptions import DuplicateTaskNameWarning
 from kombu import Connection
 
 from ..celery_stack import CeleryStack
@@ -179,3 +181,68 @@ def test_a_worker_starts_on_a_queue_that_has_messages_waiting(celery_stack: Cele
             channel = connection.channel()
             for name in (queue, f"{queue}.semaphore-wake", f"{queue}.semaphore-backstop"):
                 channel.queue_delete(name)
+
+
+@pytest.mark.rabbitmq
+def test_tasks_placed_at_send_on_a_rabbitmq_broker_are_delivered_once_in_order(
+    celery_stack: CeleryStack, amqp_url: str, amqp_queue: str
+) -> None:
+    """Sent through the task (an app that declares it, as a producer does) while the slot is
+    held: each task takes its place as it is sent, its backstop copy in the backstop queue of
+    its queue, nothing in the queue itself; released, they start in the order sent, each
+    delivered once (its wake copy)."""
+    import re
+
+    import tests.proj.app as proj
+    from celery_semaphore import SemaphoreTask, semaphore_for
+    from celery_semaphore._celery.tokens import task_key
+
+    from ..celery.test_celery_handoff import starts
+
+    assert proj.handoff.name == "proj.handoff"  # the test app's task made first: it keeps the name
+    env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
+    workers = [Worker(env, name=f"amqp-placed{i}", concurrency=3).start() for i in (1, 2)]
+    sender = Celery("placer", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
+    sender.conf.semaphore_backend_url = celery_stack.env["PROJ_SEMAPHORE_URL"]
+
+    # the workers' task under its name, in the sender's app (Celery warns of the same name in
+    # two apps of one process; the workers have only theirs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DuplicateTaskNameWarning)
+
+        @sender.task(
+            base=SemaphoreTask,
+            name="proj.handoff",
+            shared=False,
+            semaphore_limit=1,
+            semaphore_inline_wait=0,
+            semaphore_countdown=5,
+        )
+        def handoff(seconds: float, key: str) -> None: ...
+
+        assert handoff.name == "proj.handoff"  # the task class is made here, under the filter
+        sender.finalize()  # where the test app's shared tasks meet this one: this one stays
+        assert sender.tasks["proj.handoff"].run.__qualname__.endswith("<locals>.handoff")
+
+    key = "amqp-placed"
+    semaphore = semaphore_for(sender, "proj.handoff")
+    try:
+        holder = semaphore.acquire(timeout=5)
+        try:
+            results = [handoff.apply_async((0.1, key), queue=amqp_queue) for _ in range(6)]
+            waiters = {w.waiter for w in semaphore.status().waiters}
+            assert all(task_key(r.id) in waiters for r in results), "each placed as it was sent"
+            with Connection(amqp_url) as connection:
+                ready = connection.channel().queue_declare(amqp_queue, passive=True).message_count
+            assert ready == 0, "nothing sent to the queue itself"
+        finally:
+            holder.release()
+        for result in results:
+            result.get(timeout=120)
+        assert [task_id for task_id, _ in starts(proj, key)] == [r.id for r in results]
+        logs = "".join(worker.log() for worker in workers)
+        for result in results:
+            assert len(re.findall(rf"\[{re.escape(result.id)}\] received", logs)) == 1, "delivered once"
+    finally:
+        for worker in workers:
+            worker.stop()
