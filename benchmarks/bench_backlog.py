@@ -97,6 +97,7 @@ from benchmarks.bench_celery import (
     amqp_problem,
     git,
     percentile,
+    send_through_task,
     show,
     start_together,
     table,
@@ -463,12 +464,6 @@ def producer_task(lab: Lab, broker_url: str, settings: Settings) -> Any:
 
         _PRODUCERS[key] = work
     return _PRODUCERS[key]
-
-
-def send_through_task(task: Any, calls: list[tuple[Any, ...]], queue: str) -> list[str]:
-    """Publish the calls back to back on one producer, through the task's ``apply_async``."""
-    with task.app.producer_or_acquire() as producer:
-        return [str(task.apply_async(args, queue=queue, producer=producer).id) for args in calls]
 
 
 def backlog_round(

@@ -68,7 +68,8 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   ``--children 2`` is Celery's own default on such a machine.
 * ``tenants``: fair share between tenants (``semaphore_fair_by``). Tenant A sends 1,000 tasks of
   50 ms at once to a key of limit 4 (200 with ``--quick``), tenant B sends 20 one second later,
-  2 workers x 4 prefork children, Redis broker. Cases: ``fair_by`` (the task declares
+  2 workers x 4 prefork children, Redis broker. Cases: ``*_placed`` (sent through the task, as a
+  producer that declares it sends: each task takes its place in line as it is sent), ``fair_by`` (the task declares
   ``semaphore_fair_by="{tenant}"``) and ``fifo`` (the same task without it: one first-come line,
   the baseline); ``*_parked`` the same with ``semaphore_inline_wait = 0`` (a refused task parks
   at once: the workers take the flood off the broker's queue as fast as they can refuse it, so
@@ -424,6 +425,8 @@ class Tenants:
     after: float = 1.0
     broker: str = "redis"
     cases: tuple[str, ...] = (
+        "fair_by_placed",
+        "fifo_placed",
         "fair_by",
         "fifo",
         "fair_by_parked",
@@ -700,13 +703,43 @@ def rolling_round(lab: Lab, spec: Rolling, case: str, round_no: int, broker_url:
     }
 
 
+_PRODUCER_TASKS: dict[tuple[str, str, int], Any] = {}
+
+
+def producer_tenant_task(lab: Lab, broker_url: str, name: str, limit: int) -> Any:
+    """``bench.tenant`` (or ``bench.tenant_fifo``) as a producer declares it: in an app of the
+    sender's own with the workers' options, so that ``apply_async`` places it as it sends
+    (``semaphore_place_at_send``). The library is imported here only: by-name sends run while
+    it is broken."""
+    cache_key = (broker_url, name, limit)
+    if cache_key not in _PRODUCER_TASKS:
+        from celery_semaphore import SemaphoreTask
+
+        app = Celery("bench-producer", broker=broker_url, set_as_current=False)
+        app.conf.update(semaphore_backend_url=lab.env["PROJ_SEMAPHORE_URL"], semaphore_limits={"bc:*": limit})
+        fair_by = {"semaphore_fair_by": "{tenant}"} if name == "bench.tenant" else {}
+
+        @app.task(base=SemaphoreTask, name=name, shared=False, semaphore_key="bc:{key}", **fair_by)
+        def tenant_task(seconds: float, key: str, tenant: str) -> None: ...
+
+        _PRODUCER_TASKS[cache_key] = tenant_task
+    return _PRODUCER_TASKS[cache_key]
+
+
+def send_through_task(task: Any, calls: Sequence[tuple[Any, ...]], queue: str) -> list[str]:
+    """Publish the calls back to back on one producer, through the task's ``apply_async``."""
+    with task.app.producer_or_acquire() as producer:
+        return [str(task.apply_async(args, queue=queue, producer=producer).id) for args in calls]
+
+
 def tenants_round(lab: Lab, spec: Tenants, case: str, round_no: int, broker_url: str) -> dict[str, Any]:
     """Tenant A's ``spec.flood`` tasks sent at once, tenant B's ``spec.late`` ``spec.after``
     seconds after A's first was sent, all to one key. Cases ``fair_by*`` send a task declaring
     ``semaphore_fair_by="{tenant}"``, ``fifo*`` the same task without it; ``*_parked*`` sets
     ``semaphore_inline_wait = 0`` (a refused task parks at once, so the workers take every
     message of the flood off the broker queue as fast as they can refuse it); ``*_queues`` sends
-    each tenant's tasks to a queue of its own, both consumed by both workers. Seconds from B's
+    each tenant's tasks to a queue of its own, both consumed by both workers; ``*_placed`` sends
+    through the task (placed in line as sent). Seconds from B's
     arrival (the moment its first task was sent) to B's starts, and to the last end of each."""
     key = f"{spec.name}-{case}-r{round_no}-{lab.nonce}"
     queue = f"bc-{key}"
@@ -716,12 +749,18 @@ def tenants_round(lab: Lab, spec: Tenants, case: str, round_no: int, broker_url:
     if "_parked" in case:
         conf["semaphore_inline_wait"] = 0
     lab.clean(broker_url)
+
+    def send(calls: list[tuple[Any, ...]], queue: str) -> list[str]:
+        if case.endswith("_placed"):  # through the task, as a producer that declares it sends
+            return send_through_task(producer_tenant_task(lab, broker_url, task, spec.limit), calls, queue)
+        return lab.send(broker_url, task, calls, queue)
+
     with lab.workers(broker_url, [",".join(sorted(set(queues)))] * WORKERS, CHILDREN, conf) as group:
         began = time.time()
-        a_ids = lab.send(broker_url, task, [(spec.hold, key, "A")] * spec.flood, queues[0])
+        a_ids = send([(spec.hold, key, "A")] * spec.flood, queues[0])
         time.sleep(max(0.0, began + spec.after - time.time()))
         arrived = time.time()
-        b_ids = lab.send(broker_url, task, [(spec.hold, key, "B")] * spec.late, queues[1])
+        b_ids = send([(spec.hold, key, "B")] * spec.late, queues[1])
         ideal = (spec.flood + spec.late) * spec.hold / spec.limit
         lab.wait_for(a_ids + b_ids, "bench:ends", group, timeout=max(120.0, 20 * ideal))
         all_starts = [e for e in _events(lab.probe, "bench:starts") if e.key == f"bc:{key}"]
@@ -1109,7 +1148,15 @@ def judge(outcomes: dict[str, Outcome], wanted: Sequence[Target]) -> list[dict[s
         outcome = outcomes.get(target.scenario)
         if outcome is None or outcome.skipped:
             continue
-        for case in ("semaphore", "countdown", "restarted", "fair_by", "fair_by_parked", "fair_by_parked_queues"):
+        for case in (
+            "semaphore",
+            "countdown",
+            "restarted",
+            "fair_by_placed",
+            "fair_by",
+            "fair_by_parked",
+            "fair_by_parked_queues",
+        ):
             if not outcome.rounds.get(case):
                 continue
             if isinstance(outcome.spec, Rolling) and target.figure == "p99_ms":
