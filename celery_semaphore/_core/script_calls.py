@@ -110,8 +110,10 @@ def acquire_reply(reply: Any) -> AcquireReply:
     code = int(reply[0])
     if code == RUNNING:  # with the lease left of the copy that runs
         return AcquireReply(code, 0, 0, 0, -1, None, 0, twin_lease_ms=int(reply[1]))
-    if code == FREE:  # placing: offered the start it would take now, under this ticket
-        return AcquireReply(code, 0, 0, 0, -1, int(float(as_text(reply[1]))), 0, to_wake=waiters_of(reply[2:]))
+    if code == FREE:  # placing: offered the start it would take now, under this ticket ("": none)
+        text = as_text(reply[1])
+        ticket = int(float(text)) if text else None
+        return AcquireReply(code, 0, 0, 0, -1, ticket, 0, to_wake=waiters_of(reply[2:]))
     if code in (GRANTED, CLAIMED):  # a grant that handed slots to waiters its caller wakes
         return AcquireReply(code, 0, 0, 0, -1, None, 0, to_wake=waiters_of(reply[1:]))
     outcome, position, free, limit, hold_ms, ticket_text, turn, retry_ms, opens_ms = reply[:9]

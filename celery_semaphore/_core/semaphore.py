@@ -225,8 +225,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
         """Take a place in line for a task being sent, never a slot: Waiting, and the Celery
         glue parks the task there at once, so that its first delivery is the one its turn
         sends; or, where it would start now, StartsOnArrival: offered the start, which its first
-        delivery claims. None when its line is full: nothing was placed, and the task is sent
-        as it is, to be refused by its worker."""
+        delivery claims. None when its line is full or the waiter is in line already (a task id
+        sent twice): nothing was placed, and the task is sent as it is, to ask in its worker."""
         check_waiter("waiter", ask.waiter)
         try:
             reply = self._scripts.acquire(
@@ -248,7 +248,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
         tell_to_wake(self, reply.to_wake)
         if reply.outcome == FREE and reply.ticket is not None:
             return StartsOnArrival(reply.ticket)
-        if reply.outcome != WAIT:  # LINE_FULL: its worker refuses it, loudly
+        if reply.outcome != WAIT:  # already in line, or LINE_FULL (its worker refuses it, loudly)
             return None
         attempt = refusal_of(reply, self.name)
         return attempt if isinstance(attempt, Waiting) else None

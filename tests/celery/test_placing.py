@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,6 +105,27 @@ def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends
     assert result.id.encode() in message
     client.delete(IDLE_QUEUE, wake_queue)
     semaphore.leave(task_key(result.id))
+
+
+def test_a_task_id_sent_twice_is_placed_once_and_then_sent_as_it_is(proj: Any) -> None:
+    """A task id already in line (a reused id, a message sent twice) takes no second place: the
+    second send goes to its queue as it is, and its worker asks for it as for any delivery."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    client = broker(proj)
+    client.delete(IDLE_QUEUE)
+    task_id = f"placed-twice-{time.time()}"
+    try:
+        proj.handoff.apply_async((0.1, "placing-twice"), queue=IDLE_QUEUE, task_id=task_id)
+        assert client.llen(IDLE_QUEUE) == 0
+        proj.handoff.apply_async((0.1, "placing-twice"), queue=IDLE_QUEUE, task_id=task_id)
+        assert client.llen(IDLE_QUEUE) == 1, "the second sent as it is"
+        assert [w.waiter for w in semaphore.status().waiters].count(task_key(task_id)) == 1
+        assert len(stored_runs(proj, task_id)) == 1, "one backstop copy: the first's"
+    finally:
+        holder.release()
+        semaphore.leave(task_key(task_id))
+        client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
 def test_placing_turned_off_sends_every_task_as_it_is(proj: Any) -> None:

@@ -17,7 +17,8 @@
 --                  (untold) and answered FREE with its ticket: its sender sends it to its queue
 --                  carrying the ticket, and its ask there claims the offer. Until then the offer
 --                  counts as a slot taken and, under a rate or a spacing, as a start, so that a
---                  burst of sends is not all answered FREE, nor passes the ones in flight
+--                  burst of sends is not all answered FREE, nor passes the ones in flight. A
+--                  waiter already in line is answered {FREE, ""}: no place, no offer
 --     fresh        "1": the caller knows this waiter never asked before, so when nobody is
 --                  present and a slot is free the grant skips the line entirely (the
 --                  uncontended fast path: no purge, no queue keys touched)
@@ -117,6 +118,12 @@ end
 
 -- a grant that is no new start (a repeat of one): nothing to note for a rate or a spacing
 local NO_RULES = {rate_n = 0, spacing_ms = 0}
+
+if placing and redis.call('ZSCORE', K_QUEUE, waiter) then
+  -- a task id already in line (sent twice, a reused id): sent as it is, placed nowhere; its
+  -- worker asks for it as for any delivery
+  return {FREE, ''}
+end
 
 local r, size
 if fresh then
