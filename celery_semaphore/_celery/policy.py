@@ -33,9 +33,11 @@ VISIBILITY_MARGIN = 0.5
 KEPT_APART_BACKSTOP_S = 300.0
 # ... or, for a task far back in a long line, this many times its expected wait (so that it is
 # not delivered, refused and parked again every few minutes while it waits its turn: a line of
-# 10,000 under a rate of 20/s is 500 s long), up to this long.
+# 10,000 under a rate of 20/s is 500 s long), up to this long: below the time a finished run is
+# remembered after its grant (wait_runs.REMEMBER_SLACK, an hour, and more), so that a copy that
+# missed its withdrawal and comes back when due still finds its run and is dropped.
 BACKSTOP_PER_EXPECTED_WAIT = 2.0
-BACKSTOP_MOST_S = 6 * 3600.0
+BACKSTOP_MOST_S = 1800.0
 # A start a rate, a spacing or a pause reserves further off than this parks its task as well as
 # sending it for then: an operator's resume or looser rule may bring the start forward, and only
 # a wake-up reaches a task away for a day. A nearer one comes back by its copy alone.

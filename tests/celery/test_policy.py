@@ -103,9 +103,11 @@ def test_a_backstop_kept_in_the_broker_comes_after_minutes_unless_the_countdown_
 def test_a_backstop_kept_in_the_broker_comes_after_twice_the_expected_wait_of_a_long_line() -> None:
     """Far back in a long line, a backstop due after 5 minutes would deliver the task, refuse
     it and park it again every 5 minutes while it waits: it is due after twice its expected
-    wait instead (by the rate, the spacing, or the hold times and the limit), at most 6 hours,
-    and never sooner than 5 minutes; a countdown that was set keeps its meaning."""
+    wait instead (by the rate, the spacing, or the hold times and the limit), at most 30
+    minutes (a finished run is remembered longer, so a copy that missed its withdrawal is still
+    dropped), and never sooner than 5 minutes; a countdown that was set keeps its meaning."""
     from celery_semaphore._celery.policy import BACKSTOP_MOST_S, KEPT_APART_BACKSTOP_S, backstop, expected_start
+    from celery_semaphore._celery.wait_runs import AWAY_SLACK, REMEMBER_SLACK
     from celery_semaphore._core.rules import Rate, Rules
 
     far_back = Waiting(position=9_999, free=0, limit=1000, hold_time=0.005)
@@ -120,3 +122,4 @@ def test_a_backstop_kept_in_the_broker_comes_after_twice_the_expected_wait_of_a_
     near = expected_start(Waiting(position=10, free=0, limit=4, hold_time=2.0), Rules(4))
     assert backstop((1.0, 30.0), kept_apart=True, expected=near) == KEPT_APART_BACKSTOP_S
     assert backstop((1.0, 30.0), kept_apart=True, bounds_given=True, expected=by_rate) == 30
+    assert BACKSTOP_MOST_S + AWAY_SLACK < REMEMBER_SLACK
