@@ -64,6 +64,12 @@ class Keys:
         return self._key("crawl")
 
     @property
+    def sent_ids(self) -> str:
+        """SET of the crawl tasks' ids sent so far: a task counts once, whichever of its
+        messages is published first (its own, or a copy of its wait placed as it was sent)."""
+        return self._key("crawl", "sent")
+
+    @property
     def pending(self) -> str:
         """Crawl tasks sent and not yet ended (a wait for a slot re-sends one before it ends):
         zero when the crawl is complete."""
@@ -164,10 +170,11 @@ def _task_failed(
 
 def _task_sent(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
     """A crawl task was sent (by the orchestrator, or a task scheduling links): one more unit of
-    crawl work, counted before the message leaves. A waiting task's copies (their headers carry
-    ``csem_waits``) are the same unit: some are withdrawn unsent-to-a-worker once their run
-    no longer needs them, so they are not counted."""
-    if sender in CRAWL_TASKS and not (headers or {}).get("csem_waits"):
+    crawl work, counted before the message leaves. A task that would wait takes its place as it
+    is sent, and its first message is a copy of its wait: so a unit is a task id, counted at its
+    first message, whatever that is; the later copies of its wait are the same unit."""
+    task_id = (headers or {}).get("id")
+    if sender in CRAWL_TASKS and task_id and data().sadd(keys().sent_ids, task_id):
         data().incr(keys().pending)
 
 
