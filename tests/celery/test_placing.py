@@ -10,7 +10,11 @@ message it receives).
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +29,7 @@ from celery_semaphore._celery.tokens import task_key
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
-from ..workers import Worker, worker_group
+from ..workers import ROOT, Worker, worker_group
 
 IDLE_QUEUE = "placing-idle"  # no worker consumes it
 QUEUE = "placing"
@@ -226,3 +230,79 @@ def test_a_group_and_a_chain_placed_at_send_complete_with_their_results(proj: An
     assert chained.get(timeout=60) == chained.id
     wait_until(lambda: received(workers, chained.id) >= 1, timeout=10, what="the chain's second task logged")
     assert [received(workers, task_id) for task_id in placed] == [1] * 4
+
+
+# A sender that places a task and dies at a step: run in a process of its own, which SIGKILLs
+# itself where the step's next call would begin (the one fault here that a real kill cannot hit
+# at a chosen moment on its own).
+_DYING_SENDER = """
+import os, signal, sys
+import tests.proj.app as proj
+from celery_semaphore._celery import placing
+
+step, task_id, key, queue = sys.argv[1:5]
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+class DyingParking:
+    record = staticmethod(die)
+
+if step == "placed":  # its place taken, no copy sent yet
+    placing.send_copy = die
+elif step == "backstop":  # its backstop copy stored, no record of its wake copy
+    placing.parking = lambda: DyingParking()
+elif step == "recorded":  # its wake copy recorded, its place not parked
+    placing.leave = die
+proj.handoff.apply_async((0.05, key), queue=queue, task_id=task_id)
+print("returned")
+"""
+
+
+def granted_lease(semaphore: Any) -> Any:
+    """A one-shot try's lease, or None (refused)."""
+    attempt = semaphore.try_acquire(enqueue=False)
+    return attempt.lease if attempt.granted else None
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("step", ["placed", "backstop", "recorded"])
+def test_a_sender_killed_at_each_step_of_placing_loses_no_task_it_sent(
+    proj: Any, workers: list[Worker], celery_stack: CeleryStack, step: str
+) -> None:
+    """The sender SIGKILLed after each step of placing a task that would wait, its slot held:
+    killed before the backstop copy was sent, apply_async never returned (the task was not
+    sent, as with a failed publish) and its place lapses, so the key is free again; killed
+    after it, the task runs, exactly once, from whichever copy comes first."""
+    key = f"placing-killed-{step}"
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    task_id = f"placing-killed-{step}-{time.time()}"
+    holder = semaphore.acquire(timeout=5)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _DYING_SENDER, step, task_id, key, QUEUE],
+            cwd=ROOT,
+            env={**os.environ, **celery_stack.env},
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+        assert b"returned" not in done.stdout
+        assert in_line(proj, "proj.handoff", task_id), "its place was taken before it died"
+    finally:
+        holder.release()
+    starts = proj.probe(key).client
+    if step == "placed":
+        # never sent: nothing comes; its place lapses (5 s), and a one-shot try finds the key free
+        lease = wait_until(lambda: granted_lease(semaphore), timeout=30, what="the key free of the dead place")
+        lease.release()
+        assert starts.llen(f"probe:{key}:starts") == 0
+        return
+    wait_until(lambda: starts.llen(f"probe:{key}:starts") >= 1, timeout=60, what="the task run by a copy of its wait")
+    wait_until(
+        lambda: not stored_runs(proj, task_id) and not in_line(proj, "proj.handoff", task_id),
+        timeout=60,
+        what="its backstop copy withdrawn and its place gone",
+    )
+    assert [entry.split()[0].decode() for entry in starts.lrange(f"probe:{key}:starts", 0, -1)] == [task_id]
