@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -32,6 +33,8 @@ class AsyncSlotOwner(Protocol):
     def renewal_key(self) -> str: ...
 
     async def _release(self, token: str) -> bool: ...
+
+    def _send_release(self, token: str) -> Awaitable[bool]: ...
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]: ...
 
@@ -61,7 +64,9 @@ class AsyncLease(HeldSlot[AsyncSlotOwner]):
             return False
         self.released = True
         async_renewer.forget(self)
-        return await asyncio.shield(self.semaphore._release(self.token))
+        # queued now, not from the task ``shield`` starts: that task's first step is a whole
+        # event-loop turn away, and the next waiter's hand-off waits for this release
+        return await asyncio.shield(self.semaphore._send_release(self.token))
 
     async def __aenter__(self) -> AsyncLease:
         return self

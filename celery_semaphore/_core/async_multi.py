@@ -13,15 +13,17 @@ its lease renewed by the loop's renewal task (renew_many); cancelled, it leaves 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from . import async_renewer
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
 from .async_semaphore import AsyncFairSemaphore
-from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting
+from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentTry
 from .attempts import Ask
 from .multi_config import MultiConfig
 from .redis_errors import RedisErrors
-from .replies import Holder
+from .replies import Holder, ManyReply
 from .storage import GRANTED
 
 
@@ -72,24 +74,29 @@ class AsyncMultiSemaphore(MultiConfig[AsyncFairSemaphore], AsyncWaiting):
             reply = await self._scripts.run(self._leave_call(waiter, away_for, ""))
         return reply.done
 
-    async def _try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> AsyncAttempt:
+    def _send_try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> SentTry:
         many = self._acquire_call(ask)
+        future = self._scripts.submit(many.call, urgent=urgent)
         asking.in_flight = True
-        with RedisErrors(self.name, "acquire"):
-            reply = await self._scripts.run(many.call, urgent=urgent)
-        asking.in_flight = False
-        if reply.outcome == GRANTED:
-            lease = AsyncLease(self, many.token, label=many.label)
-            async_renewer.track(lease)
-            return AsyncGranted(lease)
-        return self.refusal(reply)
+
+        def finish(reply: ManyReply) -> AsyncAttempt:
+            if reply.outcome == GRANTED:
+                lease = AsyncLease(self, many.token, label=many.label)
+                async_renewer.track(lease)
+                return AsyncGranted(lease)
+            return self.refusal(reply)
+
+        return SentTry(future, many.call, finish)
 
     # -- holding ---------------------------------------------------------------------------
 
     async def _release(self, token: str) -> bool:
-        with RedisErrors(self.name, "release"):
-            reply = await self._scripts.run(self._release_call(token, None, 0))
-        return reply.done
+        return await self._send_release(token)
+
+    def _send_release(self, token: str) -> Awaitable[bool]:
+        """Queue the release now, without yielding; await the result for its reply."""
+        call = self._release_call(token, None, 0)
+        return self._released(self._scripts.submit(call), call)
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

@@ -23,6 +23,7 @@ worker's job, :mod:`.semaphore`'s ``tell_to_wake``): they lapse after their clai
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from typing import TypeAlias
 
 import redis.asyncio
@@ -32,11 +33,11 @@ from . import async_renewer
 from . import script_calls as calls
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
-from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting
+from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentTry
 from .attempts import Ask, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .redis_errors import RedisErrors
-from .replies import Holder
+from .replies import AcquireReply, Holder
 from .rules import Rate, check_rate, check_spacing
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import CLAIMED, EVICTED, GRANTED, LINE_FULL
@@ -105,46 +106,48 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
             reply = await self._scripts.run(calls.leave(self.keys, waiter=waiter, away_ms=away_ms, rules=self.rules))
         return reply.done
 
-    async def _try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> AsyncAttempt:
+    def _send_try(self, ask: Ask, asking: Asking, *, urgent: bool = True) -> SentTry:
         check_token("token", ask.token)
         check_waiter("waiter", ask.waiter)
         label = default_label() if ask.label is None else ask.label
         patience_ms = self._patience_ms if ask.patience is None else to_ms(check_seconds("patience", ask.patience))
-        line = self._line_args(ask)
+        call = calls.acquire(
+            self.keys,
+            token=ask.token,
+            waiter=ask.waiter,
+            rules=self.rules,
+            lease_ms=self._lease_ms,
+            patience_ms=patience_ms,
+            enqueue=ask.enqueue,
+            fresh=ask.fresh,
+            label=label,
+            ticket=ask.ticket,
+            wake=ask.wake,
+            line=self._line_args(ask),
+        )
+        future = self._scripts.submit(call, urgent=urgent)
         asking.in_flight = True
-        with RedisErrors(self.name, "acquire"):
-            reply = await self._scripts.run(
-                calls.acquire(
-                    self.keys,
-                    token=ask.token,
-                    waiter=ask.waiter,
-                    rules=self.rules,
-                    lease_ms=self._lease_ms,
-                    patience_ms=patience_ms,
-                    enqueue=ask.enqueue,
-                    fresh=ask.fresh,
-                    label=label,
-                    ticket=ask.ticket,
-                    wake=ask.wake,
-                    line=line,
-                ),
-                urgent=urgent,
-            )
-        asking.in_flight = False
-        if reply.outcome in (LINE_FULL, EVICTED):
-            raise self._full_line_error(reply.outcome == EVICTED)
-        if reply.outcome in (GRANTED, CLAIMED):
-            lease = AsyncLease(self, ask.token, label=label)
-            async_renewer.track(lease)
-            return AsyncGranted(lease)
-        return refusal_of(reply, self.name)
+
+        def finish(reply: AcquireReply) -> AsyncAttempt:
+            if reply.outcome in (LINE_FULL, EVICTED):
+                raise self._full_line_error(reply.outcome == EVICTED)
+            if reply.outcome in (GRANTED, CLAIMED):
+                lease = AsyncLease(self, ask.token, label=label)
+                async_renewer.track(lease)
+                return AsyncGranted(lease)
+            return refusal_of(reply, self.name)
+
+        return SentTry(future, call, finish)
 
     # -- holding ---------------------------------------------------------------------------
 
     async def _release(self, token: str) -> bool:
-        with RedisErrors(self.name, "release"):
-            reply = await self._scripts.run(calls.release(self.keys, token=token, rules=self.rules))
-        return reply.done
+        return await self._send_release(token)
+
+    def _send_release(self, token: str) -> Awaitable[bool]:
+        """Queue the release now, without yielding; await the result for its reply."""
+        call = calls.release(self.keys, token=token, rules=self.rules)
+        return self._released(self._scripts.submit(call), call)
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

@@ -5,9 +5,10 @@ The asyncio twin of :mod:`.wakeups`, under the same protocol: a release offers t
 the oldest present waiter and the script PUBLISHes that waiter's id on the waiter's wake address,
 ``{prefix}:{<name>}:wake:<listener id>``. Here the listener is one reader task per (event loop,
 client): it owns one pub/sub connection, and for each message sets the ``asyncio.Event`` of the
-waiter it names. A waiting coroutine holds no connection and polls nothing: it awaits its event,
-and asks again only when told, or every ``patience / 3`` seconds anyway (the slow safety ask that
-keeps its place in line and claims an offer whose message was lost).
+waiter it names, having first queued that waiter's claim itself if the waiter sleeps (see
+``AsyncWakeHandle.wait``). A waiting coroutine holds no connection and polls nothing: it awaits
+its event, and asks again only when told, or every ``patience / 3`` seconds anyway (the slow
+safety ask that keeps its place in line and claims an offer whose message was lost).
 
 Each listener has an id of its own (a loop is not a process: two loops of one process must not
 hear each other's offers), so a killed loop's waiters are simply never heard again: their offers
@@ -33,7 +34,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis.asyncio
@@ -64,13 +65,14 @@ class AsyncWakeHandle:
     """One waiting coroutine's registration: ``wait`` returns when a wake-up names it (or a
     failure wakes everyone), or after a timeout. Close when done (``with``)."""
 
-    __slots__ = ("channel", "event", "waiter", "wake_ups")
+    __slots__ = ("channel", "claim", "event", "waiter", "wake_ups")
 
     def __init__(self, wake_ups: AsyncWakeUps, channel: str, waiter: str) -> None:
         self.wake_ups = wake_ups
         self.channel = channel
         self.waiter = waiter
         self.event = asyncio.Event()
+        self.claim: Callable[[], None] | None = None  # while it sleeps in ``wait``: see there
 
     def ready(self) -> bool:
         """Wake-ups on the channel are delivered now."""
@@ -80,9 +82,18 @@ class AsyncWakeHandle:
         """See that the channel is subscribed; wait up to ``timeout`` s for the confirmation."""
         return await self.wake_ups.subscribed(self.channel, timeout)
 
-    async def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for a wake-up; True if told. The flag is down again after."""
-        told = await _wait(self.event, timeout)
+    async def wait(self, timeout: float, claim: Callable[[], None] | None = None) -> bool:
+        """Wait up to ``timeout`` s for a wake-up; True if told. The flag is down again after.
+
+        ``claim``, if given, is called by the reader as it hears the wake-up, before it wakes
+        this waiter, and only while the waiter sleeps here (so never with a try of its own in
+        flight): it queues the waiter's claim from the reader's turn, one event-loop turn (the
+        whole ready queue) sooner than the woken waiter could."""
+        self.claim = claim
+        try:
+            told = await _wait(self.event, timeout)
+        finally:
+            self.claim = None
         self.event.clear()
         return told
 
@@ -291,6 +302,12 @@ class AsyncWakeUps:
         key = (channel, as_text(message.get("data")))
         handle = self._handles.get(key)
         if handle is not None:
+            claim, handle.claim = handle.claim, None
+            if claim is not None and not handle.event.is_set():
+                try:
+                    claim()
+                except Exception as error:  # the waiter asks itself once woken
+                    logger.debug("could not send the claim of %s: %s", key, error)
             handle.event.set()
             return
         unclaimed = self._unclaimed
