@@ -712,14 +712,25 @@ def test_a_semaphore_redis_restarted_empty_runs_no_completed_task_again(
             send(burst)
 
         def killed_under(task_id: str, deliveries: list[tuple[str, int, float]]) -> bool:
-            """Whether the last delivery of ``task_id`` was to a process killed while it had it:
-            killed after it, and before that process took any other delivery (a pool process
-            runs one at a time, so one it refused or ran to its end was done before the next)."""
+            """Whether the task's run was killed: its last delivery was to a process killed while
+            it had it (killed after it, and before that process took any other delivery: a pool
+            process runs one at a time, so one it refused or ran to its end was done before the
+            next); or one of its bodies started in a process killed before that body ended (a
+            copy of its wait that comes after is dropped: without acks_late its run is over)."""
             last = max(((at, pid) for t, pid, at in deliveries if t == task_id), default=None)
-            if last is None or last[1] not in faults.at:
-                return False
-            (at, pid), killed_at = last, faults.at[last[1]]
-            return at <= killed_at and not any(p == pid and at < d < killed_at for _, p, d in deliveries)
+            if last is not None and last[1] in faults.at:
+                (at, pid), killed_at = last, faults.at[last[1]]
+                if at <= killed_at and not any(p == pid and at < d < killed_at for _, p, d in deliveries):
+                    return True
+            started = records(client, "starts", key)
+            ended_runs = records(client, "ends", key)
+            return any(
+                t == task_id
+                and pid in faults.at
+                and at <= faults.at[pid]
+                and not any(e_t == task_id and e_pid == pid and e_at >= at for e_t, e_pid, e_at in ended_runs)
+                for t, pid, at in started
+            )
 
         # run until every task completed, or (without acks_late) what is left was killed under
         # its run and nothing came for SETTLE_S, or nothing came for RESTART_QUIET_S
