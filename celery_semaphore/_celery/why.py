@@ -14,8 +14,9 @@ semaphore tasks (a task whose key is its name or a fixed string), all in the one
 task id alone cannot name a key built from the task's arguments (``"crawl:{host}"``): Redis
 keeps no index from task ids to keys, and one would cost every acquire a write on another
 cluster slot. Such a task is found with ``result_extended = True`` (once it has a result state:
-it waited, started or ended) or with ``--key``; otherwise it reads as unknown, and the answer
-says so.
+it waited, started or ended), with ``--key``, or, parked (as a task that would wait is as it is
+sent), by its parked record, which names its key: one scan of the parked records' index, made
+only for a task found nowhere else. Otherwise it reads as unknown, and the answer says so.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from celery.backends.base import DisabledBackend
 from .._core.explain import KeyView, Look, look
 from .._core.multi import MultiSemaphore
 from .._core.status import LONG_PAUSE_MS
-from .._core.storage import as_text, token_prefix_pattern, weighted_waiter
+from .._core.storage import RECORD_SEPARATOR, as_text, token_prefix_pattern, weighted_waiter
 from .catalogue import Catalogue, semaphore_for_call
 from .options import is_semaphore_task, key_option, weight_option
 from .parked_records import ParkedRecord, parked_keys, parked_waiter_entry
@@ -67,6 +68,12 @@ def why(app: Any, task_id: str, *, keys: list[str] | None = None) -> dict[str, A
     meta = _result_meta(app, task_id)
     looks, task_name, notes = _looks(catalogue, task_id, keys or [], meta)
     views = look(catalogue.client, looks)
+    if not keys and not any(view.held or view.place is not None for view in views):
+        # a task placed as it was sent has no result state yet: its parked record names its key
+        parked_looks = [item for item in _parked_looks(catalogue, task_id) if item.key not in {i.key for i in looks}]
+        if parked_looks:
+            looks += parked_looks
+            views += look(catalogue.client, parked_looks)
     answer: dict[str, Any] = {
         "task_id": task_id,
         "state": UNKNOWN,
@@ -190,6 +197,33 @@ def _looks(
         semaphore = catalogue.semaphore(key, placeholder_limit=True)
         looks.append(Look(key, semaphore.keys, _waiter_of(owner, key_of_task, None, None), tokens, semaphore.rules.arg))
     return looks, name, notes
+
+
+def _parked_looks(catalogue: Catalogue, task_id: str) -> list[Look]:
+    """The keys whose lines hold ``task_id`` parked, read from the parked-task records (one scan
+    of their waiters' index, for a task found nowhere else): a task placed as it was sent is
+    parked before the result backend has anything of it, and a key built from its arguments
+    (``"crawl:{host}"``) is named by its record alone."""
+    key_of_task = task_key(task_id)
+    waiters = parked_keys(catalogue.config.prefix)[2]
+    pattern = "*" + RECORD_SEPARATOR + "".join(f"\\{char}" if char in "*?[]\\" else char for char in key_of_task)
+    tokens = token_prefix_pattern(f"{key_of_task}:")
+    looks: list[Look] = []
+    try:
+        records = [value for _, value in catalogue.client.hscan_iter(waiters, match=pattern, count=1000)]
+    except Exception as error:  # the answer stays "unknown", with the keys it looked at
+        logger.debug("could not read the parked records of %s: %s", task_id, error)
+        return looks
+    for record in records:
+        try:
+            name = ParkedRecord.read(as_text(record)).name
+            semaphore = catalogue.semaphore(name, placeholder_limit=True)
+        except Exception as error:  # a record of another release, or a key no longer known
+            logger.debug("could not read a parked record of %s: %s", task_id, error)
+            continue
+        waiter = _waiter_of(catalogue.task_for(name), key_of_task, None, None)
+        looks.append(Look(name, semaphore.keys, waiter, tokens, semaphore.rules.arg))
+    return looks
 
 
 def _waiting_entry(view: KeyView) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from celery_semaphore import Granted, Waiting, semaphore_for, why
 from celery_semaphore._celery.config import forget_config
+from celery_semaphore._celery.tokens import task_key
 from celery_semaphore._core.attempts import Ask
 
 from ..celery_stack import CeleryStack
@@ -180,6 +181,29 @@ def test_a_key_given_finds_a_task_whose_key_comes_from_its_arguments(proj: Any, 
         holder.release()
         if isinstance(running, Granted):
             running.lease.release()
+
+
+def test_a_task_placed_at_send_is_found_by_its_parked_record_without_its_key(
+    proj: Any, celery_stack: CeleryStack
+) -> None:
+    """A task whose key comes from its arguments, placed in line as it is sent: no result state
+    yet, no --key, yet why() finds it parked in its key's line, from its parked record."""
+    semaphore = semaphore_for(proj.app, "crawl:why-placed.example")  # 2 at once (crawl:*)
+    holders = [semaphore.acquire(timeout=5) for _ in range(2)]
+    placed = proj.crawl.apply_async(("why-placed.example", 0.1), queue="why-placed-idle")  # no worker
+    try:
+        answer = why(proj.app, placed.id)
+        assert answer["state"] == "parked", answer
+        assert answer["keys"][0]["key"] == "crawl:why-placed.example"
+        assert "crawl:why-placed.example" in answer["looked_at"]
+        assert answer["parked"]["record_due_in"] is not None
+    finally:
+        for holder in holders:
+            holder.release()
+        semaphore._leave(task_key(placed.id), None, "")
+        broker = celery_stack.broker.client()
+        broker.delete("why-placed-idle", "why-placed-idle.semaphore-wake")
+        broker.close()
 
 
 class _RoundTrips:
