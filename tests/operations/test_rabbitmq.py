@@ -201,9 +201,14 @@ def test_tasks_placed_at_send_on_a_rabbitmq_broker_are_delivered_once_in_order(
 
     assert proj.handoff.name == "proj.handoff"  # the test app's task made first: it keeps the name
     env = {**celery_stack.env, "PROJ_BROKER_URL": amqp_url, "PROJ_QUEUE": amqp_queue}
-    workers = [Worker(env, name=f"amqp-placed{i}", concurrency=3).start() for i in (1, 2)]
+    # A prefix of their own: this process sends the wake copies of the parked tasks its release
+    # offers a slot, through the one app it knows for a semaphore Redis and prefix (the first to
+    # park there), and earlier tests parked through the Redis-broker app under the default one.
+    prefix = f"amqp-placed-{uuid.uuid4().hex[:6]}"
+    conf = {"semaphore_prefix": prefix}
+    workers = [Worker(env, name=f"amqp-placed{i}", concurrency=3, conf=conf).start() for i in (1, 2)]
     sender = Celery("placer", broker=amqp_url, backend=celery_stack.env["PROJ_RESULT_URL"], set_as_current=False)
-    sender.conf.semaphore_backend_url = celery_stack.env["PROJ_SEMAPHORE_URL"]
+    sender.conf.update(semaphore_backend_url=celery_stack.env["PROJ_SEMAPHORE_URL"], semaphore_prefix=prefix)
 
     # the workers' task under its name, in the sender's app (Celery warns of the same name in
     # two apps of one process; the workers have only theirs)
