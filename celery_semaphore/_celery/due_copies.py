@@ -16,7 +16,9 @@ process runs the script on a timer of its own (as soon as the next copy is due, 
 second), so whichever worker is alive moves what is due. Every step is one script in the
 broker's Redis: a process killed at any point leaves each copy in exactly one place (the list,
 the store or its queue), and the next run of any worker carries on from there. A copy is
-*withdrawn* when its run no longer needs it (``withdraw``): no copy outlives its task.
+*withdrawn* when its run no longer needs it (``withdraw``): no copy outlives its task. A parked
+task's wake-up sends the stored message to its queue (``send_stored``) and leaves it stored as
+the backstop: no second copy of a waiting task is kept anywhere.
 
 The script also watches the semaphore Redis's epoch (a random value it keeps under
 ``<prefix>:epoch``): one that came back empty (a restart without persistence) has a new one, and
@@ -105,9 +107,9 @@ def _naming_of(app: Any) -> _Naming:
     )
 
 
-_SCRIPT_TEXT = (importlib.resources.files("celery_semaphore._celery") / "lua" / "move_due_copies.lua").read_text(
-    encoding="utf-8"
-)
+_LUA = importlib.resources.files("celery_semaphore._celery") / "lua"
+_SCRIPT_TEXT = (_LUA / "move_due_copies.lua").read_text(encoding="utf-8")
+_SEND_NOW_TEXT = (_LUA / "send_stored_copy.lua").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class DueCopies:
             self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of, FINISHED_KEY, MOVED_KEY, SENT_KEY)
         ]
         self._script: Any = self.client.register_script(_SCRIPT_TEXT)
+        self._send_now: Any = self.client.register_script(_SEND_NOW_TEXT)
 
     def run(self, origins: list[str] | tuple[str, ...], *, epoch: str = "", most: int = BATCH) -> Moved:
         """Stow what was published to the backstop lists of ``origins``, and move what is due."""
@@ -150,6 +153,12 @@ class DueCopies:
         moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=[most, epoch, keep_ms, *names])
         next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
         return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
+
+    def send_now(self, run: str) -> int:
+        """Send a copy of ``run``'s stored copy to its queue now (a parked task's wake-up),
+        leaving the stored one as its backstop: 1 sent from the store, 2 from the copies kept
+        as moved, 0 none kept."""
+        return int(self._send_now(keys=[self.keys[1], self.keys[5]], args=[run]))
 
     def withdraw(self, run: str, *, remember_s: float = 0.0) -> None:
         """Forget the stored copy of ``run``: the run has started (and Celery runs it at most
@@ -229,6 +238,14 @@ def send_copy(app: Any, copy: Any) -> None:
         store.run([origin_of_derived(name)])
     except Exception as error:
         logger.warning("a waiting task's copy waits in %s until a worker stows it: %s", name, error)
+
+
+def send_stored(app: Any, run: str) -> bool:
+    """Send the copy of ``run`` stored in ``app``'s broker to its queue now (its wake-up),
+    leaving it stored: whether one was kept there (stored, or moved when due and not asked for
+    since). Raises what the broker's Redis raises."""
+    store = due_copies_for(app)
+    return store is not None and store.send_now(run) > 0
 
 
 def withdraw(app: Any, run: str | None, *, remember_s: float = 0.0) -> None:

@@ -11,6 +11,12 @@ from .._core.multi import MultiSemaphore, home_of
 from .._core.semaphore import FairSemaphore
 from .._core.storage import RECORD_SEPARATOR
 
+# What a record keeps in place of a wake copy on the Redis broker, where the task's backstop copy
+# waits in the broker's store of due copies (``due_copies.py``) under the wait's run: its wake-up
+# sends that stored message (``send_stored_copy.lua``), so no second copy waits in this Redis.
+# The scripts keep it as they keep a copy (``WOKEN_COPY_MARK`` goes in front when it is woken).
+STORED_COPY_MARK = "stored-in-broker"
+
 
 def parked_keys(prefix: str) -> list[bytes]:
     """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one

@@ -13,6 +13,12 @@ late under load: its listener and sender threads wait for the interpreter lock w
 thread runs another task. Whichever copy of the task asks first claims the slot; the acquire
 script's run record drops the other one (see ``task.py``).
 
+On the Redis broker, the task's backstop copy already waits in the broker's store of due copies
+(``due_copies.py``), and it is the same message: there the record keeps a mark instead of a
+second copy, and sending the "wake copy" pushes that stored message to the wake queue now
+(``send_stored_copy.lua``, one script in the broker's Redis), leaving it stored as the backstop.
+The semaphore's Redis then keeps only a waiting task's place and its record's indexes.
+
 If the offer finds this process gone, nobody hears it, and the process that made it sends the
 copy. An offer nobody acted on (told to a process that died before sending) lapses after its
 claim window; the script that purges it reports the waiter again and its caller sends the copy
@@ -47,10 +53,11 @@ from .._core.explain import WaitState, wait_state
 from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore, on_to_wake
-from .._core.storage import WOKEN_COPY_MARK
 from .._core.wakeups import WakeHandle, wake_ups_for
-from .parked_records import ParkedRecord, line_of, parked_keys, prefix_of, read_parked_line, record_of
+from . import parked_sends
+from .parked_records import STORED_COPY_MARK, ParkedRecord, line_of, parked_keys, prefix_of, read_parked_line, record_of
 from .parked_scripts import parked_scripts_for
+from .parked_sends import send_stored_copy, send_wake_copy, sent_again, sweep_records
 from .pausing import members
 from .wake_copies import deserialized, serialized
 
@@ -63,13 +70,6 @@ SUBSCRIBE_WAIT_S = 1.0
 
 # How often the sender thread looks for parked tasks whose time is up.
 SWEEP_EVERY_S = 1.0
-# Most records one sweep takes at once (the rest wait for the next sweep, or another process).
-SWEEP_BATCH = 100
-# A wait whose place in line has not lapsed yet is looked at again this long after it would.
-LOOK_AGAIN_SLACK_S = 1.0
-# A wait whose wake copy was sent keeps its record this long (claim_parked_waiter.lua): should
-# no copy of it be granted by then, a sweep sends the wake copy again.
-WOKEN_LEASE_S = 10.0
 # Most lines one tick looks at (lines_to_tick.lua).
 TICK_BATCH = 100
 
@@ -99,6 +99,7 @@ class _Parked:
     run: str  # the run id every copy of this wait asks under
     name: str = field(default="")
     recorded: bool = False  # also kept in Redis: the sweep of any process sends it if need be
+    stored_in_broker: bool = False  # its one message waits in the broker's store: that is what is sent
 
 
 class Parking:
@@ -118,11 +119,20 @@ class Parking:
         self.sent_elsewhere = 0
 
     def park(
-        self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, wake_copy: Any, *, away_for: float, run: str
+        self,
+        semaphore: FairSemaphore | MultiSemaphore,
+        waiter: str,
+        wake_copy: Any,
+        *,
+        away_for: float,
+        run: str,
+        stored_in_broker: bool = False,
     ) -> str:
         """Register ``wake_copy`` to be sent when ``waiter`` is offered a slot of ``semaphore``
         (within ``away_for`` seconds), or when that time is up and no copy of the wait (run
-        ``run``) has asked; returns the wake address to park the waiter under."""
+        ``run``) has asked; returns the wake address to park the waiter under. With
+        ``stored_in_broker``, the wait's copy is (about to be) stored in the broker's Redis under
+        ``run``: the record in Redis keeps a mark, not a second copy (see ``record``)."""
         wake_ups = wake_ups_for(semaphore.client)
         channel = semaphore.keys.wake_address(wake_ups.listener_id)
         key = (id(semaphore.client), f"{channel}\n{waiter}")
@@ -134,7 +144,7 @@ class Parking:
             if parked is not None and parked is entry:
                 self._to_send.put(parked)
 
-        recorded = self.record(semaphore, waiter, run, wake_copy, away_for)
+        recorded = self.record(semaphore, waiter, run, wake_copy, away_for, stored_in_broker=stored_in_broker)
         handle = wake_ups.on_wake(channel, waiter, woken)
         entry = _Parked(
             handle,
@@ -145,6 +155,7 @@ class Parking:
             run,
             name=semaphore.name,
             recorded=recorded,
+            stored_in_broker=stored_in_broker,
         )
         with self._lock:
             old = self._parked.pop(key, None)
@@ -192,11 +203,23 @@ class Parking:
             self._wake_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
 
     def record(
-        self, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str, wake_copy: Any, away_for: float
+        self,
+        semaphore: FairSemaphore | MultiSemaphore,
+        waiter: str,
+        run: str,
+        wake_copy: Any,
+        away_for: float,
+        *,
+        stored_in_broker: bool = False,
     ) -> bool:
         """Keep the wake copy in Redis, due when ``away_for`` is up (any process's sweep sends it
-        then, if no copy of the wait asked), and sweep it from here; whether it is kept there."""
-        copy = serialized(wake_copy)
+        then, if no copy of the wait asked), and sweep it from here; whether it is kept there.
+
+        With ``stored_in_broker`` (the Redis broker: the wait's copy waits in the broker's store
+        under ``run``, ``due_copies.py``), the record keeps a mark instead: a wake-up or a sweep
+        sends that stored message now. One message per waiting task, not two: a second copy
+        here was the largest part of a waiting task's memory in the semaphore's Redis."""
+        copy = STORED_COPY_MARK.encode() if stored_in_broker else serialized(wake_copy)
         if copy is None:
             return False
         prefix = prefix_of(semaphore)
@@ -242,67 +265,19 @@ class Parking:
                 if self._parked.get(key) is not parked:
                     continue  # woken meanwhile, or parked again
                 if state is not None and not state.granted and state.left_ms is not None:
-                    parked.expires = time.monotonic() + state.left_ms / 1000 + LOOK_AGAIN_SLACK_S
+                    parked.expires = time.monotonic() + state.left_ms / 1000 + parked_sends.LOOK_AGAIN_SLACK_S
                     continue
                 del self._parked[key]
             parked.handle.close()
             if state is None or state.granted:
                 continue
-            _sent_again(parked.name)
-            self._send(parked.wake_copy, parked.name)
+            sent_again(parked.name)
+            send_wake_copy(parked.wake_copy, parked.name)
 
     def _sweep_records(self) -> None:
-        """The parked-task records now due, anywhere in the deployments swept here: each wait
-        that no copy asked for is sent again, from here, whichever process parked it."""
         with self._lock:
             targets = list(self._sweep_targets.values())
-        for target in targets:
-            try:
-                claimed = parked_scripts_for(target.client).claim_parked(parked_keys(target.prefix), most=SWEEP_BATCH)
-            except Exception as error:  # Redis down: the records wait for the next sweep
-                logger.debug("could not sweep the parked tasks: %s", error)
-                continue
-            for record, copy in claimed:
-                try:
-                    deadlines, runs, waiter, run, name = ParkedRecord.read(record)
-                    woken = copy.startswith(WOKEN_COPY_MARK.encode())
-                    copy = copy.removeprefix(WOKEN_COPY_MARK.encode())
-                    if not copy:
-                        continue
-                    state = wait_state(target.client, deadlines, runs, waiter, run)
-                    if state.granted:
-                        continue
-                    if woken:
-                        # its wake copy was sent a lease ago and no copy was granted since: lost
-                        # in flight (popped by a worker that died), or still waiting for a pool
-                        # process. Sent again, leased again; a second copy that arrives is
-                        # dropped by its run
-                        parked_scripts_for(target.client).park(
-                            parked_keys(target.prefix),
-                            record=record,
-                            copy=WOKEN_COPY_MARK.encode() + copy,
-                            only_if_absent=True,
-                            look_in_ms=round(WOKEN_LEASE_S * 1000),
-                        )
-                        wake_copy = deserialized(copy, target.app)
-                        _sent_again(name)
-                        self._send(wake_copy, name)
-                        continue
-                    if state.left_ms is not None:  # still in line: look again once its place would lapse
-                        parked_scripts_for(target.client).park(
-                            parked_keys(target.prefix),
-                            record=record,
-                            copy=copy,
-                            only_if_absent=True,
-                            look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000),
-                        )
-                        continue
-                    wake_copy = deserialized(copy, target.app)
-                except Exception as error:
-                    logger.warning("could not sweep a parked task (%s): its backstop copy is its only way back", error)
-                    continue
-                _sent_again(name)
-                self._send(wake_copy, name)
+        sweep_records(targets)
 
     def _tick_lines(self) -> None:
         """Once a round (a second), one process of each deployment swept here ticks the lines
@@ -363,7 +338,7 @@ class Parking:
         over several semaphores reports the waiters of all of their lines, each parked under the
         first line of its own task (a task with one of those keys, or with them in another
         order): each line is looked in until one holds the waiter's record."""
-        scripts, lease_ms = parked_scripts_for(client), round(WOKEN_LEASE_S * 1000)
+        scripts, lease_ms = parked_scripts_for(client), round(parked_sends.WOKEN_LEASE_S * 1000)
         for waiter in waiters:
             claimed = None
             for deadlines_key in deadlines_keys:
@@ -378,12 +353,17 @@ class Parking:
                 self._send_parked_here(deadlines_keys, waiter)
                 continue
             record, copy = claimed
+            parked = ParkedRecord.read(record)
+            if copy == STORED_COPY_MARK.encode():
+                # its lease sends it again should the broker not keep it yet (a copy not stowed)
+                send_stored_copy(app, parked.run, parked.name)
+                continue
             try:
                 wake_copy = deserialized(copy, app)
             except Exception as error:
                 logger.warning("could not wake a parked task (%s): its backstop copy is its way back", error)
                 continue
-            self._send(wake_copy, ParkedRecord.read(record).name)
+            send_wake_copy(wake_copy, parked.name)
 
     def _send_parked_here(self, deadlines_keys: list[str], waiter: str) -> None:
         with self._lock:
@@ -396,7 +376,7 @@ class Parking:
                 del self._parked[key]
         for _, parked in found:
             parked.handle.close()
-            self._send(parked.wake_copy, parked.name)
+            _send_parked(parked)
 
     def _run(self) -> None:
         # a round every SWEEP_EVERY_S, quiet or not: a busy deployment has no quiet second, and
@@ -424,7 +404,7 @@ class Parking:
             if parked.recorded and not self._take_record(parked):
                 self.sent_elsewhere += 1  # the process that made the offer took the record and sent it
                 continue
-            self._send(parked.wake_copy, parked.name)
+            _send_parked(parked)
 
     def _wake_offered_now(self, offered: _Offered) -> None:
         try:
@@ -444,29 +424,24 @@ class Parking:
                 parked_keys(prefix_of(semaphore)),
                 deadlines_key=semaphore.keys.deadlines,
                 waiter=parked.waiter,
-                lease_ms=round(WOKEN_LEASE_S * 1000),
+                lease_ms=round(parked_sends.WOKEN_LEASE_S * 1000),
             )
         except Exception as error:
             logger.debug("could not take the parked record of a wait of %r: %s", parked.name, error)
             return True
         return taken is not None
 
-    @staticmethod
-    def _send(wake_copy: Any, name: str) -> None:
-        try:
-            wake_copy.apply_async()
-        except Exception as error:  # the backstop copy still comes, at its countdown
-            logger.warning(
-                "could not send the wake copy of a task waiting for %r (its backstop comes): %s", name, error
-            )
-
     def parked_count(self) -> int:
         with self._lock:
             return len(self._parked)
 
 
-def _sent_again(name: str) -> None:
-    logger.warning("no copy of a task waiting for %r asked in time (backstop copy lost?): sending it again", name)
+def _send_parked(parked: _Parked) -> None:
+    """Send a wait parked here: its message stored in the broker, else its wake copy."""
+    if parked.stored_in_broker:
+        send_stored_copy(parked.wake_copy.app, parked.run, parked.name)
+    else:
+        send_wake_copy(parked.wake_copy, parked.name)
 
 
 _parking = Parking()

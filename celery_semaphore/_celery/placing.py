@@ -12,10 +12,11 @@ place but never a slot (``FairSemaphore._place``):
   (and as a start, under a rate), so that a burst of sends is not all sent on as free, and the
   tasks sent after it wait behind it, not in front;
 * otherwise it is parked from the sender, exactly as a refused first delivery parks: its backstop
-  copy waits in the broker (``due_copies.py``), its wake copy in the parked record
-  (``parking.py``), and its place in line is parked under a wake address nobody listens on. The
-  release that makes its turn finds it parked and unheard, and sends the wake copy from the
-  record (as it does for a task whose worker is gone): the task's one delivery. A start that a
+  copy waits in the broker (``due_copies.py``), its parked record (``parking.py``) names it (on
+  RabbitMQ the record keeps a wake copy), and its place in line is parked under a wake address
+  nobody listens on. The release that makes its turn finds it parked and unheard, and sends the
+  stored message to the wake queue from the record (as it does for a task whose worker is gone):
+  the task's one delivery. A start that a
   rate or a spacing reserves for it at a known moment is sent due then, from the broker's store.
 
 Each step leaves the task somewhere that brings it back: killed after its place was taken and
@@ -236,28 +237,43 @@ class _ParkedAtSend:
         error raised, as a failed publish raises from ``apply_async``."""
         wake_aware(self.task.app)  # its wake and backstop queues are declared like its queue
         reserved = self.attempt.retry_after
-        if reserved is not None:  # a start held for it at a known moment: its copy is due then
+        if reserved is not None and reserved <= policy.PARKED_START_AFTER_S:
+            # a start held for it at a known moment, soon: its copy is due then
             self._send(self._stored_copy(reserved))
             return
-        backstop = self._backstop_s()
+        # further off (a pause until resumed: a day) it is parked too, due then at the latest,
+        # so that a resume or a looser rule wakes it; and its reservation is not left to hold a
+        # slot for a day
+        backstop = self._backstop_s(reserved)
         wake_copy = self._copy(queue=wake_queue(self.queue), headers=self.headers)
         self._send(self._stored_copy(backstop))
         away_for = backstop + AWAY_SLACK
         address = self.semaphore.keys.wake_address(SENDER_LISTENER)
         try:
-            parking().record(self.semaphore, self.waiter, self.run, wake_copy, away_for)
+            parking().record(
+                self.semaphore,
+                self.waiter,
+                self.run,
+                wake_copy,
+                away_for,
+                stored_in_broker=stores_copies(self.task.app),
+            )
         except Exception as error:  # its backstop copy still comes
             logger.warning("%s[%s] waits for its backstop copy only: %s", self.task.name, self.task_id, error)
             address = ""
         leave(self.semaphore, self.waiter, away_for=away_for, wake=address)
 
-    def _backstop_s(self) -> float:
+    def _backstop_s(self, reserved: float | None) -> float:
         options = self.wait_options
-        backstop = policy.backstop(
-            options.countdown,
-            kept_apart=True,
-            bounds_given=options.countdown_given,
-            expected=expected_start_of(self.semaphore, self.attempt),
+        backstop = (
+            policy.backstop(
+                options.countdown,
+                kept_apart=True,
+                bounds_given=options.countdown_given,
+                expected=expected_start_of(self.semaphore, self.attempt),
+            )
+            if reserved is None
+            else reserved
         )
         if options.max_wait is not None:
             backstop = max(1, min(backstop, round(options.max_wait + 0.5)))

@@ -251,7 +251,12 @@ class WaitingDelivery:
             wake_copy = self._signature(queue=wake_queue(self.origin), headers=headers)
             try:
                 address = parking().park(
-                    semaphore, waiter, wake_copy, away_for=backstop_countdown + AWAY_SLACK, run=run
+                    semaphore,
+                    waiter,
+                    wake_copy,
+                    away_for=backstop_countdown + AWAY_SLACK,
+                    run=run,
+                    stored_in_broker=stores_copies(self.task.app),
                 )
             except Exception as error:  # no wake-up then: the backstop copy must bring it back
                 logger.warning(

@@ -100,7 +100,7 @@ def test_a_wake_up_handed_on_later_is_sent_from_the_sender_thread(
     """The renewer hands the waiters its renewal offered a slot on with ``later``: their wake
     copies go out from the parking's sender thread, never from the calling thread, which must
     not wait on a broker (its stall would let leases lapse while their bodies run). The send
-    is observed by wrapping this project's own ``Parking._send``; the message is real."""
+    is observed by wrapping this project's own ``send_wake_copy``; the message is real."""
     import threading
 
     app = _app(redis_server)
@@ -110,14 +110,16 @@ def test_a_wake_up_handed_on_later_is_sent_from_the_sender_thread(
     assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
     wake_copy = app.signature("parking.job", queue="q-later.semaphore-wake")
     semaphore._leave("t1", 30, Parking().park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+    import celery_semaphore._celery.parking as parking_module
+
     senders: list[threading.Thread] = []
-    send = Parking._send
+    send = parking_module.send_wake_copy
 
     def noted_send(copy: object, name: str) -> None:
         senders.append(threading.current_thread())
         send(copy, name)
 
-    monkeypatch.setattr(Parking, "_send", staticmethod(noted_send))
+    monkeypatch.setattr(parking_module, "send_wake_copy", noted_send)
     waker = Parking()
     waker.sweep(app, redis_client, prefix)
     waker.wake_offered(semaphore, ("t1",), later=True)
@@ -326,9 +328,9 @@ def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
     it) is sent again by a sweep once the lease is up, and again after that, until a copy of
     its run is granted; then the record is dropped and nothing more is sent. The lease is
     shortened to 1 s (default 10 s) to keep the test short."""
-    import celery_semaphore._celery.parking as parking_module
+    import celery_semaphore._celery.parked_sends as parked_sends
 
-    monkeypatch.setattr(parking_module, "WOKEN_LEASE_S", 1.0)
+    monkeypatch.setattr(parked_sends, "WOKEN_LEASE_S", 1.0)
     app = _app(redis_server)
     prefix = f"{PREFIX}-lease"
     queue = "q-lease.semaphore-wake"

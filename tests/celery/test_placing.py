@@ -24,7 +24,7 @@ import pytest
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import due_copies_for
-from celery_semaphore._celery.parked_records import parked_keys
+from celery_semaphore._celery.parked_records import STORED_COPY_MARK, parked_keys
 from celery_semaphore._celery.tokens import task_key
 
 from ..celery_stack import CeleryStack
@@ -83,10 +83,27 @@ def test_a_task_that_would_start_now_is_sent_holding_the_offer_of_its_start(proj
         client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
+def stored_message(proj: Any, run: bytes) -> bytes:
+    """The message stored under ``run`` in the broker's store, without its target list."""
+    store = due_copies_for(proj.app)
+    assert store is not None
+    stored = store.client.hget(store.keys[1], run)
+    assert stored is not None
+    return bytes(stored).split(b"\n", 1)[1]
+
+
+def parked_copies(proj: Any, semaphore: Any, task_id: str) -> list[bytes]:
+    """What the parked records of ``task_id`` keep in place of a wake copy."""
+    _, copies, *_ = parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore"))
+    found = semaphore.client.hgetall(copies)
+    return [copy for record, copy in found.items() if task_id.encode() in record]
+
+
 def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends_it(proj: Any) -> None:
     """Its only slot held: the task is in line (parked) before any worker saw it, its queue is
-    empty, its backstop copy waits in the broker's store and its wake copy in the parked record.
-    The release that makes its turn sends the wake copy: one message, in the wake queue."""
+    empty, and its one message waits in the broker's store; its parked record keeps a mark, not
+    a second copy. The release that makes its turn sends that stored message to the wake queue:
+    one message, the very one stored, which stays stored as the backstop until its run starts."""
     semaphore = semaphore_for(proj.app, "proj.handoff")
     holder = semaphore.acquire(timeout=5)
     wake_queue = f"{IDLE_QUEUE}.semaphore-wake"
@@ -97,16 +114,82 @@ def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends
         waiters = {w.waiter: w for w in semaphore.status().waiters}
         assert task_key(result.id) in waiters, "placed in line as it was sent"
         assert client.llen(IDLE_QUEUE) == 0, "not sent to its queue"
-        assert len(stored_runs(proj, result.id)) == 1, "its backstop copy is stored in the broker"
-        _, copies, *_ = parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore"))
-        records = semaphore.client.hkeys(copies)
-        assert any(result.id.encode() in record for record in records), "its wake copy is recorded"
+        runs = stored_runs(proj, result.id)
+        assert len(runs) == 1, "its backstop copy is stored in the broker"
+        message = stored_message(proj, runs[0])
+        assert parked_copies(proj, semaphore, result.id) == [STORED_COPY_MARK.encode()], "a mark, no second copy"
     finally:
         holder.release()
-    wait_until(lambda: client.llen(wake_queue) == 1, timeout=10, what="the wake copy sent by the release")
+    wait_until(lambda: client.llen(wake_queue) == 1, timeout=10, what="the stored copy sent by the release")
     assert client.llen(IDLE_QUEUE) == 0
-    message = client.lindex(wake_queue, 0)
-    assert result.id.encode() in message
+    assert client.lindex(wake_queue, 0) == message, "the stored message itself"
+    assert stored_message(proj, stored_runs(proj, result.id)[0]) == message, "still the backstop"
+    client.delete(IDLE_QUEUE, wake_queue)
+    semaphore.leave(task_key(result.id))
+
+
+def test_a_stored_copy_sent_by_a_wake_and_lost_in_flight_is_sent_again_after_its_lease(
+    proj: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parked record of a woken task is leased: its stored message, sent to the wake queue
+    and lost there (on the Redis broker, popped by the BRPOP of a worker being killed; played
+    here by popping it), is sent again by a sweep once the lease is up. The lease is 1 s here
+    (10 s by default); the sweep is run here, as a worker process runs it every second."""
+    import types
+
+    import celery_semaphore._celery.parked_sends as parked_sends
+
+    monkeypatch.setattr(parked_sends, "WOKEN_LEASE_S", 1.0)
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    wake_queue = f"{IDLE_QUEUE}.semaphore-wake"
+    client = broker(proj)
+    client.delete(IDLE_QUEUE, wake_queue)
+    result = proj.handoff.apply_async((0.1, "placing-lost"), queue=IDLE_QUEUE)
+    try:
+        message = stored_message(proj, stored_runs(proj, result.id)[0])
+        holder.release()
+        wait_until(lambda: client.llen(wake_queue) == 1, timeout=10, what="the stored copy sent by the release")
+        assert client.rpop(wake_queue) == message  # lost in flight
+        prefix = proj.app.conf.get("semaphore_prefix", "semaphore")
+        target = types.SimpleNamespace(client=semaphore.client, prefix=prefix, app=proj.app)
+
+        def swept_again() -> bool:
+            parked_sends.sweep_records([target])
+            return bool(client.llen(wake_queue) == 1)
+
+        wait_until(swept_again, timeout=15, what="the copy sent again after its lease", interval=0.2)
+        assert client.lindex(wake_queue, 0) == message
+    finally:
+        client.delete(IDLE_QUEUE, wake_queue)
+        semaphore.leave(task_key(result.id))
+
+
+def test_a_task_sent_while_its_key_is_paused_is_parked_and_the_resume_sends_it(proj: Any) -> None:
+    """A pause until resumed reserves the head's start a day off. The task sent then is parked,
+    like any task that would wait (its stored copy due then, at the latest), not only sent for
+    that moment: the resume offers it its start and sends it at once, and no reservation holds
+    a slot for a day meanwhile."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    wake_queue = f"{IDLE_QUEUE}.semaphore-wake"
+    client = broker(proj)
+    client.delete(IDLE_QUEUE, wake_queue)
+    semaphore.pause()
+    try:
+        result = proj.handoff.apply_async((0.1, "placing-paused"), queue=IDLE_QUEUE)
+        waiters = {w.waiter: w for w in semaphore.status().waiters}
+        assert task_key(result.id) in waiters, "placed in line as it was sent"
+        assert parked_copies(proj, semaphore, result.id) == [STORED_COPY_MARK.encode()], "parked, with its record"
+        store = due_copies_for(proj.app)
+        assert store is not None
+        (run,) = stored_runs(proj, result.id)
+        due_in_s = store.client.zscore(store.keys[0], run) / 1000 - time.time()
+        assert due_in_s > 3600, "its backstop: the reserved start, a day off"
+        assert client.llen(wake_queue) == 0
+    finally:
+        semaphore.resume()
+    wait_until(lambda: client.llen(wake_queue) == 1, timeout=10, what="the task sent by the resume")
+    assert result.id.encode() in client.lindex(wake_queue, 0)
     client.delete(IDLE_QUEUE, wake_queue)
     semaphore.leave(task_key(result.id))
 

@@ -1,0 +1,24 @@
+-- send_stored_copy: on the Redis broker, a parked task's wake-up sends its stored backstop copy
+-- now, to the queue it goes to when due (_celery/due_copies.py): the same message, so no second
+-- copy of the task waits in the semaphore's Redis. The stored copy stays where it is, due when
+-- it was, as the backstop it was: withdrawn as its run starts (or, with acks_late, finishes),
+-- it comes back should the woken copy be lost with a worker.
+--   KEYS[1] copies  HASH  copy id -> "<target list key>\n<message>"   (see move_due_copies.lua)
+--   KEYS[2] sent    HASH  copy id -> a copy moved when due, kept until a copy of its run asks
+--   ARGV[1] copy id  the wait's run
+-- Returns 1: sent from the store; 2: sent from the copies kept as moved (the backstop came due
+-- and its copy was lost in flight); 0: no copy of the run is kept (granted and withdrawn, or not
+-- stowed yet). A copy sent twice is dropped by its run.
+
+local stored = redis.call('HGET', KEYS[1], ARGV[1])
+local how = 1
+if not stored then
+  stored = redis.call('HGET', KEYS[2], ARGV[1])
+  how = 2
+  if not stored then
+    return 0
+  end
+end
+local cut = string.find(stored, '\n', 1, true)
+redis.call('LPUSH', string.sub(stored, 1, cut - 1), string.sub(stored, cut + 1))
+return how
