@@ -1,10 +1,13 @@
 """What a long waiting backlog costs: N tasks sent at once under a rate, drained at that rate.
 
-    .venv/bin/python -m benchmarks.bench_backlog [--scenario rate|throughput] [--tasks 10000]
+    .venv/bin/python -m benchmarks.bench_backlog [--scenario rate|throughput|waiting] [--tasks 10000]
         [--rate 20] [--limit 1000] [--hold 0.005] [--workers 3] [--concurrency 4]
         [--broker redis|amqp|both] [--rounds 3] [--quick] [--json PATH]
 
-Scenario ``rate`` (the default) is described first; ``throughput`` at the end.
+Scenario ``rate`` (the default) is described first; ``throughput`` at the end; ``waiting`` (N
+tasks placed at send behind a paused key: Redis memory per waiting task and its split by key,
+then the drain against the limit's pace) has a module and options of its own,
+benchmarks/bench_waiting.py.
 
 N tasks (``--tasks``, 10,000; 1,000 with ``--quick``) of a trivial body (``--hold``, 5 ms) are
 sent back to back under ``semaphore_rate="R/s"`` (``--rate``, 20) and a concurrency limit the run
@@ -939,8 +942,20 @@ def verdicts(outcomes: dict[str, list[dict[str, Any]]], settings: Settings) -> l
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--scenario")
+    if first.parse_known_args(argv)[0].scenario == "waiting":  # options of its own: its module parses them
+        from benchmarks.bench_waiting import main as waiting
+
+        waiting(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=SCENARIOS, default="rate", help="rate or throughput (rate)")
+    parser.add_argument(
+        "--scenario",
+        choices=(*SCENARIOS, "waiting"),
+        default="rate",
+        help="rate, throughput or waiting (rate; waiting: see benchmarks/bench_waiting.py and its --help)",
+    )
     parser.add_argument(
         "--tasks", type=int, help="tasks sent at once (rate: 10000, throughput: 20000; a tenth with --quick)"
     )
