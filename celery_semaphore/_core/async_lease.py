@@ -14,12 +14,13 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import LeaseLost
 from . import async_renewer
 from .lease import HeldSlot
-from .replies import Holder
+from .replies import HandOffReply, Holder
+from .script_calls import ScriptCall
 from .storage import RENEW_LOST
 
 
@@ -34,7 +35,9 @@ class AsyncSlotOwner(Protocol):
 
     async def _release(self, token: str) -> bool: ...
 
-    def _send_release(self, token: str) -> Awaitable[bool]: ...
+    def _send_release(self, token: str) -> tuple[asyncio.Future[Any], ScriptCall[HandOffReply]]: ...
+
+    async def _released(self, future: Awaitable[Any], call: ScriptCall[HandOffReply]) -> bool: ...
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]: ...
 
@@ -64,9 +67,11 @@ class AsyncLease(HeldSlot[AsyncSlotOwner]):
             return False
         self.released = True
         async_renewer.forget(self)
-        # queued now, not from the task ``shield`` starts: that task's first step is a whole
-        # event-loop turn away, and the next waiter's hand-off waits for this release
-        return await asyncio.shield(self.semaphore._send_release(self.token))
+        # queued now, not from a task: a task's first step is a whole event-loop turn away, and
+        # the next waiter's hand-off waits for this release; the shield is of the reply's future
+        # itself (no task, no turn more for the reply), so a cancelled caller leaves it be
+        future, call = self.semaphore._send_release(self.token)
+        return await self.semaphore._released(asyncio.shield(future), call)
 
     async def __aenter__(self) -> AsyncLease:
         return self

@@ -13,13 +13,11 @@ its lease renewed by the loop's renewal task (renew_many); cancelled, it leaves 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-
 from . import async_renewer
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
 from .async_semaphore import AsyncFairSemaphore
-from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentTry
+from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentRelease, SentTry
 from .attempts import Ask
 from .multi_config import MultiConfig
 from .redis_errors import RedisErrors
@@ -91,12 +89,12 @@ class AsyncMultiSemaphore(MultiConfig[AsyncFairSemaphore], AsyncWaiting):
     # -- holding ---------------------------------------------------------------------------
 
     async def _release(self, token: str) -> bool:
-        return await self._send_release(token)
+        return await self._released(*self._send_release(token))
 
-    def _send_release(self, token: str) -> Awaitable[bool]:
-        """Queue the release now, without yielding; await the result for its reply."""
+    def _send_release(self, token: str) -> SentRelease:
+        """Queue the release now, without yielding: the future of its raw reply and its call."""
         call = self._release_call(token, None, 0)
-        return self._released(self._scripts.submit(call), call)
+        return self._scripts.submit(call), call
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

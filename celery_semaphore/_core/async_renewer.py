@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -38,24 +39,33 @@ class _LoopRenewer:
         self.leases: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
         self.task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
+        self.wakes_at = math.inf  # monotonic time the task's current sleep ends (inf: not asleep)
 
     def track(self, lease: AsyncLease) -> None:
         self.leases.add(lease)
         if self.task is None or self.task.done():
             self.task = asyncio.create_task(self._run(), name="celery-semaphore-renewer")
-        else:
-            self.changed.set()  # it may be asleep until a later due time
+        elif lease.renew_due < self.wakes_at:
+            # Waking the task costs a loop turn and a new timed wait (a task of its own); a grant
+            # is a step of every hand-off, so wake it only when this lease is due before it would
+            # wake anyway (leases of one length fall due in the order they were granted).
+            self.changed.set()
 
     async def _run(self) -> None:
-        while self.leases:
-            now = time.monotonic()
-            due = min(lease.renew_due for lease in self.leases)
-            if due > now:
-                self.changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.changed.wait(), due - now)
-                continue
-            await self._renew_due(now)
+        try:
+            while self.leases:
+                now = time.monotonic()
+                due = min(lease.renew_due for lease in self.leases)
+                if due > now:
+                    self.changed.clear()
+                    self.wakes_at = due
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.changed.wait(), due - now)
+                    continue
+                self.wakes_at = -math.inf  # renewing now: a lease tracked meanwhile is looked at next
+                await self._renew_due(now)
+        finally:
+            self.wakes_at = math.inf
 
     async def _renew_due(self, now: float) -> None:
         groups: dict[tuple[int, str], list[AsyncLease]] = {}

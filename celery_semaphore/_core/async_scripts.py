@@ -162,14 +162,17 @@ class AsyncScripts:
             try:
                 replies.append(await connection.read_response())
             except redis.ResponseError as error:  # that call's error alone (the reply was read)
-                replies.append(error)
+                # without its traceback: it and the frames it holds would form a cycle (each
+                # frame holds the error), garbage for the cycle collector, a NOSCRIPT per call
+                # of the first batch after a restart
+                replies.append(error.with_traceback(None))
         return replies
 
     async def _evalsha_or_error(self, call: ScriptCall[Any]) -> Any:
         try:
             return await self._client.evalsha(self._shas[call.name], len(call.keys), *call.keys, *call.args)
         except (redis.RedisError, redis.exceptions.RedisClusterException) as error:
-            return error  # this caller's failure only, as in a pipeline
+            return error.with_traceback(None)  # this caller's failure only, as in a pipeline (see above)
 
 
 _per_loop: LoopLocal[AsyncScripts] = LoopLocal(AsyncScripts)

@@ -7,7 +7,7 @@ served together. What differs is only how a caller waits (the wait, shared with
 
 * Its calls go through the loop's batching sender (:mod:`.async_scripts`), so a thousand
   coroutines share one command connection and a burst of asks costs one round trip.
-* A refused coroutine sleeps on an ``asyncio.Event`` set by the loop's one wake-up reader
+* A refused coroutine sleeps until the loop's one wake-up reader wakes it
   (:mod:`.async_wakeups`) when a release offers it the slot, and asks again every
   ``patience / 3`` seconds anyway.
 * Its lease is renewed by the loop's renewal task (:mod:`.async_renewer`).
@@ -23,7 +23,6 @@ worker's job, :mod:`.semaphore`'s ``tell_to_wake``): they lapse after their clai
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
 from typing import TypeAlias
 
 import redis.asyncio
@@ -33,7 +32,7 @@ from . import async_renewer
 from . import script_calls as calls
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
-from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentTry
+from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentRelease, SentTry
 from .attempts import Ask, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .redis_errors import RedisErrors
@@ -142,12 +141,13 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
     # -- holding ---------------------------------------------------------------------------
 
     async def _release(self, token: str) -> bool:
-        return await self._send_release(token)
+        return await self._released(*self._send_release(token))
 
-    def _send_release(self, token: str) -> Awaitable[bool]:
-        """Queue the release now, without yielding; await the result for its reply."""
+    def _send_release(self, token: str) -> SentRelease:
+        """Queue the release now, without yielding: the future of its raw reply and its call
+        (``_released`` makes the answer of them)."""
         call = calls.release(self.keys, token=token, rules=self.rules)
-        return self._released(self._scripts.submit(call), call)
+        return self._scripts.submit(call), call
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

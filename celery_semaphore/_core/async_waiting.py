@@ -8,7 +8,7 @@ semaphore for what differs: its first ``Ask``, one ``_try``, a ``leave`` of ever
 stands in, and a ``_release`` of every slot a grant holds.
 
 * Its calls go through the loop's batching sender (:mod:`.async_scripts`).
-* A refused coroutine sleeps on an ``asyncio.Event`` set by the loop's one wake-up reader
+* A refused coroutine sleeps until the loop's one wake-up reader wakes it
   (:mod:`.async_wakeups`) when a release offers it the slot, on its semaphore's wake address (a
   key list's: its home member's), and asks again every ``patience / 3`` seconds anyway.
 * The reader that hears the offer also queues the sleeping waiter's claim itself, in the same
@@ -27,7 +27,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -47,6 +47,8 @@ from .waiting import next_wait
 logger = logging.getLogger("celery_semaphore")
 
 AsyncAttempt = AsyncGranted | Waiting | Duplicate
+# A release queued on the loop's sender (``_send_release``): the future of its raw reply, its call
+SentRelease = tuple["asyncio.Future[Any]", ScriptCall[HandOffReply]]
 
 
 class SentTry:
@@ -61,6 +63,30 @@ class SentTry:
         self.future = future
         self.call = call
         self.finish = finish
+
+
+class _Claim:
+    """A refused waiter's next try, and the claim the wake-up reader sends for it as it hears the
+    waiter's offer while the waiter sleeps (``AsyncWakeHandle.wait`` calls it): one small object
+    per waiter, where a closure over the wait's locals took a function and a cell per local, for
+    every one of a loop's thousand waiters."""
+
+    __slots__ = ("ask", "asking", "semaphore", "sent", "ticket")
+
+    def __init__(self, semaphore: AsyncWaiting, ask: Ask, asking: Asking) -> None:
+        self.semaphore = semaphore
+        self.ask = ask
+        self.asking = asking
+        self.ticket = ask.ticket  # the waiter's place in line, once a refusal gave it one
+        self.sent: SentTry | None = None  # the claim the reader sent, until the waiter takes it
+
+    def again(self) -> Ask:
+        """The ask of the next try: the same waiter, at its place in line."""
+        return replace(self.ask, ticket=self.ticket, fresh=False)
+
+    def __call__(self) -> None:
+        """Called by the wake-up reader as it hears this waiter's offer, while it sleeps."""
+        self.sent = self.semaphore._send_try(self.again(), self.asking)
 
 
 class Asking:
@@ -135,8 +161,9 @@ class AsyncWaiting:
     async def _release(self, token: str) -> bool:
         raise NotImplementedError
 
-    async def _released(self, future: asyncio.Future[Any], call: ScriptCall[HandOffReply]) -> bool:
-        """Whether a release already queued (``_send_release``) found its slot held."""
+    async def _released(self, future: Awaitable[Any], call: ScriptCall[HandOffReply]) -> bool:
+        """Whether a release already queued (``_send_release``) found its slot held (``future``:
+        its reply's, or a shield of it)."""
         with RedisErrors(self.name, "release"):
             return call.parse(await future).done
 
@@ -205,20 +232,13 @@ class AsyncWaiting:
             attempt = await self._try(ask, asking)
         if not isinstance(attempt, Waiting):
             return attempt
-        ticket = ask.ticket
-        claimed: SentTry | None = None
-
-        def claim() -> None:
-            """Called by the wake-up reader as it hears this waiter's offer, while it sleeps."""
-            nonlocal claimed
-            claimed = self._send_try(replace(ask, ticket=ticket, fresh=False), asking)
-
+        claim = _Claim(self, ask, asking)
         with wake_ups.signal(ask.wake, ask.waiter) as signal:
             subscribed = heard_from_start
             try:
                 while True:
                     if attempt.ticket is not None:
-                        ticket = attempt.ticket  # if the place ever lapses, come back to it
+                        claim.ticket = attempt.ticket  # if the place ever lapses, come back to it
                     # the keep-alive pause, spread so that waiters who came together ask apart
                     pause = self.patience / 3 * random.uniform(0.8, 1.0)
                     wait = next_wait(attempt, time.monotonic() - started, timeout, pause)
@@ -230,16 +250,16 @@ class AsyncWaiting:
                         # an offer published before the subscription was confirmed is lost: ask
                         # again as soon as it is
                         subscribed = told = await signal.subscribe(wait)
-                    sent, claimed = claimed, None
+                    sent, claim.sent = claim.sent, None
                     if sent is not None:  # the reader has sent the claim already
                         attempt = await self._tried(sent, asking)
                     else:
-                        attempt = await self._try(replace(ask, ticket=ticket, fresh=False), asking, urgent=told)
+                        attempt = await self._try(claim.again(), asking, urgent=told)
                     if not isinstance(attempt, Waiting):
                         return attempt
             finally:
-                if claimed is not None:  # sent by the reader, but the waiter was cancelled meanwhile
-                    claimed.future.cancel()
+                if claim.sent is not None:  # sent by the reader, but the waiter was cancelled meanwhile
+                    claim.sent.future.cancel()
 
     # -- holding ---------------------------------------------------------------------------
 

@@ -4,10 +4,10 @@ and client, shared by every waiter of that loop.
 The asyncio twin of :mod:`.wakeups`, under the same protocol: a release offers the freed slot to
 the oldest present waiter and the script PUBLISHes that waiter's id on the waiter's wake address,
 ``{prefix}:{<name>}:wake:<listener id>``. Here the listener is one reader task per (event loop,
-client): it owns one pub/sub connection, and for each message sets the ``asyncio.Event`` of the
-waiter it names, having first queued that waiter's claim itself if the waiter sleeps (see
+client): it owns one pub/sub connection, and for each message wakes the waiter it names (its
+``AsyncWakeHandle``), having first queued that waiter's claim itself if the waiter sleeps (see
 ``AsyncWakeHandle.wait``). A waiting coroutine holds no connection and polls nothing: it awaits
-its event, and asks again only when told, or every ``patience / 3`` seconds anyway (the slow
+its wake-up, and asks again only when told, or every ``patience / 3`` seconds anyway (the slow
 safety ask that keeps its place in line and claims an offer whose message was lost).
 
 Each listener has an id of its own (a loop is not a process: two loops of one process must not
@@ -63,16 +63,30 @@ class _Channel:
 
 class AsyncWakeHandle:
     """One waiting coroutine's registration: ``wait`` returns when a wake-up names it (or a
-    failure wakes everyone), or after a timeout. Close when done (``with``)."""
+    failure wakes everyone), or after a timeout. Close when done (``with``).
 
-    __slots__ = ("channel", "claim", "event", "waiter", "wake_ups")
+    The flag is a bool and the sleep a bare future with a timer, not an ``asyncio.Event`` under
+    ``asyncio.timeout``: a thousand coroutines of one loop each sleep here between their tries,
+    and the event's waiter list, its wait coroutine, the timeout's context manager and their
+    callbacks were a dozen objects more per sleeping waiter for the garbage collector to walk,
+    and more loop work per hand-off."""
+
+    __slots__ = ("_sleep", "channel", "claim", "told", "waiter", "wake_ups")
 
     def __init__(self, wake_ups: AsyncWakeUps, channel: str, waiter: str) -> None:
         self.wake_ups = wake_ups
         self.channel = channel
         self.waiter = waiter
-        self.event = asyncio.Event()
+        self.told = False  # a wake-up came and ``wait`` has not returned it yet
         self.claim: Callable[[], None] | None = None  # while it sleeps in ``wait``: see there
+        self._sleep: asyncio.Future[None] | None = None  # while it sleeps in ``wait``
+
+    def set(self) -> None:
+        """Raise the flag; wake the waiter if it sleeps in ``wait``."""
+        self.told = True
+        sleep = self._sleep
+        if sleep is not None and not sleep.done():
+            sleep.set_result(None)
 
     def ready(self) -> bool:
         """Wake-ups on the channel are delivered now."""
@@ -89,12 +103,18 @@ class AsyncWakeHandle:
         this waiter, and only while the waiter sleeps here (so never with a try of its own in
         flight): it queues the waiter's claim from the reader's turn, one event-loop turn (the
         whole ready queue) sooner than the woken waiter could."""
-        self.claim = claim
-        try:
-            told = await _wait(self.event, timeout)
-        finally:
-            self.claim = None
-        self.event.clear()
+        if not self.told:
+            loop = asyncio.get_running_loop()
+            sleep = self._sleep = loop.create_future()
+            timer = loop.call_later(max(timeout, 0.0), _time_up, sleep)
+            self.claim = claim
+            try:
+                await sleep
+            finally:
+                timer.cancel()
+                self._sleep = None
+                self.claim = None
+        told, self.told = self.told, False
         return told
 
     def __enter__(self) -> AsyncWakeHandle:
@@ -104,10 +124,16 @@ class AsyncWakeHandle:
         self.wake_ups._unregister(self)
 
 
+def _time_up(sleep: asyncio.Future[None]) -> None:
+    if not sleep.done():
+        sleep.set_result(None)
+
+
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``event`` (a channel's confirmation); True if it is set."""
     if event.is_set():
         return True
-    if sys.version_info >= (3, 11):  # no task per wait, as wait_for makes: a hand-off is quicker
+    if sys.version_info >= (3, 11):  # no task per wait, as wait_for makes
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(timeout, 0.0)):
                 await event.wait()
@@ -157,7 +183,7 @@ class AsyncWakeUps:
 
     def signal(self, channel: str, waiter: str) -> AsyncWakeHandle:
         """Register ``waiter`` of ``channel``; a wake-up that came for it in the last
-        ``UNCLAIMED_S`` (between its refusal and now) sets its event at once."""
+        ``UNCLAIMED_S`` (between its refusal and now) raises its flag at once."""
         handle = AsyncWakeHandle(self, channel, waiter)
         key = (channel, waiter)
         self._handles[key] = handle
@@ -166,7 +192,7 @@ class AsyncWakeUps:
             entry.users += 1
         told_at = self._unclaimed.pop(key, None)
         if told_at is not None and time.monotonic() - told_at < UNCLAIMED_S:
-            handle.event.set()
+            handle.told = True
         return handle
 
     def ready(self, channel: str) -> bool:
@@ -255,7 +281,7 @@ class AsyncWakeUps:
                 logger.warning("wake-up subscription failed (waiters ask again at once): %s", error)
             self._forget(pubsub)
             for handle in self._handles.values():
-                handle.event.set()
+                handle.set()
         finally:
             if self._pubsub is pubsub:
                 self._forget(pubsub)
@@ -303,12 +329,12 @@ class AsyncWakeUps:
         handle = self._handles.get(key)
         if handle is not None:
             claim, handle.claim = handle.claim, None
-            if claim is not None and not handle.event.is_set():
+            if claim is not None and not handle.told:
                 try:
                     claim()
                 except Exception as error:  # the waiter asks itself once woken
                     logger.debug("could not send the claim of %s: %s", key, error)
-            handle.event.set()
+            handle.set()
             return
         unclaimed = self._unclaimed
         now = time.monotonic()
