@@ -42,9 +42,8 @@ with the rest still waiting, and the output says so. ``--full-drain`` (the defau
 ``--quick``) waits for every body and checks that each task ran exactly once; it gives up after a
 minute without a start, and lists each task that never ran with when its stored copy is due.
 
-Figures read on the way that explain the drain: the slots taken while paused (the holders of the
-key: a start reserved at send, for the end of the pause, holds one until it is claimed) and the
-pace of the slots left.
+A figure read on the way: the slots taken while paused (the holders of the key: the start the
+pause reserves for the head of the line, offered to that parked task, which the resume wakes).
 
 Redis broker only: on RabbitMQ the backstop copies wait in backstop queues held by the workers'
 main processes, whose memory ``rabbitmqctl`` reports per queue, not per key; ``bench_backlog
@@ -233,7 +232,7 @@ def waiting_round(lab: Lab, settings: Settings, drain_seconds: float, full_drain
     finally:
         broker.close()
         semaphore.close()
-    found.update(drain_figures(lab, settings, ids, resumed, drain_seconds, full_drain, found["holders"] or 0))
+    found.update(drain_figures(lab, settings, ids, resumed, drain_seconds, full_drain))
     found["samples"] = sampler.samples
     found["sample_errors"] = sampler.errors
     found["rss_peak_kb"] = max(s["rss_kb"] for s in sampler.samples)
@@ -303,7 +302,7 @@ def measure_waiting(
         "per_task_total": sum(per_task.values()),
         "split": {name: split(base_keys[name], keys[name], n) for name in keys},
         "in_line": key_size(semaphore, line) if line else None,
-        # slots taken while nothing runs: a start reserved for a task at send (its copy due then)
+        # slots taken while nothing runs: the head's start, reserved for the end of the pause
         "holders": key_size(semaphore, line.removesuffix(":queue") + ":holders") if line else None,
         "stored_message": stored,
         "wake_copy": wake,
@@ -319,7 +318,7 @@ def measure_waiting(
 
 
 def drain_figures(
-    lab: Lab, settings: Settings, ids: Sequence[str], resumed: float, window: float, full: bool, reserved: int
+    lab: Lab, settings: Settings, ids: Sequence[str], resumed: float, window: float, full: bool
 ) -> dict[str, Any]:
     """Body starts after the resume: over the window, and over the full drain where waited for."""
     starts = sorted(
@@ -329,10 +328,8 @@ def drain_figures(
     )
     moments = [at for at, _ in starts]
     pace = settings.limit / settings.hold
-    # the slots a release can hand on: the limit less those a start reserved at send keeps
-    usable = (settings.limit - reserved) / settings.hold
     inside = [at for at in moments if at < resumed + window]
-    found: dict[str, Any] = {"pace": pace, "usable_pace": usable, "started": len(moments), "window_s": window}
+    found: dict[str, Any] = {"pace": pace, "started": len(moments), "window_s": window}
     if len(inside) > 2:
         lo, hi = math.floor(STEADY[0] * (len(inside) - 1)), math.ceil(STEADY[1] * (len(inside) - 1))
         steady = (hi - lo) / (inside[hi] - inside[lo]) if inside[hi] > inside[lo] else float("nan")
@@ -344,7 +341,6 @@ def drain_figures(
                 "window_rate": len(inside) / window,
                 "steady_rate": steady,
                 "steady_over_pace": steady / pace,
-                "steady_over_usable": steady / usable if usable else None,
                 "per_second_min": min(seconds, default=0),
                 "per_second_median": statistics.median(seconds) if seconds else 0,
                 "max_any_1s": most_in_any_window(inside, 1.0),
@@ -386,7 +382,7 @@ def report(f: dict[str, Any], settings: Settings, full: bool) -> list[str]:
         ["figure", "measured"],
         ["sending (placed at send, paused key)", f"{f['send_s']:.1f} s, {f['sends_per_s']:.0f} sends/s"],
         ["in line when read (ZCARD of the key's queue)", str(f["in_line"])],
-        ["slots taken while paused (ZCARD holders: starts reserved at send)", str(f["holders"])],
+        ["slots taken while paused (ZCARD holders: the head's start, reserved)", str(f["holders"])],
         ["broker Redis per waiting task", kb(f["per_task"]["broker"])],
         ["semaphore Redis per waiting task", kb(f["per_task"]["semaphore"])],
         ["both, per waiting task", kb(f["per_task_total"])],
@@ -424,10 +420,6 @@ def report(f: dict[str, Any], settings: Settings, full: bool) -> list[str]:
             [
                 f"/ pace (limit {settings.limit} / hold {settings.hold:g} s = {pace:g}/s)",
                 f"{f['steady_over_pace']:.3f}",
-            ],
-            [
-                f"/ the pace of the slots not reserved at send ({f['usable_pace']:g}/s)",
-                "-" if f["steady_over_usable"] is None else f"{f['steady_over_usable']:.3f}",
             ],
             ["min / median starts per 1 s", f"{f['per_second_min']} / {f['per_second_median']:g}"],
             ["most starts in any 1 s", str(f["max_any_1s"])],
