@@ -21,6 +21,16 @@ copy is in the broker the whole time: a worker that dies holding it gives it bac
 unacknowledged (RabbitMQ at once, the Redis broker after its visibility timeout), and another
 worker holds it; one that dies between the publish and the acknowledgement leaves two copies of
 one wait, of which the run records let one run (``task.py``).
+
+A message in a RabbitMQ queue cannot be withdrawn, so the copy of a wait whose run finished
+meanwhile (the wake-up ran the task) is still held there when it falls due. Sent on, it would be
+delivered only to be dropped by its run record: a second delivery for each task that waited
+longer than its backstop. So when it falls due the holder reads the run record in the
+semaphore's Redis first (one round trip), and acknowledges and drops the copy of a finished run
+(released normally, or, without ``acks_late``, counted finished from its grant: Celery runs it
+at most once), as its delivery would have dropped it. A run still running (an ``acks_late``
+task: a copy looking again after its twin's lease) is sent on, since that copy takes the run
+over should the twin be dead; so is a copy whose record cannot be read.
 """
 
 from __future__ import annotations
@@ -28,14 +38,17 @@ from __future__ import annotations
 import logging
 import math
 import time
+import types
 from typing import Any
 
 from celery import bootsteps
 from kombu.messaging import Consumer
 
+from .._core.multi import home_of
+from .catalogue import semaphore_for_call
 from .config import config_for
 from .due_copies import Mover, due_copies_for
-from .wait_headers import DUE_HEADER, HANDED_BACK_HEADER, QUEUE_HEADER, header_in, renamed
+from .wait_headers import DUE_HEADER, HANDED_BACK_HEADER, QUEUE_HEADER, WaitHistory, header_in, renamed
 from .wake_queues import (
     backstop_queue,
     backstop_queue_for,
@@ -143,6 +156,12 @@ class BackstopHolder:
         self.timers.pop(id(message), None)
         if self.closed:
             return
+        if not hand_back and _run_finished(self.app, message):
+            try:
+                message.ack()
+            except Exception as error:  # given back: held again, and dropped again when due
+                logger.debug("could not acknowledge the backstop copy of a finished run: %s", error)
+            return
         origin = self._origin_of(message)
         headers = {
             name: value
@@ -196,6 +215,35 @@ class BackstopHolder:
             return queue
         # one consumer, several queues, and a transport that does not say which: the only one
         return next(iter(self.origins.values()))
+
+
+def _run_finished(app: Any, message: Any) -> bool:
+    """Whether the run a held backstop copy belongs to finished, as the acquire script would
+    judge it (``run_taken`` in ``lua/_lib.lua``: recorded as "" and not yet forgotten): read
+    from the run record in the semaphore's Redis. False where it cannot be told."""
+    headers = renamed(message.headers or {})
+    try:
+        task = app.tasks[headers["task"]]
+        args, kwargs, _ = message.decode()
+        request = types.SimpleNamespace(id=headers["id"], retries=headers.get("retries") or 0, headers=headers)
+        history = WaitHistory.of(request)
+        if history.run_part is None:
+            return False  # not a copy of a wait this version writes
+        home = home_of(semaphore_for_call(task, tuple(args), dict(kwargs)))
+        run = history.run_id(request)
+        pipe = home.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.hget(home.keys.runs, run)
+        pipe.zscore(home.keys.run_expiry, run)
+        (seconds, micros), value, forget_at = pipe.execute()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        finished = value is not None and not value and forget_at is not None and float(forget_at) > now_ms
+    except Exception as error:  # sent on: its delivery asks the run record itself
+        logger.debug("could not tell whether a backstop copy's run finished: %s", error)
+        return False
+    if finished:
+        logger.info("%s[%s]: its run finished; its backstop copy is dropped as it falls due", task.name, request.id)
+    return finished
 
 
 HOLDER_ATTRIBUTE = "_celery_semaphore_backstop_holder"

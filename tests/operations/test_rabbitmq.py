@@ -17,6 +17,7 @@ from celery.exceptions import DuplicateTaskNameWarning
 from kombu import Connection
 
 from ..celery_stack import CeleryStack
+from ..waiting import wait_until
 from ..workers import Worker
 
 # real `celery worker` processes: `pytest -m "not workers"` leaves these out
@@ -190,7 +191,9 @@ def test_tasks_placed_at_send_on_a_rabbitmq_broker_are_delivered_once_in_order(
     """Sent through the task (an app that declares it, as a producer does) while the slot is
     held: each task takes its place as it is sent, its backstop copy in the backstop queue of
     its queue, nothing in the queue itself; released, they start in the order sent, each
-    delivered once (its wake copy)."""
+    delivered once (its wake copy). A RabbitMQ message cannot be withdrawn: each backstop copy,
+    due 5 s after its send, is dropped by the worker holding it when it falls due, since its run
+    finished; no task is delivered a second time."""
     import re
 
     import tests.proj.app as proj
@@ -248,6 +251,18 @@ def test_tasks_placed_at_send_on_a_rabbitmq_broker_are_delivered_once_in_order(
         logs = "".join(worker.log() for worker in workers)
         for result in results:
             assert len(re.findall(rf"\[{re.escape(result.id)}\] received", logs)) == 1, "delivered once"
+        # each backstop copy (due 5 s after its send) falls due after its run finished: the
+        # worker's main process holding it drops it then, instead of sending it on to be
+        # delivered and dropped
+        dropped = "its run finished; its backstop copy is dropped as it falls due"
+        wait_until(
+            lambda: all(f"[{r.id}]: {dropped}" in "".join(w.log() for w in workers) for r in results),
+            timeout=60,
+            what="every backstop copy dropped by its holder",
+        )
+        logs = "".join(worker.log() for worker in workers)
+        for result in results:
+            assert len(re.findall(rf"\[{re.escape(result.id)}\] received", logs)) == 1, "still delivered once"
     finally:
         for worker in workers:
             worker.stop()
