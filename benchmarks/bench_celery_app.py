@@ -143,9 +143,13 @@ _release_began = threading.local()
 
 
 def _stamped(release: Any) -> Any:
-    def stamped_release(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _release_began.at = time.time()
-        return release(self, *args, **kwargs)
+    def stamped_release(self: Any, token: str, *args: Any, **kwargs: Any) -> Any:
+        # a release with no token gives no slot back: it marks a run finished (at a waited
+        # grant without acks_late, ``begin_at_most_once``), before the body; stamped, it would
+        # pass for the start of the hand-off
+        if token:
+            _release_began.at = time.time()
+        return release(self, token, *args, **kwargs)
 
     return stamped_release
 

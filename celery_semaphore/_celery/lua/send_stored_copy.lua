@@ -8,7 +8,8 @@
 --   ARGV[1] copy id  the wait's run
 -- Returns 1: sent from the store; 2: sent from the copies kept as moved (the backstop came due
 -- and its copy was lost in flight); 0: no copy of the run is kept (granted and withdrawn, or not
--- stowed yet). A copy sent twice is dropped by its run.
+-- stowed yet). A copy sent twice is dropped by its run; each copy sent has a delivery tag of its
+-- own.
 
 local stored = redis.call('HGET', KEYS[1], ARGV[1])
 local how = 1
@@ -20,5 +21,20 @@ if not stored then
   end
 end
 local cut = string.find(stored, '\n', 1, true)
-redis.call('LPUSH', string.sub(stored, 1, cut - 1), string.sub(stored, cut + 1))
+local message = string.sub(stored, cut + 1)
+-- A delivery tag of its own: kombu's Redis transport keys its unacknowledged messages by the tag,
+-- and the stored copy, sent on when due, keeps the one it was published with. Two deliveries
+-- under one tag would share one entry there: the ack of one (a copy dropped as a twin) would
+-- leave the other, still running, unrestorable should its worker die.
+local tag_at = string.find(message, '"delivery_tag": "', 1, true)
+if tag_at then
+  local from = tag_at + string.len('"delivery_tag": "')
+  local to = string.find(message, '"', from, true)
+  if to then
+    local t = redis.call('TIME')
+    local own = ':w' .. t[1] .. '.' .. t[2]
+    message = string.sub(message, 1, to - 1) .. own .. string.sub(message, to)
+  end
+end
+redis.call('LPUSH', string.sub(stored, 1, cut - 1), message)
 return how
