@@ -261,14 +261,32 @@ def test_a_worker_sigkilled_while_it_holds_parked_tasks_loses_none(celery_stack:
 @pytest.mark.slow
 def test_the_semaphore_redis_restarted_while_tasks_wait_loses_none(celery_stack: CeleryStack, proj: Any) -> None:
     """The semaphore's Redis restarts empty while tasks are parked: places, offers and run
-    records are gone, yet every task finishes, exactly once (copies come back with their tickets)."""
+    records are gone, yet every task finishes (copies come back with their tickets), and none
+    runs again after it completed. The one exception the design documents (Failures, "Redis
+    restarts and loses its data"): the stored copy of the task running at the restart (an
+    acks_late task's copy stays until its run finishes) is sent with every other stored copy,
+    and if it asks before that run ends, the empty Redis grants it, and the body runs twice at
+    once. Seen once in a clean-clone CI run: a second run started 67 ms into a 0.3 s body."""
     key = "handoff-restart"
     results = [send(proj.handoff_faults, 0.3, key) for _ in range(8)]
     wait_until(lambda: proj.probe(key).entries >= 2, timeout=60, what="some tasks ran")
     celery_stack.semaphore.restart()
     for result in results:
         assert result.get(timeout=120) == result.id
-    _ended_once(proj, key, results)
+    client = proj.probe(key).client
+    ends: dict[str, list[float]] = {}
+    for entry in client.lrange(f"probe:{key}:ends", 0, -1):
+        task_id, at = entry.decode().split()[:2]
+        ends.setdefault(task_id, []).append(float(at))
+    runs: dict[str, list[float]] = {}
+    for task_id, started_at in starts(proj, key):
+        runs.setdefault(task_id, []).append(started_at)
+    assert sorted(ends) == sorted(r.id for r in results), "every task finished"
+    for task_id, started in runs.items():
+        # a second run only while the first still ran (the documented window), never after it
+        assert len(started) == 1 or (len(started) == 2 and max(started) < min(ends[task_id])), (
+            f"{task_id} ran again after it completed: starts {started}, ends {ends[task_id]}"
+        )
 
 
 @pytest.mark.slow
