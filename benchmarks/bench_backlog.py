@@ -442,6 +442,21 @@ def drain(lab: Lab, group: Sequence[Worker], tasks: int, timeout: float) -> None
 _PRODUCERS: dict[tuple[str, str], Any] = {}
 
 
+@contextlib.contextmanager
+def backlog_lab() -> Iterator[Lab]:
+    """The lab of a backlog run: throwaway servers, and the probes in a redis-server of their
+    own, so that the broker's memory is the broker's alone; all stopped at the end."""
+    stack = CeleryStack()
+    probe_server = RedisServer().start()
+    try:
+        stack.env["PROJ_PROBE_URL"] = f"{probe_server.url[:-2]}/0"
+        yield Lab(stack)
+    finally:
+        with contextlib.suppress(Exception):
+            probe_server.__exit__()
+        stack.close()
+
+
 def producer_task(lab: Lab, broker_url: str, settings: Settings) -> Any:
     """The semaphore task as an application's producer has it: declared in an app of the
     sender's own, with the rule the workers declare (both read ``settings.env``), so that
@@ -1026,21 +1041,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     outcomes: dict[str, list[dict[str, Any]]] = {}
     errors: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
-    stack = CeleryStack()
-    probe_server = RedisServer().start()
-    try:
-        # the probes in a redis-server of their own: the broker's memory is the broker's alone
-        stack.env["PROJ_PROBE_URL"] = f"{probe_server.url[:-2]}/0"
-        lab = Lab(stack)
+    with backlog_lab() as lab:
         for broker in brokers:
             print(f"{broker} ...", file=sys.stderr, flush=True)
             outcomes[broker], errors[broker], why = run(lab, settings, broker, rounds)
             if why:
                 skipped[broker] = why
-    finally:
-        with contextlib.suppress(Exception):
-            probe_server.__exit__()
-        stack.close()
     meta["seconds"] = time.monotonic() - began
     meta["load_at_end"] = os.getloadavg()
     dirty = meta["library_changes_not_committed"]

@@ -53,7 +53,6 @@ main processes, whose memory ``rabbitmqctl`` reports per queue, not per key; ``b
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -78,6 +77,7 @@ from benchmarks.bench_backlog import (
     Sampler,
     Settings,
     _name,
+    backlog_lab,
     backlog_workers,
     drain,
     key_size,
@@ -91,8 +91,6 @@ from benchmarks.bench_backlog import (
 )
 from benchmarks.bench_celery import ROOT, Lab, RoundFailed, git, send_through_task, table, versions
 from benchmarks.bench_rates import most_in_any_window
-from tests.celery_stack import CeleryStack
-from tests.redis_server import RedisServer
 
 PLAIN = "bench.backlog.plain"
 TARGET_BYTES = 1024  # Redis memory per waiting task, both Redis servers, its stored message included
@@ -527,16 +525,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "load_at_start": os.getloadavg(),
         **versions(),
     }
-    stack = CeleryStack()
-    probe_server = RedisServer().start()
-    try:
-        stack.env["PROJ_PROBE_URL"] = f"{probe_server.url[:-2]}/0"
+    with backlog_lab() as lab:
         print(f"waiting: {settings.tasks} tasks ...", file=sys.stderr, flush=True)
-        figures = waiting_round(Lab(stack), settings, args.drain_seconds, full)
-    finally:
-        with contextlib.suppress(Exception):
-            probe_server.__exit__()
-        stack.close()
+        figures = waiting_round(lab, settings, args.drain_seconds, full)
     meta["seconds"] = time.monotonic() - began
     meta["load_at_end"] = os.getloadavg()
     dirty = meta["library_changes_not_committed"]

@@ -44,6 +44,7 @@ from typing import Any
 from celery import bootsteps
 from kombu.messaging import Consumer
 
+from .._core.explain import run_finished
 from .._core.multi import home_of
 from .catalogue import semaphore_for_call
 from .config import config_for
@@ -218,9 +219,8 @@ class BackstopHolder:
 
 
 def _run_finished(app: Any, message: Any) -> bool:
-    """Whether the run a held backstop copy belongs to finished, as the acquire script would
-    judge it (``run_taken`` in ``lua/_lib.lua``: recorded as "" and not yet forgotten): read
-    from the run record in the semaphore's Redis. False where it cannot be told."""
+    """Whether the run a held backstop copy belongs to finished (``explain.run_finished``, one
+    round trip to the semaphore's Redis). False where it cannot be told."""
     headers = renamed(message.headers or {})
     try:
         task = app.tasks[headers["task"]]
@@ -230,14 +230,7 @@ def _run_finished(app: Any, message: Any) -> bool:
         if history.run_part is None:
             return False  # not a copy of a wait this version writes
         home = home_of(semaphore_for_call(task, tuple(args), dict(kwargs)))
-        run = history.run_id(request)
-        pipe = home.client.pipeline(transaction=False)
-        pipe.time()
-        pipe.hget(home.keys.runs, run)
-        pipe.zscore(home.keys.run_expiry, run)
-        (seconds, micros), value, forget_at = pipe.execute()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        finished = value is not None and not value and forget_at is not None and float(forget_at) > now_ms
+        finished = run_finished(home.client, home.keys.runs, home.keys.run_expiry, history.run_id(request))
     except Exception as error:  # sent on: its delivery asks the run record itself
         logger.debug("could not tell whether a backstop copy's run finished: %s", error)
         return False

@@ -259,3 +259,17 @@ def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run:
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
     return WaitState(granted=bool(granted), left_ms=left)
+
+
+def run_finished(client: Any, runs_key: str, run_expiry_key: str, run: str) -> bool:
+    """Whether ``run`` finished, as the acquire script judges it (``run_taken`` in
+    ``lua/_lib.lua``: recorded as "" and not yet forgotten), read from the keys of its semaphore:
+    for a caller that holds a copy of the run and no semaphore script, such as a RabbitMQ
+    worker holding a backstop copy until it falls due."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    pipe.hget(runs_key, run)
+    pipe.zscore(run_expiry_key, run)
+    (seconds, micros), value, forget_at = pipe.execute()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return value is not None and not value and forget_at is not None and float(forget_at) > now_ms
