@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._celery.catalogue import Catalogue
 from ._celery.options import fair_by_option
-from ._core import renewer
+from ._core import fork_locks, renewer
 from ._core.rules import UNLIMITED
 from ._core.tenants import TenantInfo
 from .errors import SemaphoreError
@@ -84,7 +84,10 @@ class _Instruments:
 
 _instruments: _Instruments | None = None
 _unavailable = False  # the import failed once: stay a no-op rather than retry on every task
-_lock = threading.Lock()
+# Held over a fork (fork_locks.py): a worker's parent counts slots it gives back from a thread,
+# and a pool process forked meanwhile must not get prometheus_client's registry or values
+# half-updated, with their locks held by a thread it does not have. So every count takes it.
+_lock = fork_locks.held_over_fork()
 
 
 def _get() -> _Instruments | None:
@@ -139,29 +142,33 @@ def acquired(family: str, waited: float, lease: Lease | None = None) -> None:
         _lease_families[lease] = family
     instruments = _get()
     if instruments is not None:
-        instruments.acquired.labels(family=family).inc()
-        instruments.wait_seconds.labels(family=family).observe(max(waited, 0.0))
+        with _lock:
+            instruments.acquired.labels(family=family).inc()
+            instruments.wait_seconds.labels(family=family).observe(max(waited, 0.0))
 
 
 def refused(family: str) -> None:
     """A task of ``family`` found no free slot and will wait."""
     instruments = _get()
     if instruments is not None:
-        instruments.refused.labels(family=family).inc()
+        with _lock:
+            instruments.refused.labels(family=family).inc()
 
 
 def lease_lost(family: str) -> None:
     """A renewal found a lease gone and could not take it back."""
     instruments = _get()
     if instruments is not None:
-        instruments.leases_lost.labels(family=family).inc()
+        with _lock:
+            instruments.leases_lost.labels(family=family).inc()
 
 
 def reclaimed(family: str, count: int) -> None:
     """``count`` slots of dead holders were given back by a worker's parent process."""
     instruments = _get()
     if instruments is not None and count > 0:
-        instruments.reclaimed.labels(family=family).inc(count)
+        with _lock:
+            instruments.reclaimed.labels(family=family).inc(count)
 
 
 def _on_lease_event(lease: Lease, event: str) -> None:

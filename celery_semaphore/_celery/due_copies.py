@@ -44,6 +44,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .._core import fork_locks
 from .._core.clients import client_for
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
@@ -192,7 +193,7 @@ class DueCopies:
             pipe.hdel(hash_, run)
 
 
-_lock = threading.Lock()
+_lock = fork_locks.reset_in_child()
 _stores: dict[int, tuple[Any, DueCopies | None]] = {}
 
 

@@ -85,6 +85,13 @@ def _received_task_registers() -> bool:
     return hasattr(worker_state, "active_requests") and hasattr(worker_state, "reserved_requests")
 
 
+def _pool_process_exit_event() -> bool:
+    from celery.concurrency.asynpool import AsynPool
+
+    parameters = list(inspect.signature(AsynPool._event_process_exit).parameters)
+    return parameters == ["self", "hub", "proc"] and callable(getattr(AsynPool, "maintain_pool", None))
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal(
         "kombu LaxBoundedSemaphore._waiting and ._add_waiter (a prefork worker's line of received tasks)",
@@ -124,6 +131,13 @@ INTERNALS: tuple[Internal, ...] = (
         "handing_back",
         "a warm shutdown hands back its wake copies only when the connection closes",
         _received_task_registers,
+    ),
+    Internal(
+        "celery AsynPool._event_process_exit(hub, proc) and maintain_pool",
+        "child_exits",
+        "a killed pool process may be noticed, and its slot given back, only at Celery's next "
+        "pool maintenance, up to 5 s later",
+        _pool_process_exit_event,
     ),
 )
 

@@ -4,8 +4,9 @@ answers again, instead of a warning on every refused try (hundreds a second)."""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
+
+from .._core import fork_locks
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -16,7 +17,7 @@ class _Outages:
 
     def __init__(self) -> None:
         self._down: set[int] = set()  # id() of the clients known to be unreachable
-        self._lock = threading.Lock()
+        self._lock = fork_locks.reset_in_child()
 
     def down(self, semaphore: Any, error: Exception) -> None:
         with self._lock:

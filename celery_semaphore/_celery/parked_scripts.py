@@ -12,10 +12,10 @@ each ``.lua`` file and, once, in the typed methods below.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
+from .._core import fork_locks
 from .._core.replies import waiters_of
 from .._core.script_args import number
 from .._core.scripts import Script, SemaphoreKeys, built_script
@@ -82,7 +82,7 @@ class ParkedScripts:
 
 
 _registered: weakref.WeakKeyDictionary[Any, ParkedScripts] = weakref.WeakKeyDictionary()
-_registering = threading.Lock()
+_registering = fork_locks.reset_in_child()
 
 
 def parked_scripts_for(client: Any) -> ParkedScripts:

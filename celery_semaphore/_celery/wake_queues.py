@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any
 
 from kombu.entity import Exchange, Queue
+
+from .._core import fork_locks
 
 # A wake queue is the task's queue with this suffix; workers consume it next to each queue.
 WAKE_QUEUE_SUFFIX = ".semaphore-wake"
@@ -54,7 +55,7 @@ _COPIED = (
 
 logger = logging.getLogger("celery_semaphore")
 
-_lock = threading.Lock()
+_lock = fork_locks.reset_in_child()
 _aware_classes: dict[type, type] = {}
 
 

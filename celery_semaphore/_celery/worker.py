@@ -32,7 +32,7 @@ from .._core.clients import client_for
 from .._core.urls import BackendSpec
 from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
-from . import internals, node_names, woken_first
+from . import child_exits, internals, node_names, woken_first
 from .backstop import BackstopStep, holds_backstops
 from .catalogue import semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
@@ -77,6 +77,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # the pool step made the worker's line of received tasks by now (woken_first.py); where
         # its shape changed, the start's internals warning says so
         woken_first.install(worker)
+        # a killed pool process gives its slot back at once (child_exits.py)
+        child_exits.install(worker)
 
     def stop(self, worker: Any) -> None:
         read_pending_brpop(getattr(worker, "consumer", None))

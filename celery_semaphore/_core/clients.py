@@ -30,6 +30,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from . import fork_locks
 from .masking import MASK
 from .urls import _TIMEOUT_OPTIONS, BackendSpec, parse_backend_url
 
@@ -63,7 +64,7 @@ SOCKET_CONNECT_TIMEOUT = 5.0
 Client = redis.Redis | RedisCluster
 
 _clients: dict[BackendSpec, Client] = {}
-_lock = threading.Lock()
+_lock = fork_locks.reset_in_child()
 
 
 def client_for(url_or_spec: str | BackendSpec) -> Client:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.resources
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redis.exceptions import NoScriptError
 
+from . import fork_locks
 from . import script_calls as calls
 from . import script_calls_many as calls_many
 from .script_calls import ScriptCall
@@ -262,7 +262,7 @@ class Scripts:
 
 
 _registered: weakref.WeakKeyDictionary[Any, Scripts] = weakref.WeakKeyDictionary()
-_registering = threading.Lock()
+_registering = fork_locks.reset_in_child()
 
 
 def scripts_for(client: Any) -> Scripts:
