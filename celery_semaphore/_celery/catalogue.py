@@ -49,6 +49,10 @@ def semaphore_tasks(app: Any) -> list[Any]:
     return sorted((task for task in app.tasks.values() if is_semaphore_task(task)), key=lambda task: str(task.name))
 
 
+# A line cap acts on one key's line; a task holding several keys (or a weight) waits in each.
+NO_CAP_ON_MANY = "max_waiters applies to a task of one key and no weight; this task holds several slots or keys"
+
+
 def no_limit_error(task_name: str, key: str) -> ConfigurationError:
     return ConfigurationError(
         f"{task_name}.semaphore_limit",
@@ -77,13 +81,18 @@ def semaphore_for_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     else:
         keys = [call_key(key_setting, key_option_value, task.run, args, kwargs)]
     semaphores = []
+    rules = []
     for key in keys:
         rule = config.limit_for(key, str(task.name), task)
         if rule is None:
             raise no_limit_error(str(task.name), key)
-        semaphores.append(_semaphore(config, key, rule, lease, *full_line_of(task)))
+        rules.append(rule)
+        semaphores.append(_semaphore(config, key, rule, lease, *(rule.full_line or full_line_of(task))))
     if len(semaphores) == 1 and weight_option(type(task)) is None:
         return semaphores[0]
+    capped = next((rule for rule in rules if rule.full_line is not None), None)
+    if capped is not None:
+        raise ConfigurationError(capped.source, capped.full_line_setting, NO_CAP_ON_MANY)
     return MultiSemaphore(semaphores, weight=weight_of_call(task, args, kwargs))
 
 

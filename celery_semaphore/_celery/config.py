@@ -39,16 +39,28 @@ class LimitRule:
     source: str
     rate: Rate | None = None
     spacing: float | None = None
+    # a full-line policy from semaphore_limits, which wins over the task's options; None: the
+    # task's own (semaphore_max_waiters, semaphore_on_full)
+    full_line: tuple[int, str] | None = None
+
+    @property
+    def full_line_setting(self) -> dict[str, Any]:
+        """The full-line policy as the setting spells it, for messages."""
+        if self.full_line is None:
+            return {}
+        return {"max_waiters": self.full_line[0], "on_full": self.full_line[1]}
 
 
 @dataclass(frozen=True)
 class KeyRules:
     """One entry of ``semaphore_limits``: an int is a limit; a mapping may name ``limit``,
-    ``rate`` and ``spacing``. What an entry leaves out, the task's own option supplies."""
+    ``rate``, ``spacing``, and ``max_waiters`` with ``on_full``. What an entry leaves out, the
+    task's own option supplies."""
 
     limit: int | None = None
     rate: Rate | None = None
     spacing: float | None = None
+    full_line: tuple[int, str] | None = None  # (max_waiters, on_full)
     names: frozenset[str] = frozenset({"limit"})  # the parts the entry gives
 
 
@@ -93,7 +105,8 @@ class SemaphoreConfig:
         spacing = entry.spacing if entry is not None and "spacing" in entry.names else own_spacing
         if limit is None and rate is None and spacing is None:
             return None
-        return LimitRule(limit, source or f"{task_name}.semaphore_limit", rate, spacing)
+        full_line = entry.full_line if entry is not None else None
+        return LimitRule(limit, source or f"{task_name}.semaphore_limit", rate, spacing, full_line)
 
     def _entry_for(self, key: str, task_name: str) -> tuple[KeyRules | None, str | None]:
         for name in (key, task_name):
@@ -150,28 +163,52 @@ def parse_limits(value: Any) -> tuple[dict[str, KeyRules], tuple[tuple[str, KeyR
     return exact, tuple(globs)
 
 
-_RULE_NAMES = frozenset({"limit", "rate", "spacing"})
+_RULE_NAMES = frozenset({"limit", "rate", "spacing", "max_waiters", "on_full"})
+# the full-line policies a setting may name: "keep_latest" needs the task's coalesce key
+_SETTING_ON_FULL = ("reject", "drop_oldest")
 
 
 def parse_key_rules(setting: str, value: Any) -> KeyRules:
-    """An int (the concurrency limit), or a mapping of ``limit``, ``rate``, ``spacing``: each
-    checked here, at start, and named in the error."""
+    """An int (the concurrency limit), or a mapping of ``limit``, ``rate``, ``spacing``,
+    ``max_waiters`` and ``on_full``: each checked here, at start, and named in the error."""
     if not isinstance(value, Mapping):
         return KeyRules(limit=check_limit(setting, value))
     unknown = set(value) - _RULE_NAMES
     if unknown:
         raise ConfigurationError(
-            setting, value, f"unknown part {sorted(map(str, unknown))[0]!r}: expected limit, rate and spacing"
+            setting,
+            value,
+            f"unknown part {sorted(map(str, unknown))[0]!r}: expected limit, rate, spacing, max_waiters and on_full",
         )
-    if not value:
+    if not set(value) & {"limit", "rate", "spacing"}:
         raise ConfigurationError(setting, value, "expected at least one of limit, rate and spacing")
     limit = value.get("limit")
     return KeyRules(
         limit=None if limit is None else check_limit(f"{setting}['limit']", limit),
         rate=check_rate(f"{setting}['rate']", value.get("rate")),
         spacing=check_spacing(f"{setting}['spacing']", value.get("spacing")),
+        full_line=_full_line(setting, value),
         names=frozenset(value),
     )
+
+
+def _full_line(setting: str, value: Mapping[str, Any]) -> tuple[int, str] | None:
+    """An entry's ``max_waiters`` and ``on_full``: both or neither (a cap that waits caps
+    nothing, and a policy needs a cap to act on)."""
+    if "max_waiters" not in value and "on_full" not in value:
+        return None
+    if "max_waiters" not in value:
+        raise ConfigurationError(f"{setting}['on_full']", value["on_full"], "needs max_waiters beside it")
+    max_waiters = check_limit(f"{setting}['max_waiters']", value["max_waiters"])
+    on_full = value.get("on_full")
+    if on_full not in _SETTING_ON_FULL:
+        raise ConfigurationError(
+            f"{setting}['on_full']",
+            on_full,
+            'expected "reject" or "drop_oldest" beside max_waiters ("keep_latest" needs the task\'s '
+            "semaphore_coalesce_by: set it on the task)",
+        )
+    return max_waiters, str(on_full)
 
 
 def task_rules(task: Any | None) -> tuple[int | None, Rate | None, float | None]:

@@ -34,7 +34,7 @@ from .._core.validation import to_ms
 from ..errors import ConfigurationError, SemaphoreError
 from . import child_exits, internals, node_names, woken_first
 from .backstop import BackstopStep, holds_backstops
-from .catalogue import semaphore_for_call, semaphore_tasks
+from .catalogue import NO_CAP_ON_MANY, semaphore_for_call, semaphore_tasks
 from .config import SemaphoreConfig, config_for, forget_config
 from .due_copies import stores_copies, withdraw
 from .handing_back import read_pending_brpop
@@ -222,6 +222,8 @@ def check_limits(task: Any, config: SemaphoreConfig) -> None:
                 + (f" for its key {item!r}" if isinstance(key, list) else "")
                 + ": set semaphore_limit (or semaphore_rate, semaphore_spacing) on it or an entry in semaphore_limits",
             )
+        if rule.full_line is not None and (isinstance(key, list) or weight is not None):
+            raise ConfigurationError(rule.source, rule.full_line_setting, NO_CAP_ON_MANY)
         if isinstance(weight, int) and rule.limit is not None and weight > rule.limit:
             raise ConfigurationError(
                 f"{task.name}.semaphore_weight",

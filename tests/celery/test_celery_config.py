@@ -91,6 +91,62 @@ def test_a_bad_key_rule_names_the_setting_and_the_part(entry: dict[str, Any]) ->
     assert caught.value.setting.startswith("semaphore_limits['api']")
 
 
+def test_a_key_may_cap_its_line_in_the_settings_and_the_cap_reaches_its_semaphore() -> None:
+    """max_waiters with on_full in an entry: the key's semaphore refuses (or drops) past it,
+    whatever the task's own options say; a key without it keeps the task's."""
+    app = make_app(
+        semaphore_limits={"api": {"limit": 5, "max_waiters": 100, "on_full": "drop_oldest"}, "other": 2},
+        semaphore_backend_url="redis://127.0.0.1:1/1",
+    )
+
+    @app.task(base=SemaphoreTask, semaphore_key="{name}", shared=False, lazy=False)
+    def call(name: str) -> None: ...
+
+    rule = config_for(app).limit_for("api", call.name, call)
+    assert rule is not None and rule.full_line == (100, "drop_oldest")
+    capped = semaphore_for_call(call, ("api",), {})
+    assert (capped.max_waiters, capped.on_full) == (100, "drop_oldest")  # type: ignore[union-attr]
+    uncapped = semaphore_for_call(call, ("other",), {})
+    assert uncapped.max_waiters is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("entry", "part", "says"),
+    [
+        ({"limit": 5, "max_waiters": 10}, "['on_full']", 'expected "reject" or "drop_oldest"'),
+        ({"limit": 5, "on_full": "reject"}, "['on_full']", "needs max_waiters"),
+        ({"limit": 5, "max_waiters": 10, "on_full": "keep_latest"}, "['on_full']", "semaphore_coalesce_by"),
+        ({"limit": 5, "max_waiters": 10, "on_full": "wait"}, "['on_full']", "expected"),
+        ({"limit": 5, "max_waiters": 0, "on_full": "reject"}, "['max_waiters']", ""),
+        ({"max_waiters": 10, "on_full": "reject"}, "", "at least one of limit, rate and spacing"),
+    ],
+)
+def test_a_bad_line_cap_in_the_settings_names_the_part(entry: dict[str, Any], part: str, says: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        parse_config(make_app(semaphore_limits={"api": entry}))
+    assert caught.value.setting == f"semaphore_limits['api']{part}"
+    assert says in str(caught.value)
+
+
+def test_a_line_cap_on_a_key_of_a_key_list_task_stops_the_worker_at_start() -> None:
+    """A cap acts on one key's line; a task waiting in several lines cannot honour it."""
+    from celery_semaphore._celery.worker import check_limits
+
+    app = make_app(
+        semaphore_limits={"a": {"limit": 2, "max_waiters": 5, "on_full": "reject"}, "b": 2},
+        semaphore_backend_url="redis://127.0.0.1:1/1",
+    )
+
+    @app.task(base=SemaphoreTask, semaphore_key=["a", "b"], shared=False, lazy=False)
+    def both() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="max_waiters applies to a task of one key") as caught:
+        check_limits(both, config_for(app))
+    assert caught.value.setting == "semaphore_limits['a']"
+    with pytest.raises(ConfigurationError, match="max_waiters applies to a task of one key"):
+        semaphore_for_call(both, (), {})
+
+
 @pytest.mark.parametrize(("key", "shown"), [(5, "semaphore_limits[5]"), ("", "semaphore_limits['']")])
 def test_a_bad_key_of_semaphore_limits_names_that_entry_and_its_value(key: Any, shown: str) -> None:
     """A key that is no task name or semaphore key is reported as that one entry, with the

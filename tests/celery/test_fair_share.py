@@ -175,17 +175,19 @@ def test_a_priority_from_the_option_or_a_header_starts_a_task_before_those_that_
 
 
 @pytest.mark.workers
-def test_a_task_that_finds_its_line_full_fails_at_once_and_the_others_run_once(proj: Any) -> None:
-    """semaphore_max_waiters=2 with semaphore_on_full="reject": one task runs, two wait, a
-    fourth fails at once with SemaphoreUnavailable naming max_waiters (FAILURE, not lost, not
-    run); the two waiting ones run once each."""
-    key = "capped"
-    semaphore = semaphore_for(proj.app, "proj.capped")
-    running = proj.capped.apply_async((3,), {"key": key}, queue=QUEUE)
+@pytest.mark.parametrize("task_name", ["capped", "capped_by_settings"])
+def test_a_task_that_finds_its_line_full_fails_at_once_and_the_others_run_once(proj: Any, task_name: str) -> None:
+    """max_waiters 2 with on_full "reject" (the task's options, or its entry in
+    semaphore_limits): one task runs, two wait, a fourth fails at once with SemaphoreUnavailable
+    naming max_waiters (FAILURE, not lost, not run); the two waiting ones run once each."""
+    key = task_name
+    task = getattr(proj, task_name)
+    semaphore = semaphore_for(proj.app, task.name)
+    running = task.apply_async((3,), {"key": key}, queue=QUEUE)
     wait_until(lambda: started_ids(proj, key) == [running.id], timeout=30, what="the first to run")
-    waiting = [proj.capped.apply_async((0.1,), {"key": key}, queue=QUEUE) for _ in range(2)]
+    waiting = [task.apply_async((0.1,), {"key": key}, queue=QUEUE) for _ in range(2)]
     wait_until(lambda: semaphore.status().waiter_count == 2, timeout=30, what="two in line")
-    refused = proj.capped.apply_async((0.1,), {"key": key}, queue=QUEUE)
+    refused = task.apply_async((0.1,), {"key": key}, queue=QUEUE)
     with pytest.raises(Exception, match="max_waiters") as caught:
         refused.get(timeout=30)
     assert type(caught.value).__name__ == "SemaphoreUnavailable"

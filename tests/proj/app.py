@@ -33,7 +33,13 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=600,
     # limits from configuration only (no semaphore_limit in code for these)
-    semaphore_limits={"crawl:*": 2, "proj.config_only": 2, "bench:*": 3},
+    semaphore_limits={
+        "crawl:*": 2,
+        "proj.config_only": 2,
+        "bench:*": 3,
+        # a line capped in the settings, not in the task's options
+        "proj.capped_by_settings": {"limit": 1, "max_waiters": 2, "on_full": "reject"},
+    },
     semaphore_shares={"big:*": 3},
 )
 app.conf.update(json.loads(os.environ.get("PROJ_CONF", "{}")))
@@ -237,6 +243,9 @@ ranked = _line_task(
 )
 capped = _line_task(
     "proj.capped", "At most two wait: a third fails at once.", semaphore_max_waiters=2, semaphore_on_full="reject"
+)
+capped_by_settings = _line_task(
+    "proj.capped_by_settings", "At most two wait (semaphore_limits says so): a third fails at once."
 )
 dropping = _line_task(
     "proj.dropping",
