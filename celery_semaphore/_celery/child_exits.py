@@ -13,9 +13,12 @@ a broker ``visibility_timeout`` shorter than that, kombu's Redis transport resto
 message before the worker requeued it (the restored copy, finding its run's slot still held, was
 put off as the twin of a live run).
 
-So when a sentinel fires for a process not yet reapable, the worker's main process looks again
-every few milliseconds, for a short while, until it is. It changes only when Celery's own
-maintenance runs; what that maintenance does is Celery's.
+So when a sentinel fires and the pool keeps the process as alive, the worker's main process
+looks again every few milliseconds, for a short while, until the process can be reaped, and then
+has the pool maintained at once. It changes only when Celery's own maintenance runs; what that
+maintenance does is Celery's. (Whoever looks first reaps: a look that finds the exit code has the
+pool maintained there and then; the pool would otherwise notice the reaped process only at its
+next maintenance.)
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def install(worker: Any) -> bool:
 
     def event_process_exit(hub: Any, process: Any) -> None:
         on_exit(hub, process)
-        if _exit_code(process) is None:
+        if process in getattr(pool, "_pool", ()):  # the pool found nobody exited: not reapable yet
             _look_again(hub, pool, process, int(LOOK_FOR_S / LOOK_EVERY_S))
 
     pool._event_process_exit = event_process_exit
