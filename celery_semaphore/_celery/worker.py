@@ -99,11 +99,14 @@ def install(app: Any) -> None:
 
     def sweep_from_the_main_process(sender: Any = None, **_: Any) -> None:
         # thread and green pools run tasks in the main process and send no worker_process_init;
-        # a prefork parent runs none (its children sweep) and forks more later: it stays out
+        # a prefork parent runs none (its children sweep) and forks more later: it only wakes
+        # the parked tasks its own releases offer a slot (a killed child's)
         from celery.concurrency.prefork import TaskPool as PreforkPool
 
         if not isinstance(getattr(sender, "pool", None), PreforkPool):
             sweep_parked_tasks(app)
+        else:
+            wake_from_the_parent(app)
 
     signals.worker_process_init.connect(warm, weak=False)
     signals.worker_ready.connect(sweep_from_the_main_process, weak=False)
@@ -131,6 +134,19 @@ def sweep_parked_tasks(app: Any) -> None:
         parking().sweep(app, client_for(config.backend), config.prefix)
     except Exception as error:  # a bad setting fails the worker's start check, not this
         logger.debug("could not start sweeping parked tasks: %s", error)
+
+
+def wake_from_the_parent(app: Any) -> None:
+    """Have a prefork worker's main process send the wake copies of the parked tasks that its
+    releases offer a slot: it gives back a killed child's slot, and the waiter offered it, parked
+    by a process that no longer listens (or by a sender, which never does), would otherwise come
+    only once the offer lapsed and a tick handed it on (measured: 2.7 s after the release)."""
+    try:
+        wake_aware(app)  # a wake copy goes to a wake queue declared like its origin, from here too
+        config = config_for(app)
+        parking().wake_from(app, client_for(config.backend), config.prefix)
+    except Exception as error:  # a bad setting fails the worker's start check, not this
+        logger.debug("could not wake parked tasks from the worker's main process: %s", error)
 
 
 def check_app(app: Any) -> None:

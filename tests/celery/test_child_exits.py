@@ -61,3 +61,31 @@ def _kill_a_running_task(proj: Any, worker: Worker, key: str) -> float:
     assert result.get(timeout=30) == result.id
     assert client.llen(f"probe:{key}:ends") == 1
     return noticed_after
+
+
+def test_a_task_parked_behind_a_killed_one_starts_as_soon_as_its_slot_comes_back(celery_stack: CeleryStack) -> None:
+    """Limit 1: a task runs, a second is parked at send behind it, the first one's process is
+    killed. The worker's main process gives the slot back and the offer goes to the parked task,
+    whose sender does not listen: the main process sends its wake copy at once. (Otherwise the
+    offer lapsed after its 2 s claim window before a tick handed it on: 2.7 s measured.)"""
+    import tests.proj.app as proj
+
+    env = {**celery_stack.env, "PROJ_QUEUE": "child-exits-parked"}
+    worker = Worker(env, name="child-exits-parked", concurrency=2).start()
+    key = "child-exits-parked"
+    client = proj.probe(key).client
+    semaphore = semaphore_for(proj.app, "proj.at_most_once")
+    try:
+        first = proj.at_most_once.apply_async((30.0, key), queue="child-exits-parked")
+        wait_until(lambda: client.llen(f"probe:{key}:starts") == 1, timeout=30, what="the first running")
+        second = proj.at_most_once.apply_async((0.1, key), queue="child-exits-parked")
+        wait_until(lambda: semaphore.status().waiter_count == 1, timeout=30, what="the second in line")
+        _, pid, _ = client.lindex(f"probe:{key}:starts", 0).decode().split()
+        killed_at = time.time()
+        os.kill(int(pid), signal.SIGKILL)
+        assert second.get(timeout=30) == second.id
+        started_at = float(client.lindex(f"probe:{key}:starts", 1).decode().split()[2])
+        assert started_at - killed_at < 1.5, f"the parked task started {started_at - killed_at:.2f} s after the kill"
+        assert first.state != "SUCCESS"  # killed, not run again (no acks_late)
+    finally:
+        worker.kill()
