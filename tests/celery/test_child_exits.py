@@ -85,6 +85,7 @@ def test_a_task_parked_behind_a_killed_one_starts_as_soon_as_its_slot_comes_back
         os.kill(int(pid), signal.SIGKILL)
         assert second.get(timeout=30) == second.id
         started_at = float(client.lindex(f"probe:{key}:starts", 1).decode().split()[2])
+        print(f"the parked task started {started_at - killed_at:.3f} s after the kill")
         assert started_at - killed_at < 1.5, f"the parked task started {started_at - killed_at:.2f} s after the kill"
         assert first.state != "SUCCESS"  # killed, not run again (no acks_late)
     finally:
