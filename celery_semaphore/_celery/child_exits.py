@@ -53,7 +53,7 @@ def install(worker: Any) -> bool:
 
 def _look_again(hub: Any, pool: Any, process: Any, looks_left: int) -> None:
     def look() -> None:
-        if _exit_code(process) is not None:
+        if _reapable(process):
             pool.maintain_pool()  # the exit is reaped now: the pool fails its job and replaces it
         elif looks_left > 1:
             _look_again(hub, pool, process, looks_left - 1)
@@ -61,10 +61,9 @@ def _look_again(hub: Any, pool: Any, process: Any, looks_left: int) -> None:
     hub.call_later(LOOK_EVERY_S, look)
 
 
-def _exit_code(process: Any) -> int | None:
-    """The process's exit code once it can be reaped; None while it runs or is still dying."""
+def _reapable(process: Any) -> bool:
+    """Whether the process has exited and can be reaped (looking reaps it)."""
     try:
-        code = process.exitcode
-    except Exception:  # an already reaped process: Celery has it
-        return 0
-    return None if code is None else int(code)
+        return process.exitcode is not None
+    except Exception:  # already reaped elsewhere: the pool can only learn it from maintenance
+        return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,12 +251,9 @@ def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run:
     """Where a waiter that stepped away stands, read from the keys of its semaphore (a parked
     record names them): for a caller that holds no semaphore object for it, such as a sweep of
     parked Celery tasks."""
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    pipe.zscore(deadlines_key, waiter)
-    pipe.hexists(runs_key, run)
-    (seconds, micros), deadline_ms, granted = pipe.execute()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    now_ms, (deadline_ms, granted) = _read_at_server_time(
+        client, lambda pipe: (pipe.zscore(deadlines_key, waiter), pipe.hexists(runs_key, run))
+    )
     left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
     return WaitState(granted=bool(granted), left_ms=left)
 
@@ -266,10 +263,17 @@ def run_finished(client: Any, runs_key: str, run_expiry_key: str, run: str) -> b
     ``lua/_lib.lua``: recorded as "" and not yet forgotten), read from the keys of its semaphore:
     for a caller that holds a copy of the run and no semaphore script, such as a RabbitMQ
     worker holding a backstop copy until it falls due."""
+    now_ms, (value, forget_at) = _read_at_server_time(
+        client, lambda pipe: (pipe.hget(runs_key, run), pipe.zscore(run_expiry_key, run))
+    )
+    return value is not None and not value and forget_at is not None and float(forget_at) > now_ms
+
+
+def _read_at_server_time(client: Any, reads: Callable[[Any], Any]) -> tuple[int, list[Any]]:
+    """The server's time in ms and the replies of ``reads`` (queued on a pipeline), in one round
+    trip: the keys' deadlines are in that clock, not in this host's."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
-    pipe.hget(runs_key, run)
-    pipe.zscore(run_expiry_key, run)
-    (seconds, micros), value, forget_at = pipe.execute()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    return value is not None and not value and forget_at is not None and float(forget_at) > now_ms
+    reads(pipe)
+    (seconds, micros), *replies = pipe.execute()
+    return int(seconds) * 1000 + int(micros) // 1000, replies
