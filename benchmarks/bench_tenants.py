@@ -12,6 +12,11 @@ own redis-server on a free loopback port and runs, in interleaved rounds:
   (1.0: perfectly even).
 * ``shares``: two tenants of shares 3 and 1, 8 threads each, the same way: the share of starts
   the first one got (the target is 75 %).
+* ``levels``: two levels, (org, user). Org "one" calls under one user name from 50 threads, org
+  "fifty" under 50 user names, one thread each, saturating the key the same way: the share of
+  starts org "one" got (the target: no less than half), and the same threads with the user
+  names alone as one-level tenants for comparison. And the flood inside one org: user A of org
+  "acme" sends the flood, user B of acme the 20 a second later (``tenant=("acme", user)``).
 
 What it shows is the order the acquire script gives; the threads hold the slot with a sleep, so
 the machine's speed shows only in the hand-off between one call and the next.
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 import redis
 
 from celery_semaphore import FairSemaphore
+from celery_semaphore._core.tenants import Tenant
 from tests.redis_server import RedisServer
 
 LIMIT = 4
@@ -39,6 +45,8 @@ FLOOD_HOLD = 0.05
 LOOP_HOLD = 0.02
 B_CALLS = 20
 B_AFTER = 1.0
+# levels: threads per org; org "one" asks under one user name, org "fifty" under one a thread
+ORG_THREADS = {"one": 50, "fifty": 50}
 
 
 @dataclass
@@ -60,15 +68,17 @@ class Starts:
             self.ends[tenant] = max(self.ends.get(tenant, 0.0), now)
 
 
-def flood(client: redis.Redis, name: str, *, calls: int, fair: bool) -> dict[str, float]:
-    """One flood run: A's ``calls`` at once, B's 20 a second later. Seconds, from B's arrival."""
+def flood(client: redis.Redis, name: str, *, calls: int, fair: bool, org: str | None = None) -> dict[str, float]:
+    """One flood run: A's ``calls`` at once, B's 20 a second later. Seconds, from B's arrival.
+    ``org``: A and B are users of that org (two levels)."""
     semaphore = FairSemaphore(client, name, LIMIT, patience=30)
     starts = Starts()
     b_waits: list[float] = []
 
     def call(tenant: str, waits: list[float] | None) -> None:
         asked = time.monotonic()
-        with semaphore.acquire(timeout=600, tenant=tenant if fair else None):
+        as_tenant: Tenant | None = tenant if org is None else (org, tenant)
+        with semaphore.acquire(timeout=600, tenant=as_tenant if fair else None):
             starts.start(tenant)
             if waits is not None:
                 waits.append(time.monotonic() - asked)
@@ -96,24 +106,32 @@ def flood(client: redis.Redis, name: str, *, calls: int, fair: bool) -> dict[str
 
 
 def saturate(
-    client: redis.Redis, name: str, threads_of: dict[str, int], shares: dict[str, float], seconds: float
+    client: redis.Redis,
+    name: str,
+    threads_of: dict[str, int],
+    shares: dict[str, float],
+    seconds: float,
+    tenant_of: Callable[[str, int], Tenant] | None = None,
 ) -> dict[str, int]:
-    """Threads of each tenant call again and again for ``seconds``: starts per tenant."""
+    """Threads of each tenant call again and again for ``seconds``: starts per tenant (the
+    keys of ``threads_of``). ``tenant_of(tenant, thread number)``: what a thread asks as
+    (default: the tenant itself)."""
     semaphore = FairSemaphore(client, name, LIMIT, patience=30, shares=shares)
     starts = Starts()
     stop = threading.Event()
 
-    def loop(tenant: str) -> None:
+    def loop(tenant: str, number: int) -> None:
+        as_tenant = tenant if tenant_of is None else tenant_of(tenant, number)
         while not stop.is_set():
-            with semaphore.acquire(timeout=60, tenant=tenant):
+            with semaphore.acquire(timeout=60, tenant=as_tenant):
                 if not stop.is_set():
                     starts.start(tenant)
                 time.sleep(LOOP_HOLD)
 
     threads = [
-        threading.Thread(target=loop, args=(tenant,), daemon=True)
+        threading.Thread(target=loop, args=(tenant, number), daemon=True)
         for tenant, count in threads_of.items()
-        for _ in range(count)
+        for number in range(count)
     ]
     for thread in threads:
         thread.start()
@@ -144,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flood", type=int, default=1000, help="tenant A's calls in the flood (default 1000)")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the equal and shares runs")
-    parser.add_argument("--scenarios", default="flood,equal,shares")
+    parser.add_argument("--scenarios", default="flood,equal,shares,levels")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
@@ -171,6 +189,33 @@ def main(argv: list[str] | None = None) -> int:
                     return {"big_share": counts["big"] / max(1, counts["big"] + counts["small"])}
 
                 runs["shares"] = shares
+            if "levels" in scenarios:
+
+                def user_of(org: str, number: int) -> str:
+                    return "u" if org == "one" else f"user-{number}"
+
+                def levels(r: int = round_) -> dict[str, float]:
+                    counts = saturate(
+                        client, f"levels-{r}", ORG_THREADS, {}, args.seconds, lambda org, n: (org, user_of(org, n))
+                    )
+                    return {"one_share": counts["one"] / max(1, sum(counts.values()))}
+
+                def users_alone(r: int = round_) -> dict[str, float]:
+                    counts = saturate(
+                        client,
+                        f"users-alone-{r}",
+                        ORG_THREADS,
+                        {},
+                        args.seconds,
+                        lambda org, n: f"{org}.{user_of(org, n)}",
+                    )
+                    return {"one_share": counts["one"] / max(1, sum(counts.values()))}
+
+                runs["levels"] = levels
+                runs["levels-users-alone"] = users_alone
+                runs["flood-in-org"] = lambda r=round_: flood(
+                    client, f"flood-in-org-{r}", calls=args.flood, fair=True, org="acme"
+                )
             for name, run in runs.items():
                 outcome = run()
                 results.setdefault(name, []).append(outcome)
@@ -183,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results, indent=2))
         return 0
     print(f"# bench_tenants: limit {LIMIT}, {args.rounds} rounds, Python {platform.python_version()}")
-    for name in ("flood-fair", "flood-fifo"):
+    for name in ("flood-fair", "flood-fifo", "flood-in-org"):
         if name in results:
             runs_ = results[name]
             print(
@@ -199,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"shares 3:1: the share-3 tenant's starts {spread([r['big_share'] for r in results['shares']], 100, 1)} %"
         )
+    for name, what in (("levels", "two levels"), ("levels-users-alone", "the user names alone as tenants")):
+        if name in results:
+            print(
+                f"org of 1 user against org of 50 users, {what}: the 1-user org's starts"
+                f" {spread([r['one_share'] for r in results[name]], 100, 1)} %"
+            )
     return 0
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from .._core.rules import check_rate, check_spacing
-from .._core.tenants import check_tenant
+from .._core.tenants import Tenant, check_tenant
 from .._core.validation import check_limit, check_on_full, check_seconds, priority_ms
 from ..errors import ConfigurationError
 from .config import SemaphoreConfig, parse_countdown
@@ -78,9 +78,16 @@ def text_option(cls: type, option: str) -> str | KeyFunction | None:
     return _unbound(inspect.getattr_static(cls, option, None))  # type: ignore[no-any-return]
 
 
-def fair_by_option(cls: type) -> str | KeyFunction | None:
-    """The ``semaphore_fair_by`` option as declared (None: one first-come line)."""
-    return text_option(cls, "semaphore_fair_by")
+FairBy = str | KeyFunction
+
+
+def fair_by_option(cls: type) -> FairBy | tuple[FairBy, FairBy] | None:
+    """The ``semaphore_fair_by`` option as declared (None: one first-come line; a pair: two
+    levels, org then user)."""
+    declared = _unbound(inspect.getattr_static(cls, "semaphore_fair_by", None))
+    if isinstance(declared, tuple):
+        return tuple(_unbound(level) for level in declared)
+    return declared  # type: ignore[no-any-return]
 
 
 def _text_of_call(task: Any, option: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -91,10 +98,20 @@ def _text_of_call(task: Any, option: str, args: tuple[Any, ...], kwargs: dict[st
     return call_key(f"{task.name}.{option}", declared, task.run, args, kwargs)
 
 
-def tenant_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """The tenant one call waits for, from ``semaphore_fair_by`` (None without the option)."""
-    tenant = _text_of_call(task, "semaphore_fair_by", args, kwargs)
-    return None if tenant is None else check_tenant(f"{task.name}.semaphore_fair_by", tenant)
+def tenant_of_call(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tenant | None:
+    """The tenant one call waits for, from ``semaphore_fair_by`` (None without the option); with
+    two levels, (org, user)."""
+    declared = fair_by_option(type(task))
+    setting = f"{task.name}.semaphore_fair_by"
+    if declared is None:
+        return None
+    if isinstance(declared, tuple):
+        org, user = (
+            check_tenant(f"{setting}[{level}]", call_key(f"{setting}[{level}]", part, task.run, args, kwargs))
+            for level, part in enumerate(declared)
+        )
+        return org, user
+    return check_tenant(setting, call_key(setting, declared, task.run, args, kwargs))
 
 
 # the message header a caller sets to give one call its own priority (the option's name, so that
@@ -174,18 +191,24 @@ def _check_fair_by(name: str, cls: type, parameters: list[inspect.Parameter] | N
     in several lines at once, in first-ask order)."""
     fair_by = fair_by_option(cls)
     setting = f"{name}.semaphore_fair_by"
-    if fair_by is None or callable(fair_by):
-        pass
-    elif isinstance(fair_by, tuple):
-        raise ConfigurationError(
-            setting, fair_by, "two levels (org, user) are not supported yet: give one template or function"
-        )
-    elif not isinstance(fair_by, str) or not fair_by:
-        raise ConfigurationError(setting, fair_by, "expected a format string or a callable (args, kwargs)")
-    elif parameters is not None:
-        check_template(setting, fair_by, parameters)
+    if isinstance(fair_by, tuple):
+        if len(fair_by) != 2:
+            raise ConfigurationError(setting, fair_by, "two levels are a pair (org, user) of templates or callables")
+        for level, part in enumerate(fair_by):
+            _check_one_fair_by(f"{setting}[{level}]", part, parameters)
+    elif fair_by is not None:
+        _check_one_fair_by(setting, fair_by, parameters)
     if fair_by is not None and (isinstance(key_option(cls), list) or weight_option(cls) is not None):
         raise ConfigurationError(setting, fair_by, "works on a task of one semaphore_key and no semaphore_weight")
+
+
+def _check_one_fair_by(setting: str, fair_by: Any, parameters: list[inspect.Parameter] | None) -> None:
+    if callable(fair_by):
+        return
+    if not isinstance(fair_by, str) or not fair_by:
+        raise ConfigurationError(setting, fair_by, "expected a format string or a callable (args, kwargs)")
+    if parameters is not None:
+        check_template(setting, fair_by, parameters)
 
 
 def template_of(task: Any) -> str:

@@ -95,7 +95,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     ``semaphore_key`` may be a list of keys: the body then runs only while the task holds a
     slot (``semaphore_weight`` slots) of every one. ``semaphore_fair_by`` names each call's
     tenant (a template like ``semaphore_key``'s, or a function): waiting calls are then served
-    by their tenants' shares (``semaphore_shares``), not first come, first served.
+    by their tenants' shares (``semaphore_shares``), not first come, first served; a pair of
+    them, (org, user), is fair between orgs, then between the users of an org.
     """
 
     semaphore_limit: ClassVar[int | None] = None
@@ -109,7 +110,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     semaphore_countdown: ClassVar[float | tuple[float, float] | None] = None
     semaphore_max_wait: ClassVar[float | None] = FROM_SETTINGS
     semaphore_inline_wait: ClassVar[float | None] = None
-    semaphore_fair_by: ClassVar[str | KeyFunction | None] = None
+    # the call's tenant; a pair (org, user): fair between orgs, then between an org's users
+    semaphore_fair_by: ClassVar[str | KeyFunction | tuple[str | KeyFunction, str | KeyFunction] | None] = None
     # seconds a call is placed earlier in line (capped at 600); per call: the message header
     # "semaphore_priority"
     semaphore_priority: ClassVar[float | PriorityFunction | None] = None

@@ -40,6 +40,7 @@ from .replies import AcquireReply, Holder
 from .rules import Rate, check_rate, check_spacing
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import CLAIMED, EVICTED, GRANTED, LINE_FULL
+from .tenants import Tenant
 from .validation import check_limit, check_seconds, check_token, check_waiter, to_ms
 
 logger = logging.getLogger("celery_semaphore")
@@ -71,7 +72,12 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
     # -- acquiring -------------------------------------------------------------------------
 
     def acquire(
-        self, timeout: float | None = None, *, label: str | None = None, tenant: str | None = None, priority: float = 0
+        self,
+        timeout: float | None = None,
+        *,
+        label: str | None = None,
+        tenant: Tenant | None = None,
+        priority: float = 0,
     ) -> Acquiring:
         """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try that
         never queues). Raises SemaphoreUnavailable when the time runs out, as the blocking class
@@ -80,7 +86,7 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
         return self._acquiring(timeout, label=label, tenant=tenant, priority=priority)
 
     def _first_ask(
-        self, label: str | None = None, *, once: bool, tenant: str | None = None, priority: float = 0
+        self, label: str | None = None, *, once: bool, tenant: Tenant | None = None, priority: float = 0
     ) -> Ask:
         token = new_token()
         if once:  # a try that never queues takes no place: tenant and priority do not matter

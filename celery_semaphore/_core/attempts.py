@@ -17,6 +17,7 @@ from ..errors import SemaphoreError
 from .lease import Lease
 from .replies import AcquireReply
 from .storage import RAN, RUNNING, WAIT
+from .tenants import Tenant
 
 _LABEL = f"{socket.gethostname()}:{{pid}}"
 _label_of_pid: tuple[int, str] = (-1, "")
@@ -52,7 +53,8 @@ class Ask:
     id of a run that may ask in several copies (a Celery wait re-sent both with a countdown and on
     wake-up): if another copy was granted in the last ``remember`` seconds (None: patience plus
     the lease), the try says ``Duplicate`` instead of granting a second slot. ``tenant``: whom
-    the call is for; a new waiter is placed by its tenant's share of the line (see ``tenants``).
+    the call is for (a name, or (org, user)); a new waiter is placed by its tenant's share of the
+    line (see ``tenants``).
     ``priority``: seconds a new waiter is placed earlier than its ask (see ``priority_ms``).
     ``coalesce``: with ``on_full="keep_latest"``, a new waiter takes the place of the waiter of
     the same coalesce key, which is evicted."""
@@ -67,7 +69,7 @@ class Ask:
     wake: str = ""
     run: str | None = None
     remember: float | None = None
-    tenant: str | None = None
+    tenant: Tenant | None = None
     priority: float = 0.0
     coalesce: str | None = None
 

@@ -17,7 +17,7 @@ from .attempts import Ask
 from .rules import UNLIMITED, Rate, Rules, check_rate, check_spacing
 from .script_calls import LineArgs
 from .scripts import SemaphoreKeys
-from .tenants import Shares, check_share, check_tenant
+from .tenants import Shares, Tenant, check_share, check_tenant, check_tenants
 from .validation import (
     check_limit,
     check_name,
@@ -110,9 +110,9 @@ class SemaphoreConfig(Generic[ClientT]):
             self.name, self.limit, 0.0, max_waiters=self.max_waiters, evicted=self.on_full if evicted else None
         )
 
-    def _tenant_arg(self, tenant: str | None) -> str:
+    def _tenant_arg(self, tenant: Tenant | None) -> str:
         """The acquire script's tenant argument for ``tenant`` (checked), "" for none."""
-        return "" if tenant is None else self.shares.tenant_arg(check_tenant("tenant", tenant))
+        return "" if tenant is None else self.shares.tenant_arg(check_tenants("tenant", tenant))
 
     def _share_override(self, tenant: str, share: float | None) -> tuple[str, str, str | None]:
         """What ``set_share`` stores: the key, the checked tenant and share (None: remove)."""

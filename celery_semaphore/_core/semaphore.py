@@ -62,7 +62,7 @@ from .storage import (
     is_offer,
     token_prefix_pattern,
 )
-from .tenants import READ_PER_LISTED, TenantInfo, tenant_report
+from .tenants import READ_PER_LISTED, Tenant, TenantInfo, tenant_report
 from .validation import (
     check_limit,
     check_seconds,
@@ -134,7 +134,12 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
     # -- acquiring -------------------------------------------------------------------------
 
     def acquire(
-        self, timeout: float | None = None, *, label: str | None = None, tenant: str | None = None, priority: float = 0
+        self,
+        timeout: float | None = None,
+        *,
+        label: str | None = None,
+        tenant: Tenant | None = None,
+        priority: float = 0,
     ) -> Lease:
         """Wait for a slot: up to ``timeout`` seconds (None: as long as it takes; 0: one try
         that never queues). Raises SemaphoreUnavailable when the time runs out.
@@ -147,7 +152,9 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
 
         ``tenant``: whom the call is made for (a customer, say). Waiting calls of different
         tenants are served in proportion to their ``shares`` rather than first come, first
-        served (see ``FairSemaphore``); inside one tenant, first come, first served.
+        served (see ``FairSemaphore``); inside one tenant, first come, first served. A pair
+        ``(org, user)`` is fair between orgs first, then between the users of an org (a user's
+        share is that of ``"<org>/<user>"``), so an org gets no more by using more user names.
 
         ``priority``: seconds; a waiting call is placed as if it had asked that much earlier
         (negative: later), capped at 600 either way. With a tenant, it moves the call ahead

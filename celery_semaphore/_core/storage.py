@@ -50,6 +50,7 @@ WEIGHT_MARK = "*"  # "<token>*<w>" holds w slots; "*<w>*<id>" waits for w slots 
 EXTRA_SLOT_MARK = "#"  # holders: "<token>#<k>" is slot k (2..w) of a weighted holder
 HOLDER_FIELD = "h:"  # holder_info: "h:<token>" -> "<granted ms>|<label>"
 WAITER_FIELD = "w:"  # waiter_info: "w:<waiter>" -> "<first ask ms>|<wake address>"
+LEVEL_FIELD = "l:"  # waiter_info: "l:<waiter>" -> the org of a waiter of two-level tenants
 PARKED_MARK = ">"  # waiter_info: "<first ask ms>|><wake address>" is a parked waiter's
 HOLD_FIELD = "hold"  # waiter_info: the moving average of hold times (ms)
 INFO_SEPARATOR = "|"  # between the parts of a holder_info or waiter_info value

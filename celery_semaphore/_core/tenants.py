@@ -51,6 +51,27 @@ def check_tenant(setting: str, value: Any) -> str:
     return value
 
 
+# Whom a call is for: one tenant, or two levels, (org, user): orgs are fair between them, then
+# the users of an org between them, so an org gains nothing by spreading its calls over more
+# user names.
+Tenant = str | tuple[str, str]
+
+
+def check_tenants(setting: str, value: Any) -> Tenant:
+    """A tenant name, or a pair of them (org, user)."""
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ConfigurationError(setting, value, "expected a tenant name or a pair (org, user)")
+        return check_tenant(f"{setting}[0]", value[0]), check_tenant(f"{setting}[1]", value[1])
+    return check_tenant(setting, value)
+
+
+def user_share_name(org: str, user: str) -> str:
+    """The name a user of ``org`` has in the shares: its glob and runtime share is looked up
+    as "<org>/<user>" (shares between users matter only within their org)."""
+    return f"{org}/{user}"
+
+
 class Shares:
     """The checked ``{glob: share}`` mapping of one semaphore, and the share of a tenant."""
 
@@ -82,10 +103,14 @@ class Shares:
                 self._cache[tenant] = share
         return share
 
-    def tenant_arg(self, tenant: str | None) -> str:
-        """What the acquire script takes for ``tenant``: "<share>|<tenant>", or "" for none."""
+    def tenant_arg(self, tenant: Tenant | None) -> str:
+        """What the acquire script takes for ``tenant``: "<share>|<tenant>", or "" for none;
+        for (org, user), "<org's share>|<org>|<user's share>|<user>"."""
         if tenant is None:
             return ""
+        if isinstance(tenant, tuple):
+            org, user = tenant
+            return f"{self.share_of(org):.6g}|{org}|{self.share_of(user_share_name(org, user)):.6g}|{user}"
         return f"{self.share_of(tenant):.6g}|{tenant}"
 
 

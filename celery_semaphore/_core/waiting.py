@@ -13,6 +13,7 @@ from typing import Protocol
 from ..errors import SemaphoreError, SemaphoreUnavailable
 from .attempts import Ask, Attempt, Granted, Waiting, limit_of
 from .lease import Lease
+from .tenants import Tenant
 from .validation import check_seconds
 from .wakeups import WakeUps, wake_ups_for
 
@@ -114,7 +115,7 @@ def acquire_within(
     waiter: str,
     label: str | None,
     one_try: Callable[[], Attempt],
-    tenant: str | None = None,
+    tenant: Tenant | None = None,
     priority: float = 0,
 ) -> Lease:
     """``acquire(timeout)`` of either semaphore class: ``timeout`` 0 is ``one_try`` (one round

@@ -43,17 +43,26 @@ def started_ids(proj: Any, key: str) -> list[str]:
 
 
 def send_and_wait_in_line(
-    proj: Any, key: str, customer: str, count: int, in_line: int, first_holds: float = 0.2
+    proj: Any,
+    key: str,
+    customer: str,
+    count: int,
+    in_line: int,
+    first_holds: float = 0.2,
+    *,
+    task: str = "fair",
+    **call: str,
 ) -> list[AsyncResult]:
     """Send ``count`` tasks of ``customer`` (the first holding ``first_holds`` seconds, the
-    rest 0.2) and wait until ``in_line`` tasks wait for the key."""
-    results = [proj.fair.apply_async((first_holds,), {"customer": customer, "key": key}, queue=QUEUE)]
+    rest 0.2) and wait until ``in_line`` tasks wait for the key. ``task``: the proj task's
+    name; ``call``: more keyword arguments (its fair_by templates read them)."""
+    sent = getattr(proj, task)
+    kwargs = {"customer": customer, "key": key, **call}
+    results = [sent.apply_async((first_holds,), kwargs, queue=QUEUE)]
     if first_holds > 0.2:  # it must be the one that runs while the line is built
         wait_until(lambda: results[0].id in started_ids(proj, key), timeout=30, what="the long one to start")
-    results += [
-        proj.fair.apply_async((0.2,), {"customer": customer, "key": key}, queue=QUEUE) for _ in range(count - 1)
-    ]
-    semaphore = semaphore_for(proj.app, "proj.fair")
+    results += [sent.apply_async((0.2,), kwargs, queue=QUEUE) for _ in range(count - 1)]
+    semaphore = semaphore_for(proj.app, sent.name)
     wait_until(lambda: semaphore.status().waiter_count >= in_line, timeout=30, what=f"{in_line} tasks in line")
     return results
 
@@ -80,6 +89,29 @@ def test_a_second_customer_is_served_soon_not_after_the_first_ones_flood(proj: A
 
 
 @pytest.mark.workers
+def test_a_late_user_of_an_org_is_served_soon_and_a_second_org_gets_its_half(proj: Any) -> None:
+    """semaphore_fair_by=("{org}", "{user}"): user A of org acme sends 10 tasks to a key of
+    limit 1 (one runs, 9 wait), then user B of acme sends 3 and org solo 6. Inside acme, B's
+    first starts within A's next two, not behind A's backlog; between the orgs, solo takes
+    every other start while both wait. Every task runs once, never two at once."""
+    key = "fair-levels"
+    a_results = send_and_wait_in_line(proj, key, "-", 10, 9, first_holds=5, task="fair_in_org", org="acme", user="A")
+    b_results = send_and_wait_in_line(proj, key, "-", 3, 12, task="fair_in_org", org="acme", user="B")
+    solo_results = send_and_wait_in_line(proj, key, "-", 6, 18, task="fair_in_org", org="solo", user="only")
+    for result in a_results + b_results + solo_results:
+        result.get(timeout=120)
+    started = started_ids(proj, key)
+    assert sorted(started) == sorted(r.id for r in a_results + b_results + solo_results), "each ran once"
+    b_ids, solo_ids = {r.id for r in b_results}, {r.id for r in solo_results}
+    acme = [task_id for task_id in started[1:] if task_id not in solo_ids]
+    # inside acme, after the one running: A's head of line, then B's first (one for one)
+    assert next(place for place, task_id in enumerate(acme) if task_id in b_ids) <= 2, started
+    # while both orgs wait (the first twelve starts after the running one), half are solo's
+    assert 5 <= sum(task_id in solo_ids for task_id in started[1:13]) <= 7, started
+    assert proj.probe(key).maximum == 1
+
+
+@pytest.mark.workers
 def test_shares_from_the_settings_give_a_customer_three_starts_for_one(proj: Any) -> None:
     """semaphore_shares {"big:*": 3}: with both customers waiting, big:co gets three of every
     four starts."""
@@ -96,20 +128,29 @@ def test_shares_from_the_settings_give_a_customer_three_starts_for_one(proj: Any
 
 
 def test_fair_by_is_checked_at_declaration() -> None:
-    """A template naming no argument, a tuple (two levels) and a task of several keys are
-    refused when the task is declared, naming the option."""
+    """A template naming no argument, a tuple of other than two levels, a bad level and a task
+    of several keys are refused when the task is declared, naming the option (and the level);
+    a pair of templates is taken."""
     app = Celery("fair-check", set_as_current=False)
     with pytest.raises(ConfigurationError, match="semaphore_fair_by"):
 
         @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by="{tenant}", shared=False, lazy=False)
         def no_such_argument(customer: str) -> None: ...
 
-    with pytest.raises(ConfigurationError, match="two levels"):
+    with pytest.raises(ConfigurationError, match="pair"):
 
         @app.task(
-            base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by=("{org}", "{user}"), shared=False, lazy=False
+            base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by=("{a}", "{b}", "{c}"), shared=False, lazy=False
         )
-        def two_levels(org: str, user: str) -> None: ...
+        def three_levels(a: str, b: str, c: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"semaphore_fair_by\[1\]"):
+
+        @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by=("{org}", "{usr}"), shared=False, lazy=False)
+        def misspelt_user(org: str, user: str) -> None: ...
+
+    @app.task(base=SemaphoreTask, semaphore_limit=1, semaphore_fair_by=("{org}", "{user}"), shared=False, lazy=False)
+    def two_levels(org: str, user: str) -> None: ...
 
     with pytest.raises(ConfigurationError, match="semaphore_priority"):
 

@@ -13,6 +13,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -20,12 +21,13 @@ import redis.asyncio
 
 from celery_semaphore import AsyncFairSemaphore, ConfigurationError, FairSemaphore, SemaphoreUnavailable
 from celery_semaphore._core.attempts import Ask, new_token
+from celery_semaphore._core.tenants import Tenant
 
 from ..redis_server import RedisServer
 from ..waiting import wait_until
 
 
-def join(semaphore: FairSemaphore, waiter: str, tenant: str | None) -> None:
+def join(semaphore: FairSemaphore, waiter: str, tenant: Tenant | None) -> None:
     """One waiter takes its place in the line (the slot is held, so it waits)."""
     attempt = semaphore._try(Ask(token=new_token(), waiter=waiter, tenant=tenant, patience=60))
     assert not attempt.granted
@@ -134,8 +136,12 @@ def test_idle_tenants_are_forgotten_and_their_clocks_expire(held: FairSemaphore)
 def test_reset_forgets_the_clocks_but_keeps_runtime_shares(held: FairSemaphore) -> None:
     held.set_share("A", 2)
     join(held, "a0", "A")
+    join(held, "b0", ("org", "B"))
+    levels = f"{held.keys.base}:levels"
+    assert held.client.exists(levels)
     held.reset()
     assert not held.client.exists(held.keys.tenants)
+    assert not held.client.exists(levels)
     assert held.client.hget(held.keys.shares, "A") == b"2"
 
 
@@ -156,42 +162,48 @@ def test_bad_shares_are_refused_when_the_semaphore_is_made(redis_client: redis.R
         FairSemaphore(redis_client, "api", 1, shares=shares)  # type: ignore[arg-type]
 
 
-def test_waiting_threads_of_a_second_tenant_start_soon_after_they_arrive(redis_server: RedisServer) -> None:
-    """Real threads in acquire(): tenant A sends 12 calls to a key of limit 2 (10 wait), then B
-    sends 3. B's first call is among the next 4 starts, its last among the next 8 (first come,
-    first served would put them at 10 to 12)."""
+def places_of_late_threads(redis_server: RedisServer, first: Tenant, late: Tenant) -> list[int]:
+    """Real threads in acquire(): 12 calls of ``first`` to a key of limit 2 (10 wait), then 3 of
+    ``late``. The late calls' places among the starts after they arrived; every call runs."""
     client = redis_server.client()
     semaphore = FairSemaphore(client, "threads", 2, patience=30)
     started: list[str] = []
     lock = threading.Lock()
     gate = threading.Event()
 
-    def call(name: str, tenant: str) -> None:
+    def call(name: str, tenant: Tenant) -> None:
         with semaphore.acquire(timeout=60, tenant=tenant):
             with lock:
                 started.append(name)
             gate.wait(30)  # the first two hold until the line is built
             time.sleep(0.02)
 
-    threads = [threading.Thread(target=call, args=(f"a{n}", "A")) for n in range(12)]
+    threads = [threading.Thread(target=call, args=(f"a{n}", first)) for n in range(12)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: semaphore.status().waiter_count == 10, timeout=20, what="A's ten waiters in line")
-    b_threads = [threading.Thread(target=call, args=(f"b{n}", "B")) for n in range(3)]
+    wait_until(lambda: semaphore.status().waiter_count == 10, timeout=20, what="the first ten waiters in line")
+    b_threads = [threading.Thread(target=call, args=(f"b{n}", late)) for n in range(3)]
     for thread in b_threads:
         thread.start()
-    wait_until(lambda: semaphore.status().waiter_count == 13, timeout=20, what="B's three waiters in line")
+    wait_until(lambda: semaphore.status().waiter_count == 13, timeout=20, what="the late three waiters in line")
     before_b = len(started)
     gate.set()
     for thread in threads + b_threads:
         thread.join(60)
+    client.close()
     assert len(started) == 15
     # places among the starts after B arrived (thread names say nothing of the order in line)
-    b_places = [place for place, name in enumerate(started[before_b:]) if name.startswith("b")]
+    return [place for place, name in enumerate(started[before_b:]) if name.startswith("b")]
+
+
+def test_waiting_threads_of_a_second_tenant_start_soon_after_they_arrive(redis_server: RedisServer) -> None:
+    """Tenant A sends 12 calls to a key of limit 2 (10 wait), then B sends 3. B's first call is
+    among the next 4 starts, its last among the next 8 (first come, first served would put them
+    at 10 to 12)."""
+    b_places = places_of_late_threads(redis_server, "A", "B")
     # limit 2: the head's wave of two, then B's first (first come, first served: places 10-12)
-    assert b_places[0] <= 3, started
-    assert b_places[-1] <= 7, started
-    client.close()
+    assert b_places[0] <= 3, b_places
+    assert b_places[-1] <= 7, b_places
 
 
 # -- priority ----------------------------------------------------------------------------------
@@ -399,3 +411,206 @@ def test_coroutines_take_tenant_priority_and_a_full_line_as_threads_do(redis_ser
 
     asyncio.run(main())
     holder.release()
+
+
+# -- two levels: (org, user) ------------------------------------------------------------------
+
+
+class Serving:
+    """A key of limit 1 whose one slot is held, with waiters joined by hand: ``serve`` gives the
+    slot back and has the waiter it is offered to claim it, start after start. Which waiter of
+    an org takes the org's start is decided when the slot is handed on, so it is read here from
+    the offers, not from the line's order."""
+
+    def __init__(self, client: redis.Redis, shares: dict[str, float] | None = None) -> None:
+        self.semaphore = FairSemaphore(client, "api", 1, shares=shares, patience=60)
+        self.token = new_token()
+        assert self.semaphore._try(Ask(token=self.token, waiter=new_token())).granted
+        self.tenants: dict[str, Tenant | None] = {}
+
+    def join(self, waiter: str, tenant: Tenant | None) -> None:
+        self.tenants[waiter] = tenant
+        join(self.semaphore, waiter, tenant)
+
+    def serve(self, starts: int) -> list[str]:
+        client = self.semaphore.client
+        order = []
+        for _ in range(starts):
+            assert self.semaphore.release(self.token)
+            holders: list[bytes] = client.zrange(self.semaphore.keys.holders, 0, -1)  # type: ignore[assignment]
+            offered = [member.decode()[1:] for member in holders if member.startswith(b"!")]
+            assert len(offered) == 1, offered
+            waiter = offered[0]
+            self.token = new_token()
+            attempt = self.semaphore._try(
+                Ask(token=self.token, waiter=waiter, tenant=self.tenants[waiter], patience=60)
+            )
+            assert attempt.granted, (waiter, attempt)
+            order.append(waiter)
+        return order
+
+
+def test_an_org_gets_no_more_by_spreading_its_calls_over_more_user_names(redis_client: redis.Redis) -> None:
+    """Org "one" queues 40 calls under one user; org "fifty" queues 2 calls under each of 50
+    users. The starts alternate between the two orgs, whatever the number of names."""
+    serving = Serving(redis_client)
+    for n in range(40):
+        serving.join(f"one-{n}", ("one", "u"))
+    for n in range(100):
+        serving.join(f"fifty-{n}", ("fifty", f"user-{n % 50}"))
+    order = serving.serve(60)
+    ones = sum(waiter.startswith("one-") for waiter in order)
+    assert 29 <= ones <= 31, order
+    # inside the org of one user, its calls in their order
+    assert [w for w in order if w.startswith("one-")] == [f"one-{n}" for n in range(ones)]
+
+
+def test_a_user_who_joins_an_orgs_backlog_late_is_served_next_not_behind_it(redis_client: redis.Redis) -> None:
+    """Inside one org, user A queues 6 calls, then user B 3: the org's starts go one for one
+    between A and B from B's arrival (first come, first served inside each user), although
+    B's calls joined the line behind all of A's."""
+    serving = Serving(redis_client)
+    for n in range(6):
+        serving.join(f"a{n}", ("org", "A"))
+    for n in range(3):
+        serving.join(f"b{n}", ("org", "B"))
+    assert line(serving.semaphore) == ["a0", "a1", "a2", "a3", "a4", "a5", "b0", "b1", "b2"]
+    # b0 ties with a1 (one step after the org's first): the earlier arrival goes first
+    assert serving.serve(9) == ["a0", "a1", "b0", "a2", "b1", "a3", "b2", "a4", "a5"]
+
+
+def test_users_split_their_orgs_starts_by_their_shares_and_orgs_stay_even(redis_client: redis.Redis) -> None:
+    """A user's share is that of "<org>/<user>": 3 against 1 inside org "acme", whose starts
+    stay one for one with org "solo"'s."""
+    serving = Serving(redis_client, shares={"acme/ceo": 3})
+    for n in range(8):
+        serving.join(f"intern-{n}", ("acme", "intern"))
+    for n in range(8):
+        serving.join(f"ceo-{n}", ("acme", "ceo"))
+    for n in range(16):
+        serving.join(f"solo-{n}", ("solo", "only"))
+    order = serving.serve(16)
+    acme = [w for w in order if not w.startswith("solo-")]
+    assert 7 <= len(acme) <= 9, order
+    # after the first intern call (the org's first in line), three of the ceo's for one of the intern's
+    assert sum(w.startswith("ceo-") for w in acme[1:]) >= 5, acme
+
+
+def test_a_runtime_share_of_a_user_is_stored_under_its_org(redis_client: redis.Redis) -> None:
+    serving = Serving(redis_client)
+    serving.semaphore.set_share("acme/ceo", 3)
+    for n in range(4):
+        serving.join(f"intern-{n}", ("acme", "intern"))
+    for n in range(4):
+        serving.join(f"ceo-{n}", ("acme", "ceo"))
+    assert serving.serve(5) == ["intern-0", "ceo-0", "ceo-1", "ceo-2", "intern-1"]
+
+
+def test_two_level_waiters_leave_nothing_behind_once_served(redis_client: redis.Redis) -> None:
+    """The user tags live in the levels key only while their waiters are in line: it goes
+    with the line, and the org under each waiter's info with the waiter."""
+    serving = Serving(redis_client)
+    for n in range(3):
+        serving.join(f"a{n}", ("org", "A"))
+        serving.join(f"b{n}", ("org", "B"))
+    levels = f"{serving.semaphore.keys.base}:levels"
+    assert redis_client.zcard(levels) == 12  # two entries a waiter
+    assert 0 < redis_client.pttl(levels) <= 4_500_000
+    serving.serve(6)
+    assert not redis_client.exists(levels)
+    fields: list[bytes] = redis_client.hkeys(serving.semaphore.keys.waiter_info)  # type: ignore[assignment]
+    assert not [field for field in fields if field.startswith(b"l:")]
+
+
+def test_plain_one_level_and_two_level_waiters_share_one_line(redis_client: redis.Redis) -> None:
+    """Calls without a tenant, with one and with two levels on one key: each start goes to
+    the head of the line as it stood, but for a two-level head, which may give its place to a
+    user of its org further back."""
+    serving = Serving(redis_client)
+    serving.join("plain-0", None)
+    serving.join("solo-0", "solo")
+    serving.join("org-a0", ("org", "A"))
+    serving.join("org-a1", ("org", "A"))
+    serving.join("plain-1", None)
+    serving.join("org-a2", ("org", "A"))
+    serving.join("org-b0", ("org", "B"))
+    before = line(serving.semaphore)
+    order = serving.serve(7)
+    assert sorted(order) == sorted(before)
+    assert [w for w in order if not w.startswith("org-")] == [w for w in before if not w.startswith("org-")]
+    # B joined the org behind A's three: one step after the org's first waiting call, where it
+    # ties with a1, which asked first
+    assert [w for w in before if w.startswith("org-")] == ["org-a0", "org-a1", "org-a2", "org-b0"]
+    assert [w for w in order if w.startswith("org-")] == ["org-a0", "org-a1", "org-b0", "org-a2"]
+
+
+@pytest.mark.parametrize(
+    ("tenant", "reason"),
+    [(("org",), "pair"), (("org", ""), "non-empty"), (("o|x", "u"), '"|"'), (("org", "u", "x"), "pair")],
+)
+def test_a_bad_pair_of_tenants_is_refused_naming_the_level(
+    redis_client: redis.Redis, tenant: object, reason: str
+) -> None:
+    semaphore = FairSemaphore(redis_client, "api", 1)
+    with pytest.raises(ConfigurationError, match="tenant") as caught:
+        semaphore.acquire(timeout=1, tenant=tenant)  # type: ignore[arg-type]
+    assert reason in str(caught.value)
+
+
+def test_two_levels_hold_on_a_cluster_and_behind_sentinel(topology_client: Any) -> None:
+    """The user tags' key is named from the semaphore's own keys, in their hash tag: every
+    script that hands a slot on reaches it on the cluster slot of the rest."""
+    serving = Serving(topology_client)
+    for n in range(4):
+        serving.join(f"a{n}", ("org", "A"))
+    serving.join("b0", ("org", "B"))
+    serving.join("solo-0", ("solo", "only"))
+    order = serving.serve(6)
+    assert order.index("b0") < order.index("a2"), order
+    assert order.index("solo-0") <= 2, order
+
+
+def test_waiting_threads_of_a_late_user_start_soon_inside_their_org(redis_server: RedisServer) -> None:
+    """The same with every call of one org: user A's 12, then user B's 3. B's calls come one
+    for one with A's from its arrival (first come, first served in the org would put them at 10
+    to 12): the starts are handed on by releases, which choose B's waiters, and told."""
+    b_places = places_of_late_threads(redis_server, ("org", "A"), ("org", "B"))
+    assert b_places[0] <= 3, b_places
+    assert b_places[-1] <= 7, b_places
+
+
+def test_coroutines_take_two_levels_as_threads_do(redis_server: RedisServer) -> None:
+    """AsyncFairSemaphore places an (org, user) call by the same script: a late user's
+    coroutine is served before the backlog of its org's first user, its start handed on by
+    a release and told."""
+    blocking = FairSemaphore(redis_server.client(), "async-levels", 1, patience=60)
+    holder = blocking.acquire(timeout=0)
+
+    async def main() -> list[str]:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port)
+        sem = AsyncFairSemaphore(client, "async-levels", 1, patience=60)
+        started: list[str] = []
+
+        async def call(name: str, user: str) -> None:
+            async with sem.acquire(timeout=30, tenant=("org", user)):
+                started.append(name)
+
+        async def until_waiting(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while blocking.status().waiter_count != count:
+                assert time.monotonic() < deadline, f"{count} waiters not within 10 s"
+                await asyncio.sleep(0.01)
+
+        calls = []
+        for n in range(4):
+            calls.append(asyncio.ensure_future(call(f"a{n}", "A")))
+            await until_waiting(n + 1)
+        calls.append(asyncio.ensure_future(call("b0", "B")))
+        await until_waiting(5)
+        holder.release()
+        await asyncio.wait_for(asyncio.gather(*calls), 30)
+        await client.aclose()
+        return started
+
+    started = asyncio.run(main())
+    assert started.index("b0") < started.index("a2"), started

@@ -236,6 +236,11 @@ def _line_task(name: str, doc: str, **options: Any) -> Any:
 
 
 fair = _line_task("proj.fair", "Placed in line by its customer's share.", semaphore_fair_by="{customer}")
+fair_in_org = _line_task(
+    "proj.fair_in_org",
+    "Placed in line by its org's share, then served by its user's share inside the org.",
+    semaphore_fair_by=("{org}", "{user}"),
+)
 ranked = _line_task(
     "proj.ranked",
     "Placed earlier by its priority: the option's function or the message header.",

@@ -42,6 +42,7 @@
 --   KEYS[12] run_expiry  ZSET   run id -> when its record is forgotten (server ms), counted from
 --                               its grant, pushed on by each renewal of its lease, and counted
 --                               again from its release
+-- One more key, "<base>:levels", is never passed: _levels.lua names it from KEYS[1].
 -- No ARGV is shared: each script documents its own.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.
@@ -88,6 +89,7 @@ local OFFER_MARK = '!'
 local EXTRA_SLOT_MARK = '#'
 local HOLDER_FIELD = 'h:'
 local WAITER_FIELD = 'w:'
+local LEVEL_FIELD = 'l:'
 local HOLD_FIELD = 'hold'
 local INFO_SEPARATOR = '|'
 local PARKED_MARK = '>'
@@ -440,7 +442,7 @@ end
 -- holders remain, the average is kept for the next line: releases keep updating it.
 local function forget_line_if_empty()
   if redis.call('ZCARD', K_QUEUE) == 0 then
-    redis.call('DEL', K_TICKET)
+    redis.call('DEL', K_TICKET, levels_key())
     if redis.call('ZCARD', K_HOLDERS) == 0 then
       redis.call('DEL', K_WAITER_INFO)
     end
@@ -452,7 +454,7 @@ local function drop_waiter(waiter)
   local left = redis.call('ZREM', K_QUEUE, waiter)
   redis.call('ZREM', K_PRESENT, waiter)
   redis.call('ZREM', K_DEADLINES, waiter)
-  redis.call('HDEL', K_WAITER_INFO, WAITER_FIELD .. waiter)
+  redis.call('HDEL', K_WAITER_INFO, WAITER_FIELD .. waiter, LEVEL_FIELD .. waiter)
   forget_line_if_empty()
   return left
 end
@@ -485,7 +487,11 @@ local function purge(now)
     redis.call('ZREM', K_DEADLINES, unpack(gone))
     redis.call('ZREM', K_QUEUE, unpack(gone))
     redis.call('ZREM', K_PRESENT, unpack(gone))
-    redis.call('HDEL', K_WAITER_INFO, unpack(prefixed(gone, WAITER_FIELD)))
+    local fields = prefixed(gone, WAITER_FIELD)
+    for i = 1, #gone do
+      fields[#gone + i] = LEVEL_FIELD .. gone[i]
+    end
+    redis.call('HDEL', K_WAITER_INFO, unpack(fields))
     -- an offer never outlives its waiter's place (its claim deadline is capped by it), but a
     -- waiter that lapsed must not keep a slot either way
     freed = freed + redis.call('ZREM', K_HOLDERS, unpack(prefixed(gone, OFFER_MARK)))
@@ -568,29 +574,38 @@ local function hand_off(now, r, except, size)
       free = allowed
     end
   end
-  local first = redis.call('ZRANGE', K_PRESENT, 0, free - 1)
+  -- the first "free" present waiters, with their tickets; with a two-level one among them, one
+  -- at a time (see _levels.lua)
+  local first = redis.call('ZRANGE', K_PRESENT, 0, free - 1, 'WITHSCORES')
+  local one_by_one = any_leveled(first)
   local latest, chosen, offered, delayed = 0, false, 0, 0
-  for i = 1, #first do
-    local weight = multi_weight(first[i])
+  local i = 1
+  while i < #first and free > 0 do
+    local waiter = one_by_one and org_turn(first[i], first[i + 1]) or first[i]
+    local weight = multi_weight(waiter)
     if weight then
       -- a waiter of several slots or semaphores heads the rest of the line: it is told when
       -- its weight fits here, and nobody behind it is served before it
       if free >= weight then
-        notify(wake_address(first[i]), first[i])
+        notify(wake_address(waiter), waiter)
       end
       free = 0
       break
     end
-    if first[i] == except and opens_at == now then
-      chosen = true
+    if waiter == except and opens_at == now then
+      chosen = true  -- stays present until its caller grants it
     else
-      latest = math.max(latest, offer(first[i], now, opens_at, first[i] ~= except))
+      latest = math.max(latest, offer(waiter, now, opens_at, waiter ~= except))
       offered = offered + 1
-      if first[i] == except then
+      if waiter == except then
         delayed = opens_at - now
       end
     end
     free = free - 1
+    i = i + 2
+    if one_by_one and free > 0 then
+      first, i = present_head(chosen and except)
+    end
   end
   if offered > 0 then
     extend(K_HOLDERS, latest - now + GRACE_MS, size == 0)

@@ -34,7 +34,10 @@
 --   ARGV[7] remember_ms  how long a granted run is remembered (counted from its grant)
 --   ARGV[8] tenant       "" or "<share>|<tenant>": the caller's tenant and the share its settings
 --                        give it (a runtime override in KEYS[14] wins): a new waiter's ticket is
---                        then its tenant's virtual time (see tenant_ticket), not its arrival
+--                        then its tenant's virtual time (see tenant_ticket), not its arrival.
+--                        Two levels: "<share>|<org>|<user share>|<user>" (the user's runtime
+--                        share is stored under "<org>/<user>"): the ticket is the org's virtual
+--                        time, and the user's is kept in the levels key (see _lib.lua)
 --   ARGV[9] priority_ms  "" or the ms a new waiter is placed earlier than its ask (a priority;
 --                        with a tenant, ms of its tenant's clock, 1000 ms a start at share 1)
 --   ARGV[10] full        "" or "<max waiters>|<policy>|<coalesce key>", what a full line does
@@ -173,7 +176,7 @@ end
 
 -- The helpers of a tenant and of a full line are made only for a call that carries one: a
 -- plain call (most of them) pays nothing for making closures it never calls.
-local make_room, tenant_ticket
+local make_room, tenant_ticket, returning_to_org
 local K_EVICTED = KEYS[15]
 
 if full_policy then
@@ -245,9 +248,48 @@ if tenant_arg ~= '' then
   -- once keeps its own clock. Clocks behind the line's are forgotten here (the same as absent), so
   -- idle tenants cost nothing. Ties between tenants break by the counter of new_ticket: by arrival
   -- (it wraps after 1024 asks, the only case in which two tied asks may swap).
+  local function share_of(name, default_share)
+    return tonumber(redis.call('HGET', K_SHARES, name)) or tonumber(default_share)
+  end
+  local function step_of(share)
+    return math.max(1, math.floor(STEP_AT_SHARE_1 / 1024 / share + 0.5)) * 1024
+  end
+
+  -- Two levels: a waiter of "user" in "org" gets a user tag, the user's virtual time inside the
+  -- org: one step (1000 / user share, in tickets) after the later of its user's last tag and
+  -- the org's first tag still in line, so a user that joins the org's backlog late is served
+  -- next, not behind the others' backlog, and one user's calls stay in their order; a priority
+  -- moves it as it moves the ticket. The counter of "ticket" breaks ties by arrival. Stored in
+  -- the levels key, and the org under LEVEL_FIELD.
+  local function place_in_org(org, user, user_share, ticket)
+    local levels = levels_key()
+    local org_tag = org_front(org, false)
+    local prefix = user_prefix(org, user)
+    local last = redis.call('ZRANGE', levels, '[' .. prefix .. '\255', '[' .. prefix, 'BYLEX', 'REV', 'LIMIT', 0, 1)
+    local user_tag
+    if #last > 0 then
+      local tag, other = string.match(string.sub(last[1], #prefix + 1), '^(%d+)|(.*)$')
+      if redis.call('ZSCORE', K_QUEUE, other) then
+        user_tag = tonumber(tag)
+      else
+        drop_level_entries(org, tag, user, other)
+      end
+    end
+    local base = math.max(org_tag or math.floor(ticket), user_tag or 0)
+    local tag = string.format(TAG_FORMAT, math.floor(base / 1024) * 1024 + step_of(user_share)
+                                          + math.floor(ticket) % 1024 - priority_ms * 1024)
+    local org_entry, user_entry = level_entries(org, tag, user, waiter)
+    redis.call('ZADD', levels, 0, org_entry, 0, user_entry)
+    redis.call('HSET', K_WAITER_INFO, LEVEL_FIELD .. waiter, org)
+    extend(levels, LEVELS_TTL_MS, false)
+  end
+
   tenant_ticket = function(now, share_and_tenant)
-    local default_share, tenant = string.match(share_and_tenant, '^([^|]+)|(.*)$')
-    local share = tonumber(redis.call('HGET', K_SHARES, tenant)) or tonumber(default_share)
+    local default_share, tenant, user_share, user = string.match(share_and_tenant, '^([^|]+)|([^|]*)|([^|]+)|(.*)$')
+    if not tenant then
+      default_share, tenant = string.match(share_and_tenant, '^([^|]+)|(.*)$')
+    end
+    local share = share_of(tenant, default_share)
     local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
     local line_clock
     if #head > 0 then
@@ -256,12 +298,28 @@ if tenant_arg ~= '' then
       local latest = redis.call('ZRANGE', K_TENANTS, -1, -1, 'WITHSCORES')
       line_clock = #latest > 0 and tonumber(latest[2]) or now * 1024
     end
-    local clock = math.max(line_clock, tonumber(redis.call('ZSCORE', K_TENANTS, tenant)) or 0)
-      + math.max(1, math.floor(STEP_AT_SHARE_1 / 1024 / share + 0.5)) * 1024
+    local clock = math.max(line_clock, tonumber(redis.call('ZSCORE', K_TENANTS, tenant)) or 0) + step_of(share)
     redis.call('ZREMRANGEBYSCORE', K_TENANTS, '-inf', string.format('(%.0f', line_clock))
     redis.call('ZADD', K_TENANTS, clock, tenant)
     extend(K_TENANTS, TENANT_CLOCK_TTL_MS, false)
-    return clock + new_ticket(now) % 1024
+    local ticket = clock + new_ticket(now) % 1024 - priority_ms * 1024
+    if user then
+      ticket = ticket + LEVELED_TICKET
+      place_in_org(tenant, user, share_of(tenant .. '/' .. user, user_share), ticket)
+    end
+    return ticket
+  end
+
+  -- A two-level waiter back in line at the ticket it was given before (it left, or lapsed): the
+  -- ticket marked again as a two-level one, and a user tag placed anew.
+  returning_to_org = function(share_and_tenant, ticket)
+    local _, org, user_share, user = string.match(share_and_tenant, '^([^|]+)|([^|]*)|([^|]+)|(.*)$')
+    if not org then
+      return ticket
+    end
+    ticket = math.floor(ticket) + LEVELED_TICKET
+    place_in_org(org, user, share_of(org .. '/' .. user, user_share), ticket)
+    return ticket
   end
 end
 
@@ -356,10 +414,12 @@ else
   end
   if not ticket then
     if tenant_arg ~= '' then
-      ticket = tenant_ticket(now, tenant_arg) - priority_ms * 1024
+      ticket = tenant_ticket(now, tenant_arg)
     else
       ticket = new_ticket(now - priority_ms)
     end
+  elseif tenant_arg ~= '' then
+    ticket = returning_to_org(tenant_arg, ticket)
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
