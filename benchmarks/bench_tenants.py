@@ -17,6 +17,10 @@ own redis-server on a free loopback port and runs, in interleaved rounds:
   starts org "one" got (the target: no less than half), and the same threads with the user
   names alone as one-level tenants for comparison. And the flood inside one org: user A of org
   "acme" sends the flood, user B of acme the 20 a second later (``tenant=("acme", user)``).
+* ``cost`` (not in the default set): a line of ``--waiters`` (100,000) behind one held slot,
+  over 10 tenants, over 10,000, over 10 users of 10 orgs and over 10,000 users of 100 orgs:
+  the server time of a join and of a hand-off cycle (a release offering the slot, and the
+  claim), from INFO commandstats (``tests/line_cost.py``), and their ratios to 10 tenants'.
 
 What it shows is the order the acquire script gives; the threads hold the slot with a sleep, so
 the machine's speed shows only in the hand-off between one call and the next.
@@ -38,6 +42,7 @@ import redis
 
 from celery_semaphore import FairSemaphore
 from celery_semaphore._core.tenants import Tenant
+from tests.line_cost import line_cost
 from tests.redis_server import RedisServer
 
 LIMIT = 4
@@ -47,6 +52,14 @@ B_CALLS = 20
 B_AFTER = 1.0
 # levels: threads per org; org "one" asks under one user name, org "fifty" under one a thread
 ORG_THREADS = {"one": 50, "fifty": 50}
+# cost: the lines measured, by what their waiters ask as (the first is the baseline)
+COST_LINES: dict[str, Callable[[int], Tenant | None]] = {
+    "10 tenants": lambda n: f"t{n % 10}",
+    "10,000 tenants": lambda n: f"t{n % 10_000}",
+    "10 users of 10 orgs": lambda n: (f"o{n % 10}", f"u{n % 10}"),
+    "10,000 users of 100 orgs": lambda n: (f"o{n % 100}", f"u{(n // 100) % 100}"),
+    "no tenant": lambda n: None,
+}
 
 
 @dataclass
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", type=int, default=1000, help="tenant A's calls in the flood (default 1000)")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the equal and shares runs")
     parser.add_argument("--scenarios", default="flood,equal,shares,levels")
+    parser.add_argument("--waiters", type=int, default=100_000, help="the line's length in the cost scenario")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
@@ -216,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                 runs["flood-in-org"] = lambda r=round_: flood(
                     client, f"flood-in-org-{r}", calls=args.flood, fair=True, org="acme"
                 )
+            if "cost" in scenarios:
+                for label, tenant_of in COST_LINES.items():
+
+                    def cost(tenant_of: Callable[[int], Tenant | None] = tenant_of) -> dict[str, float]:
+                        measured = line_cost(client, "cost", args.waiters, tenant_of)
+                        return {"join_us": measured.join_us, "cycle_us": measured.cycle_us}
+
+                    runs[f"cost {label}"] = cost
             for name, run in runs.items():
                 outcome = run()
                 results.setdefault(name, []).append(outcome)
@@ -244,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"shares 3:1: the share-3 tenant's starts {spread([r['big_share'] for r in results['shares']], 100, 1)} %"
         )
+    for label in COST_LINES:
+        name = f"cost {label}"
+        if name in results:
+            base = results[f"cost {next(iter(COST_LINES))}"]
+            join = [r["join_us"] / b["join_us"] for r, b in zip(results[name], base, strict=True)]
+            cycle = [r["cycle_us"] / b["cycle_us"] for r, b in zip(results[name], base, strict=True)]
+            print(
+                f"{args.waiters} waiters over {label}: join {spread([r['join_us'] for r in results[name]], 1, 1)} us"
+                f" ({spread(join, 1, 2)}x), release + claim {spread([r['cycle_us'] for r in results[name]], 1, 1)} us"
+                f" ({spread(cycle, 1, 2)}x)"
+            )
     for name, what in (("levels", "two levels"), ("levels-users-alone", "the user names alone as tenants")):
         if name in results:
             print(

@@ -23,6 +23,7 @@ from celery_semaphore import AsyncFairSemaphore, ConfigurationError, FairSemapho
 from celery_semaphore._core.attempts import Ask, new_token
 from celery_semaphore._core.tenants import Tenant
 
+from ..line_cost import line_cost
 from ..redis_server import RedisServer
 from ..waiting import wait_until
 
@@ -614,3 +615,25 @@ def test_coroutines_take_two_levels_as_threads_do(redis_server: RedisServer) -> 
 
     started = asyncio.run(main())
     assert started.index("b0") < started.index("a2"), started
+
+
+# -- cost ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_line_of_100000_waiters_costs_the_same_over_10000_tenants_as_over_10(own_redis: RedisServer) -> None:
+    """100,000 waiters over 10 tenants, then over 10,000 tenants, then over 10,000 users of 100
+    orgs (two levels) against 10 users of 10 orgs: a join, and a release handing the slot on
+    with its claim, stay within 2x of the server time with 10 (median of 5 rounds of 100), and
+    a hand-off cycle makes the same Redis calls whatever the number of tenants."""
+    client = own_redis.client()
+    ten = line_cost(client, "cost", 100_000, lambda n: f"t{n % 10}")
+    many = line_cost(client, "cost", 100_000, lambda n: f"t{n % 10_000}")
+    assert many.join_us <= 2 * ten.join_us, (ten, many)
+    assert many.cycle_us <= 2 * ten.cycle_us, (ten, many)
+    assert many.cycle_calls == ten.cycle_calls, (ten, many)
+    few_users = line_cost(client, "cost", 100_000, lambda n: (f"o{n % 10}", f"u{n % 10}"))
+    many_users = line_cost(client, "cost", 100_000, lambda n: (f"o{n % 100}", f"u{(n // 100) % 100}"))
+    assert many_users.join_us <= 2 * few_users.join_us, (few_users, many_users)
+    assert many_users.cycle_us <= 2 * few_users.cycle_us, (few_users, many_users)
+    client.close()
