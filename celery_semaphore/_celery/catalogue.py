@@ -116,6 +116,7 @@ def _semaphore(
         shares=config.shares,
         max_waiters=max_waiters,
         on_full=on_full,
+        per_tenant=rule.per_tenant,
     )
 
 

@@ -42,6 +42,8 @@ class LimitRule:
     # a full-line policy from semaphore_limits, which wins over the task's options; None: the
     # task's own (semaphore_max_waiters, semaphore_on_full)
     full_line: tuple[int, str] | None = None
+    # most slots one tenant's calls may hold (semaphore_limits' per_tenant); None: no cap
+    per_tenant: int | None = None
 
     @property
     def full_line_setting(self) -> dict[str, Any]:
@@ -61,6 +63,7 @@ class KeyRules:
     rate: Rate | None = None
     spacing: float | None = None
     full_line: tuple[int, str] | None = None  # (max_waiters, on_full)
+    per_tenant: int | None = None
     names: frozenset[str] = frozenset({"limit"})  # the parts the entry gives
 
 
@@ -106,7 +109,8 @@ class SemaphoreConfig:
         if limit is None and rate is None and spacing is None:
             return None
         full_line = entry.full_line if entry is not None else None
-        return LimitRule(limit, source or f"{task_name}.semaphore_limit", rate, spacing, full_line)
+        per_tenant = entry.per_tenant if entry is not None else None
+        return LimitRule(limit, source or f"{task_name}.semaphore_limit", rate, spacing, full_line, per_tenant)
 
     def _entry_for(self, key: str, task_name: str) -> tuple[KeyRules | None, str | None]:
         for name in (key, task_name):
@@ -163,14 +167,15 @@ def parse_limits(value: Any) -> tuple[dict[str, KeyRules], tuple[tuple[str, KeyR
     return exact, tuple(globs)
 
 
-_RULE_NAMES = frozenset({"limit", "rate", "spacing", "max_waiters", "on_full"})
+_RULE_NAMES = frozenset({"limit", "rate", "spacing", "max_waiters", "on_full", "per_tenant"})
 # the full-line policies a setting may name: "keep_latest" needs the task's coalesce key
 _SETTING_ON_FULL = ("reject", "drop_oldest")
 
 
 def parse_key_rules(setting: str, value: Any) -> KeyRules:
     """An int (the concurrency limit), or a mapping of ``limit``, ``rate``, ``spacing``,
-    ``max_waiters`` and ``on_full``: each checked here, at start, and named in the error."""
+    ``max_waiters`` and ``on_full``, ``per_tenant``: each checked here, at start, and named in
+    the error."""
     if not isinstance(value, Mapping):
         return KeyRules(limit=check_limit(setting, value))
     unknown = set(value) - _RULE_NAMES
@@ -178,7 +183,8 @@ def parse_key_rules(setting: str, value: Any) -> KeyRules:
         raise ConfigurationError(
             setting,
             value,
-            f"unknown part {sorted(map(str, unknown))[0]!r}: expected limit, rate, spacing, max_waiters and on_full",
+            f"unknown part {sorted(map(str, unknown))[0]!r}: expected limit, rate, spacing, max_waiters, on_full"
+            " and per_tenant",
         )
     if not set(value) & {"limit", "rate", "spacing"}:
         raise ConfigurationError(setting, value, "expected at least one of limit, rate and spacing")
@@ -188,6 +194,7 @@ def parse_key_rules(setting: str, value: Any) -> KeyRules:
         rate=check_rate(f"{setting}['rate']", value.get("rate")),
         spacing=check_spacing(f"{setting}['spacing']", value.get("spacing")),
         full_line=_full_line(setting, value),
+        per_tenant=None if "per_tenant" not in value else check_limit(f"{setting}['per_tenant']", value["per_tenant"]),
         names=frozenset(value),
     )
 

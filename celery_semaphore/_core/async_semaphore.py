@@ -89,8 +89,9 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
         self, label: str | None = None, *, once: bool, tenant: Tenant | None = None, priority: float = 0
     ) -> Ask:
         token = new_token()
-        if once:  # a try that never queues takes no place: tenant and priority do not matter
-            return Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True)
+        if once:  # a try that never queues takes no place: only a cap per tenant needs its tenant
+            tenant = tenant if self.per_tenant is not None else None
+            return Ask(token=token, waiter=token, enqueue=False, label=label, fresh=True, tenant=tenant)
         return Ask(token=token, waiter=new_token(), label=label, fresh=True, tenant=tenant, priority=priority)
 
     async def try_acquire(

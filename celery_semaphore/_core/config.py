@@ -51,6 +51,7 @@ class SemaphoreConfig(Generic[ClientT]):
         shares: Mapping[str, float] | Shares | None = None,
         max_waiters: int | None = None,
         on_full: str = "reject",
+        per_tenant: int | None = None,
     ) -> None:
         self.client: ClientT = self._accept(client)
         self.name = check_semaphore_name("name", name)
@@ -59,7 +60,9 @@ class SemaphoreConfig(Generic[ClientT]):
         if limit is None and self.rate is None and self.spacing is None:
             raise ConfigurationError("limit", limit, "a semaphore needs a limit, a rate or a spacing")
         self.limit = UNLIMITED if limit is None else check_limit("limit", limit)
-        self.rules = Rules(self.limit, self.rate, self.spacing)
+        # most slots the calls of one tenant may hold (with two levels, one org's)
+        self.per_tenant = None if per_tenant is None else check_limit("per_tenant", per_tenant)
+        self.rules = Rules(self.limit, self.rate, self.spacing, self.per_tenant)
         self.lease = check_seconds("lease", lease)
         self.prefix = check_prefix("prefix", prefix)
         self.patience = check_seconds("patience", patience)
@@ -103,6 +106,13 @@ class SemaphoreConfig(Generic[ClientT]):
             return None
         priority = priority_ms("priority", ask.priority) if ask.priority else 0
         return LineArgs(self._tenant_arg(ask.tenant), priority, full)
+
+    def _one_try_line(self, tenant: Tenant | None) -> LineArgs | None:
+        """What a one-shot try sends of its tenant: only under a cap per tenant, which a try that
+        takes no place in line must still respect."""
+        if self.per_tenant is None or tenant is None:
+            return None
+        return LineArgs(self._tenant_arg(tenant))
 
     def _full_line_error(self, evicted: bool) -> SemaphoreUnavailable:
         """The error of a call its full line refused (LINE_FULL) or evicted (EVICTED)."""

@@ -92,16 +92,18 @@ class Rules:
     limit: int
     rate: Rate | None = None
     spacing: float | None = None
+    per_tenant: int | None = None  # most slots one tenant's calls may hold (None: no cap)
 
     @functools.cached_property
     def arg(self) -> bytes:
-        """The rules as every script reads them: ``<limit>``, or with a rate or a spacing
-        ``<limit>/<rate count>/<rate ms>/<spacing ms>`` (0 for none)."""
-        if self.rate is None and self.spacing is None:
+        """The rules as every script reads them: ``<limit>``, or with a rate, a spacing or a cap
+        per tenant ``<limit>/<rate count>/<rate ms>/<spacing ms>[/<per tenant>]`` (0 for none)."""
+        if self.rate is None and self.spacing is None and self.per_tenant is None:
             return b"%d" % self.limit
         count, period_ms = (self.rate.count, to_ms(self.rate.period)) if self.rate is not None else (0, 0)
         spacing_ms = to_ms(self.spacing) if self.spacing is not None else 0
-        return b"%d/%d/%d/%d" % (self.limit, count, period_ms, spacing_ms)
+        arg = b"%d/%d/%d/%d" % (self.limit, count, period_ms, spacing_ms)
+        return arg if self.per_tenant is None else arg + b"/%d" % self.per_tenant
 
     @property
     def gated(self) -> bool:

@@ -63,13 +63,13 @@ REST_OF_LIB = "-- @rest-of-lib\n"
 @functools.cache
 def built_script(package: str, name: str) -> str:
     """The full text of script ``name`` of ``package``'s ``lua/`` folder as Redis runs it: this
-    library's shared helpers (``lua/_lib.lua``, with ``lua/_levels.lua`` at the head of its
+    library's shared helpers (``lua/_lib.lua``, with ``lua/_tenants.lua`` at the head of its
     rest), then its body. The helpers after ``REST_OF_LIB``
     go where the body has that line, else in front of it. A package that drives the semaphore's
     keys with scripts of its own builds them here, on the same key schema and storage format."""
     library = importlib.resources.files(_LIBRARY) / "lua"
     first, rest = (library / "_lib.lua").read_text(encoding="utf-8").split(REST_OF_LIB)
-    rest = (library / "_levels.lua").read_text(encoding="utf-8") + "\n" + rest
+    rest = (library / "_tenants.lua").read_text(encoding="utf-8") + "\n" + rest
     body = (importlib.resources.files(package) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
     if REST_OF_LIB in body:
         return first + "\n" + body.replace(REST_OF_LIB, REST_OF_LIB + rest)

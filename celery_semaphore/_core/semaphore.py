@@ -116,6 +116,11 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
     asking keeps its place in line. ``limit`` applies unless a runtime override is stored in
     Redis (``set_limit``).
 
+    ``per_tenant``: most slots the calls of one tenant may hold at once (with two levels, one
+    org's). A free slot then passes over the waiters of a tenant that holds its cap to the
+    next waiter of another one, so the cap never leaves a slot idle while another tenant waits
+    near the head of the line (the first 32 present waiters are looked at).
+
     ``hash_tag``: on a Redis Cluster every key of a semaphore lives in the slot of its name;
     semaphores given the same ``hash_tag`` share one slot instead, so that a ``MultiSemaphore``
     can take slots of all of them in one atomic script. The cost: that whole family is served by
@@ -170,8 +175,10 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             tenant=tenant,
             priority=priority,
             # a token made here needs no checking: straight to the one round trip (a try that
-            # never queues takes no place, so its tenant does not matter)
-            one_try=lambda: self._attempt(token, token, self._patience_ms, False, True, label, None, "", "", 0),
+            # never queues takes no place, so its tenant matters only to a cap per tenant)
+            one_try=lambda: self._attempt(
+                token, token, self._patience_ms, False, True, label, None, "", "", 0, self._one_try_line(tenant)
+            ),
         )
 
     def _ask_once(self, waiter: str | None, token: str | None, enqueue: bool, label: str | None) -> Ask:

@@ -50,7 +50,9 @@ WEIGHT_MARK = "*"  # "<token>*<w>" holds w slots; "*<w>*<id>" waits for w slots 
 EXTRA_SLOT_MARK = "#"  # holders: "<token>#<k>" is slot k (2..w) of a weighted holder
 HOLDER_FIELD = "h:"  # holder_info: "h:<token>" -> "<granted ms>|<label>"
 WAITER_FIELD = "w:"  # waiter_info: "w:<waiter>" -> "<first ask ms>|<wake address>"
-LEVEL_FIELD = "l:"  # waiter_info: "l:<waiter>" -> the org of a waiter of two-level tenants
+TENANT_FIELD = "t:"  # waiter_info: "t:<waiter>" -> its tenant (the org of two levels), kept for a
+# two-level waiter and, on a key with a per_tenant cap, for every waiter with a tenant
+HELD_FIELD = "held:"  # holder_info: "held:<tenant>" -> a JSON list of its slots (tokens, "!<waiter>")
 PARKED_MARK = ">"  # waiter_info: "<first ask ms>|><wake address>" is a parked waiter's
 HOLD_FIELD = "hold"  # waiter_info: the moving average of hold times (ms)
 INFO_SEPARATOR = "|"  # between the parts of a holder_info or waiter_info value

@@ -110,9 +110,30 @@ def test_a_key_may_cap_its_line_in_the_settings_and_the_cap_reaches_its_semaphor
     assert uncapped.max_waiters is None  # type: ignore[union-attr]
 
 
+def test_a_cap_per_tenant_in_the_settings_reaches_the_keys_semaphore() -> None:
+    """per_tenant in an entry: most slots one tenant's calls may hold of that key, passed to
+    the scripts in the rules of every call; a key without it has no cap."""
+    app = make_app(
+        semaphore_limits={"api": {"limit": 5, "per_tenant": 2}, "other": 2},
+        semaphore_backend_url="redis://127.0.0.1:1/1",
+    )
+
+    @app.task(base=SemaphoreTask, semaphore_key="{name}", semaphore_fair_by="{customer}", shared=False, lazy=False)
+    def call(name: str, customer: str) -> None: ...
+
+    rule = config_for(app).limit_for("api", call.name, call)
+    assert rule is not None and rule.per_tenant == 2
+    capped = semaphore_for_call(call, ("api", "acme"), {})
+    assert capped.per_tenant == 2 and capped.rules.arg == b"5/0/0/0/2"  # type: ignore[union-attr]
+    uncapped = semaphore_for_call(call, ("other", "acme"), {})
+    assert uncapped.per_tenant is None and uncapped.rules.arg == b"2"  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("entry", "part", "says"),
     [
+        ({"limit": 5, "per_tenant": 0}, "['per_tenant']", ""),
+        ({"limit": 5, "per_tenant": "2"}, "['per_tenant']", ""),
         ({"limit": 5, "max_waiters": 10}, "['on_full']", 'expected "reject" or "drop_oldest"'),
         ({"limit": 5, "on_full": "reject"}, "['on_full']", "needs max_waiters"),
         ({"limit": 5, "max_waiters": 10, "on_full": "keep_latest"}, "['on_full']", "semaphore_coalesce_by"),

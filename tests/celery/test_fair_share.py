@@ -111,6 +111,41 @@ def test_a_late_user_of_an_org_is_served_soon_and_a_second_org_gets_its_half(pro
     assert proj.probe(key).maximum == 1
 
 
+def intervals(proj: Any, key: str) -> list[tuple[float, float]]:
+    """Each run of the probe ``key``: (start, end), in the probe's clock."""
+    client = proj.probe(key).client
+    starts = {e.split()[0]: float(e.split()[1]) for e in client.lrange(f"probe:{key}:starts", 0, -1)}
+    ends = {e.split()[0]: float(e.split()[1]) for e in client.lrange(f"probe:{key}:ends", 0, -1)}
+    return [(starts[task_id], ends[task_id]) for task_id in starts]
+
+
+def most_at_once(runs: list[tuple[float, float]]) -> int:
+    events = sorted([(start, 1) for start, _ in runs] + [(end, -1) for _, end in runs])
+    most = running = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.workers
+def test_a_customer_holds_at_most_its_cap_and_the_other_takes_the_free_slot(proj: Any) -> None:
+    """semaphore_limits {"proj.fair_capped": {"limit": 3, "per_tenant": 2}}: customer A sends 8
+    tasks, B then 2. A never runs more than 2 at once; B's tasks take the third slot while A's
+    wait, so B's first starts before A's fourth; all 3 slots are used while both wait."""
+    a_results = send_and_wait_in_line(proj, "cap-A", "A", 8, 6, first_holds=0.6, task="fair_capped")
+    b_results = [proj.fair_capped.apply_async((0.6,), {"customer": "B", "key": "cap-B"}, queue=QUEUE) for _ in range(2)]
+    for result in a_results + b_results:
+        result.get(timeout=120)
+    a_runs, b_runs = intervals(proj, "cap-A"), intervals(proj, "cap-B")
+    assert len(a_runs) == 8 and len(b_runs) == 2, "each ran once"
+    assert most_at_once(a_runs) <= 2
+    assert most_at_once(a_runs + b_runs) == 3
+    # B's first start passes A's backlog (with the cap and no passing-over, it would come after
+    # A's last start, or never while A waits)
+    assert min(start for start, _ in b_runs) < sorted(start for start, _ in a_runs)[3]
+
+
 @pytest.mark.workers
 def test_shares_from_the_settings_give_a_customer_three_starts_for_one(proj: Any) -> None:
     """semaphore_shares {"big:*": 3}: with both customers waiting, big:co gets three of every

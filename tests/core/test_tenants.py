@@ -20,7 +20,8 @@ import redis
 import redis.asyncio
 
 from celery_semaphore import AsyncFairSemaphore, ConfigurationError, FairSemaphore, SemaphoreUnavailable
-from celery_semaphore._core.attempts import Ask, new_token
+from celery_semaphore._core import renewer
+from celery_semaphore._core.attempts import Ask, Granted, new_token
 from celery_semaphore._core.tenants import Tenant
 
 from ..line_cost import line_cost
@@ -520,7 +521,7 @@ def test_two_level_waiters_leave_nothing_behind_once_served(redis_client: redis.
     serving.serve(6)
     assert not redis_client.exists(levels)
     fields: list[bytes] = redis_client.hkeys(serving.semaphore.keys.waiter_info)  # type: ignore[assignment]
-    assert not [field for field in fields if field.startswith(b"l:")]
+    assert not [field for field in fields if field.startswith(b"t:")]
 
 
 def test_plain_one_level_and_two_level_waiters_share_one_line(redis_client: redis.Redis) -> None:
@@ -615,6 +616,119 @@ def test_coroutines_take_two_levels_as_threads_do(redis_server: RedisServer) -> 
 
     started = asyncio.run(main())
     assert started.index("b0") < started.index("a2"), started
+
+
+# -- a cap per tenant ---------------------------------------------------------------------------
+
+
+class Capped:
+    """A key of limit 3 with a cap of 2 slots per tenant, its three slots held by plain
+    holders, and waiters joined by hand; ``free_one`` gives one plain slot back and reports
+    who the hand-off offered it to."""
+
+    def __init__(self, client: redis.Redis, shares: dict[str, float] | None = None) -> None:
+        self.semaphore = FairSemaphore(client, "capped", 3, per_tenant=2, shares=shares, patience=60)
+        self.plain = [new_token() for _ in range(3)]
+        for token in self.plain:
+            assert self.semaphore._try(Ask(token=token, waiter=new_token())).granted
+        self.client = client
+
+    def join(self, waiter: str, tenant: Tenant | None) -> None:
+        join(self.semaphore, waiter, tenant)
+
+    def offered(self) -> set[str]:
+        holders: list[bytes] = self.client.zrange(self.semaphore.keys.holders, 0, -1)  # type: ignore[assignment]
+        return {member.decode()[1:] for member in holders if member.startswith(b"!")}
+
+    def free_one(self) -> set[str]:
+        before = self.offered()
+        assert self.semaphore.release(self.plain.pop())
+        return self.offered() - before
+
+    def claim(self, waiter: str, tenant: Tenant | None) -> str:
+        token = new_token()
+        assert self.semaphore._try(Ask(token=token, waiter=waiter, tenant=tenant, patience=60)).granted
+        return token
+
+
+def test_a_tenant_at_its_cap_is_passed_over_for_the_next_tenant_in_line(redis_client: redis.Redis) -> None:
+    """Share 10 puts A's six calls before B's two; the cap (2) gives A the first two freed
+    slots, and the third to B's first call, not to A's third: no slot idles while B waits."""
+    capped = Capped(redis_client, shares={"A": 10})
+    for n in range(6):
+        capped.join(f"a{n}", "A")
+    for n in range(2):
+        capped.join(f"b{n}", "B")
+    assert line(capped.semaphore)[:3] == ["a0", "a1", "a2"]
+    assert capped.free_one() == {"a0"}
+    assert capped.free_one() == {"a1"}
+    assert capped.free_one() == {"b0"}
+    # A's two offers are claimed: its holders stay at the cap, its next call waits on
+    a0 = capped.claim("a0", "A")
+    capped.claim("a1", "A")
+    capped.claim("b0", "B")
+    # a holder of A gives its slot back: A is below its cap again, and its next call comes first
+    assert capped.semaphore.release(a0)
+    assert capped.offered() == {"a2"}
+
+
+def test_a_cap_leaves_a_slot_free_only_while_no_other_tenant_waits(redis_client: redis.Redis) -> None:
+    """Only A waits: its third call waits though a slot is free (the cap holds), and a call of
+    B that comes then takes the free slot at once; so does a call without a tenant."""
+    capped = Capped(redis_client)
+    for n in range(3):
+        capped.join(f"a{n}", "A")
+    assert capped.free_one() == {"a0"}
+    assert capped.free_one() == {"a1"}
+    assert capped.free_one() == set()  # A holds its cap: the slot stays free
+    assert capped.offered() == {"a0", "a1"}  # the two slots A holds (offered, not claimed yet)
+    b = capped.semaphore._try(Ask(token=new_token(), waiter="b0", tenant="B", patience=60))
+    assert b.granted
+    # a one-shot try of A is refused by the cap too, though it takes no place in line
+    with pytest.raises(SemaphoreUnavailable):
+        capped.semaphore.acquire(timeout=0, tenant="A")
+
+
+def test_a_one_shot_try_respects_the_cap(redis_client: redis.Redis) -> None:
+    semaphore = FairSemaphore(redis_client, "one-shot-cap", 5, per_tenant=1)
+    first = semaphore.acquire(timeout=0, tenant="A")
+    with pytest.raises(SemaphoreUnavailable):
+        semaphore.acquire(timeout=0, tenant="A")
+    other = semaphore.acquire(timeout=0, tenant="B")
+    plain = semaphore.acquire(timeout=0)
+    first.release()
+    again = semaphore.acquire(timeout=0, tenant="A")  # A's holder gave its slot back
+    for lease in (other, plain, again):
+        lease.release()
+
+
+def test_a_cap_counts_an_orgs_slots_whatever_its_users(redis_client: redis.Redis) -> None:
+    """With two levels the cap is the org's: two users of one org share its two slots."""
+    capped = Capped(redis_client, shares={"big": 10})
+    capped.join("u0", ("big", "u"))
+    capped.join("v0", ("big", "v"))
+    capped.join("w0", ("big", "w"))
+    capped.join("s0", ("small", "s"))
+    offers = capped.free_one() | capped.free_one() | capped.free_one()
+    assert offers == {"u0", "v0", "s0"}, offers
+
+
+def test_a_lapsed_holder_no_longer_counts_against_its_tenants_cap(redis_server: RedisServer) -> None:
+    """The slots of a tenant are counted from the holders themselves: a holder whose process
+    died without a release (its renewals stopped) stops counting when its lease lapses, and the
+    tenant's next call gets the slot."""
+    client = redis_server.client()
+    semaphore = FairSemaphore(client, "lapse-cap", 5, per_tenant=1, lease=1, patience=60)
+    attempt = semaphore._try(Ask(token=new_token(), waiter=new_token(), tenant="A"))
+    assert isinstance(attempt, Granted)
+    renewer.forget(attempt.lease)  # what a killed process does: no more renewals
+    join(semaphore, "a1", "A")  # waits: A holds its cap
+    wait_until(
+        lambda: semaphore._try(Ask(token=new_token(), waiter="a1", tenant="A", patience=60)).granted,
+        timeout=10,
+        what="A's next call to get the slot of its lapsed holder",
+    )
+    client.close()
 
 
 # -- cost ---------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ app.conf.update(
         "bench:*": 3,
         # a line capped in the settings, not in the task's options
         "proj.capped_by_settings": {"limit": 1, "max_waiters": 2, "on_full": "reject"},
+        # at most 2 of the 3 slots for one customer
+        "proj.fair_capped": {"limit": 3, "per_tenant": 2},
     },
     semaphore_shares={"big:*": 3},
 )
@@ -236,6 +238,11 @@ def _line_task(name: str, doc: str, **options: Any) -> Any:
 
 
 fair = _line_task("proj.fair", "Placed in line by its customer's share.", semaphore_fair_by="{customer}")
+fair_capped = _line_task(
+    "proj.fair_capped",
+    "Placed in line by its customer's share; one customer holds at most 2 of the 3 slots.",
+    semaphore_fair_by="{customer}",
+)
 fair_in_org = _line_task(
     "proj.fair_in_org",
     "Placed in line by its org's share, then served by its user's share inside the org.",

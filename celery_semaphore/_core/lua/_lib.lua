@@ -42,8 +42,7 @@
 --   KEYS[12] run_expiry  ZSET   run id -> when its record is forgotten (server ms), counted from
 --                               its grant, pushed on by each renewal of its lease, and counted
 --                               again from its release
--- One more key, "<base>:levels", is never passed: _levels.lua names it from KEYS[1].
--- No ARGV is shared: each script documents its own.
+-- "<base>:levels" is never passed: _tenants.lua names it from KEYS[1]. No ARGV is shared.
 --
 -- Time is Redis server time only (TIME): client clocks never decide a deadline.
 -- Every key a script writes gets an expiry in the same script ("extend"), never shorter than
@@ -89,7 +88,8 @@ local OFFER_MARK = '!'
 local EXTRA_SLOT_MARK = '#'
 local HOLDER_FIELD = 'h:'
 local WAITER_FIELD = 'w:'
-local LEVEL_FIELD = 'l:'
+local TENANT_FIELD = 't:'
+local HELD_FIELD = 'held:'
 local HOLD_FIELD = 'hold'
 local INFO_SEPARATOR = '|'
 local PARKED_MARK = '>'
@@ -127,20 +127,21 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The rules in force on this semaphore, from "spec" (what the caller's code declares:
--- "<limit>", or "<limit>/<rate count>/<rate ms>/<spacing ms>" with 0 for none) and the runtime
+-- The rules in force on this semaphore, from "spec" (what the caller's code declares: "<limit>",
+-- or "<limit>/<rate count>/<rate ms>/<spacing ms>[/<per tenant>]", 0 for none) and the runtime
 -- overrides stored in K_LIMIT and K_GATE (one MGET: the same one call that reading the limit
 -- alone cost). Returns a table: limit; rate_n starts at most in any rate_ms (0: no rate);
 -- spacing_ms at least between two starts (0: none); paused_until (server ms, 0: not paused);
--- gated: whether any of the last three holds starts back, which only then costs calls.
+-- gated: whether any of the last three holds starts back, which only then costs calls;
+-- per_tenant: most slots one tenant's waiters may hold (0: no cap, see _tenants.lua).
 local function rules_in_force(spec, now)
-  local limit, rate_n, rate_ms, spacing_ms = string.match(spec, '^(%d+)/(%d+)/(%d+)/(%d+)$')
+  local limit, rate_n, rate_ms, spacing_ms, per_tenant = string.match(spec, '^(%d+)/(%d+)/(%d+)/(%d+)/?(%d*)$')
   local r
   if limit then
     r = {limit = tonumber(limit), rate_n = tonumber(rate_n), rate_ms = tonumber(rate_ms),
-         spacing_ms = tonumber(spacing_ms), paused_until = 0}
+         spacing_ms = tonumber(spacing_ms), paused_until = 0, per_tenant = tonumber(per_tenant) or 0}
   else
-    r = {limit = tonumber(spec), rate_n = 0, rate_ms = 0, spacing_ms = 0, paused_until = 0}
+    r = {limit = tonumber(spec), rate_n = 0, rate_ms = 0, spacing_ms = 0, paused_until = 0, per_tenant = 0}
   end
   local stored = redis.call('MGET', K_LIMIT, K_GATE)
   if stored[1] then
@@ -214,14 +215,10 @@ local function record_start(r, now, weight)
 end
 
 -- Make sure "key" lives at least ttl_ms more, never shortening a longer expiry (holders with
--- different lease lengths share the key). One PTTL when the expiry already covers ttl_ms, as it
--- does for most writes under load; otherwise the expiry moves to ttl_ms and a quarter more
--- (EXTEND_AHEAD), so that the writes that follow within that quarter find it covered in turn.
--- (A PEXPIRE on every write cost one call each, and two within one millisecond, where PEXPIRE
--- GT refuses the same deadline and a PTTL had to tell "covered" from "no expiry": 3.2 calls per
--- grant at 10 clients on a key of limit 5, 2.0 now.) A key so outlives the last deadline it
--- holds by GRACE_MS and at most a quarter of its ttl more. is_new: the script created the key,
--- so it has no expiry yet (no PTTL needed).
+-- different lease lengths share the key): one PTTL when the expiry covers ttl_ms, as for most
+-- writes under load; otherwise the expiry moves to ttl_ms and a quarter more (EXTEND_AHEAD), so
+-- the writes within that quarter find it covered in turn (docs/design.md, "Key expiry"). is_new:
+-- the script created the key, so it has no expiry yet (no PTTL needed).
 local EXTEND_AHEAD = 0.25
 local function extend(key, ttl_ms, is_new)
   if not is_new then
@@ -429,10 +426,12 @@ local function wake_address(waiter)
   return nil
 end
 
-local function prefixed(items, prefix)
+-- Each of "items" behind "prefix" (then each behind "second", if given).
+local function prefixed(items, prefix, second)
   local out = {}
   for i = 1, #items do
     out[i] = prefix .. items[i]
+    out[#items + i] = second and second .. items[i] or nil
   end
   return out
 end
@@ -454,7 +453,7 @@ local function drop_waiter(waiter)
   local left = redis.call('ZREM', K_QUEUE, waiter)
   redis.call('ZREM', K_PRESENT, waiter)
   redis.call('ZREM', K_DEADLINES, waiter)
-  redis.call('HDEL', K_WAITER_INFO, WAITER_FIELD .. waiter, LEVEL_FIELD .. waiter)
+  redis.call('HDEL', K_WAITER_INFO, WAITER_FIELD .. waiter, TENANT_FIELD .. waiter)
   forget_line_if_empty()
   return left
 end
@@ -487,11 +486,7 @@ local function purge(now)
     redis.call('ZREM', K_DEADLINES, unpack(gone))
     redis.call('ZREM', K_QUEUE, unpack(gone))
     redis.call('ZREM', K_PRESENT, unpack(gone))
-    local fields = prefixed(gone, WAITER_FIELD)
-    for i = 1, #gone do
-      fields[#gone + i] = LEVEL_FIELD .. gone[i]
-    end
-    redis.call('HDEL', K_WAITER_INFO, unpack(fields))
+    redis.call('HDEL', K_WAITER_INFO, unpack(prefixed(gone, WAITER_FIELD, TENANT_FIELD)))
     -- an offer never outlives its waiter's place (its claim deadline is capped by it), but a
     -- waiter that lapsed must not keep a slot either way
     freed = freed + redis.call('ZREM', K_HOLDERS, unpack(prefixed(gone, OFFER_MARK)))
@@ -574,37 +569,43 @@ local function hand_off(now, r, except, size)
       free = allowed
     end
   end
-  -- the first "free" present waiters, with their tickets; with a two-level one among them, one
-  -- at a time (see _levels.lua)
-  local first = redis.call('ZRANGE', K_PRESENT, 0, free - 1, 'WITHSCORES')
+  -- the first present waiters with their tickets (see _tenants.lua for caps and two levels)
+  local caps = r.per_tenant > 0 and {} or nil
+  local first = present_window(caps, free)
   local one_by_one = any_leveled(first)
   local latest, chosen, offered, delayed = 0, false, 0, 0
   local i = 1
   while i < #first and free > 0 do
-    local waiter = one_by_one and org_turn(first[i], first[i + 1]) or first[i]
-    local weight = multi_weight(waiter)
-    if weight then
-      -- a waiter of several slots or semaphores heads the rest of the line: it is told when
-      -- its weight fits here, and nobody behind it is served before it
-      if free >= weight then
-        notify(wake_address(waiter), waiter)
-      end
-      free = 0
-      break
-    end
-    if waiter == except and opens_at == now then
-      chosen = true  -- stays present until its caller grants it
+    local waiter = first[i]
+    local capped, tenant = capped_out(caps, waiter, r, now)
+    if capped or (chosen and waiter == except) then
+      i = i + 2  -- its tenant holds its cap, or it was granted in its own script
     else
-      latest = math.max(latest, offer(waiter, now, opens_at, waiter ~= except))
-      offered = offered + 1
-      if waiter == except then
-        delayed = opens_at - now
+      waiter = one_by_one and org_turn(waiter, first[i + 1]) or waiter
+      local weight = multi_weight(waiter)
+      if weight then
+        -- a waiter of several slots or semaphores heads the line: told when its weight fits
+        if free >= weight then
+          notify(wake_address(waiter), waiter)
+        end
+        free = 0
+        break
       end
-    end
-    free = free - 1
-    i = i + 2
-    if one_by_one and free > 0 then
-      first, i = present_head(chosen and except)
+      if waiter == except and opens_at == now then
+        chosen = true  -- stays present until its caller grants it
+      else
+        latest = math.max(latest, offer(waiter, now, opens_at, waiter ~= except))
+        offered = offered + 1
+        if waiter == except then
+          delayed = opens_at - now
+        end
+      end
+      note_given(caps, tenant, waiter, not chosen or waiter ~= except, now)
+      free = free - 1
+      i = i + 2
+      if one_by_one and free > 0 then
+        first, i = present_window(caps, free + 1), 1
+      end
     end
   end
   if offered > 0 then

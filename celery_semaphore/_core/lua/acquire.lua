@@ -136,7 +136,7 @@ if fresh then
   r = rules_in_force(spec, now)
   size = redis.call('ZCARD', K_HOLDERS)
   if size < r.limit and redis.call('ZCARD', r.gated and K_QUEUE or K_PRESENT) == 0
-      and (not r.gated or gate_wait(r, now, 1) == 0) then
+      and (not r.gated or gate_wait(r, now, 1) == 0) and (r.per_tenant == 0 or tenant_arg == '') then
     if placing then
       free_now = true
     else
@@ -260,7 +260,7 @@ if tenant_arg ~= '' then
   -- the org's first tag still in line, so a user that joins the org's backlog late is served
   -- next, not behind the others' backlog, and one user's calls stay in their order; a priority
   -- moves it as it moves the ticket. The counter of "ticket" breaks ties by arrival. Stored in
-  -- the levels key, and the org under LEVEL_FIELD.
+  -- the levels key, and the org under TENANT_FIELD.
   local function place_in_org(org, user, user_share, ticket)
     local levels = levels_key()
     local org_tag = org_front(org, false)
@@ -280,7 +280,7 @@ if tenant_arg ~= '' then
                                           + math.floor(ticket) % 1024 - priority_ms * 1024)
     local org_entry, user_entry = level_entries(org, tag, user, waiter)
     redis.call('ZADD', levels, 0, org_entry, 0, user_entry)
-    redis.call('HSET', K_WAITER_INFO, LEVEL_FIELD .. waiter, org)
+    redis.call('HSET', K_WAITER_INFO, TENANT_FIELD .. waiter, org)
     extend(levels, LEVELS_TTL_MS, false)
   end
 
@@ -347,6 +347,7 @@ if not fresh and redis.call('ZREM', K_HOLDERS, OFFER_MARK .. waiter) == 1 then
     return refused(0, redis.call('ZSCORE', K_QUEUE, waiter), wait)
   end
   hold(token, now, lease_ms, label, false)
+  note_grant(r, waiter, token, now)
   drop_waiter(waiter)
   if not r.gated then
     return granted(CLAIMED, r)
@@ -383,8 +384,12 @@ average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1
 
 if not enqueue then
   local left, _, offered = hand_off(now, r, nil, size)
-  if left > 0 then
+  local tenant = r.per_tenant > 0 and tenant_named(tenant_arg)
+  if left > 0 and not (tenant and held_count({}, tenant, now) >= r.per_tenant) then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
+    if tenant then
+      note_held({}, tenant, token, now)
+    end
     return granted(GRANTED, r)
   end
   return {WAIT, redis.call('ZCARD', K_QUEUE), left, r.limit, average, '', redis.call('ZCARD', K_PRESENT), 0,
@@ -423,15 +428,20 @@ else
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
+  if r.per_tenant > 0 and tenant_arg ~= '' then
+    redis.call('HSET', K_WAITER_INFO, TENANT_FIELD .. waiter, tenant_named(tenant_arg))
+  end
 end
 redis.call('ZADD', K_PRESENT, ticket, waiter)
 redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
 
 local left, chosen, offered, delayed = hand_off(now, r, waiter, size)
 if chosen and placing then
+  note_grant(r, waiter, OFFER_MARK .. waiter, now)
   return sent_free(ticket)
 end
 if chosen then
+  note_grant(r, waiter, token, now)
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)
   return granted(GRANTED, r)

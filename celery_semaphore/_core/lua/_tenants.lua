@@ -1,5 +1,6 @@
--- Helpers for two-level tenants (org, user), built into every script with the rest of _lib.lua
--- (in front of it: forget_line_if_empty and hand_off call them).
+-- Helpers for tenants: two levels (org, user) and a cap on one tenant's holders (per_tenant),
+-- built into every script with the rest of _lib.lua (in front of it: forget_line_if_empty and
+-- hand_off call them).
 --   KEYS    none of its own. The levels key, "<base>:levels" (levels_key(), named from KEYS[1], in
 --           its hash tag), is not passed: any script that hands a slot on may read it (hand_off,
 --           org_turn), and none can know beforehand whether the line holds such waiters.
@@ -7,7 +8,9 @@
 --           user tag, "o|<org>|<user tag>|<user>|<waiter>", and by user, "u|<org>|<user>|<user
 --           tag>|<waiter>" (tags zero-padded to 20 digits). Entries of waiters gone from the
 --           line are dropped when a scan meets them; the key goes with the line's counter when
---           the line empties. A waiter's org is kept under LEVEL_FIELD in KEYS[6].
+--           the line empties. A waiter's org is kept under TENANT_FIELD in KEYS[6].
+--           Under a per_tenant cap, KEYS[2] keeps each tenant's slots under HELD_FIELD (see
+--           held_count), and KEYS[6] every waiter's tenant under TENANT_FIELD.
 --   ARGV    none: it only defines locals.
 -- Returns nothing: it runs inside each script, as _lib.lua does.
 --
@@ -48,12 +51,99 @@ local function any_leveled(first)
   return false
 end
 
--- The hand-off's next waiter, one at a time: the head of the present waiters with its ticket,
--- and the index to read it at, passing over "chosen" (the asker granted in its own script,
--- still present until then).
-local function present_head(chosen)
-  local head = redis.call('ZRANGE', K_PRESENT, 0, 1, 'WITHSCORES')
-  return head, (chosen and head[1] == chosen) and 3 or 1
+-- A cap on one tenant's slots (the rules' per_tenant; with two levels, the org's). A tenant's
+-- slots are listed in KEYS[2] under HELD_FIELD .. tenant, a JSON list of the tokens granted to
+-- its waiters and the offers ("!<waiter>") made to them. The list is never told of a release, a
+-- lapse or a claim: a count reads each entry's score in KEYS[1] (a live holder scores above
+-- now, a live offer below -now) and keeps the live ones only, so it cannot drift. A list holds
+-- about the cap and what ended since the tenant's last count; the field goes once it is empty,
+-- and the whole hash expires with the holders (a lease after the latest grant).
+-- A waiter's tenant is kept under TENANT_FIELD in KEYS[6] when it joins a capped key.
+
+-- most present waiters a hand-off under a cap looks at for one whose tenant is below its cap
+local CAP_SCAN = 32
+
+-- caps: the counts read so far by this script run, tenant -> {count, list}
+local function held_count(caps, tenant, now)
+  local held = caps[tenant]
+  if held then
+    return held.count
+  end
+  local field = HELD_FIELD .. tenant
+  local listed = redis.call('HGET', K_HOLDER_INFO, field)
+  local live = {}
+  if listed then
+    local entries = cjson.decode(listed)
+    for i = 1, #entries do
+      local score = tonumber(redis.call('ZSCORE', K_HOLDERS, entries[i]))
+      if score and (score > now or score < -now) then
+        live[#live + 1] = entries[i]
+      end
+    end
+    if #live == 0 then
+      redis.call('HDEL', K_HOLDER_INFO, field)
+    elseif #live < #entries then
+      redis.call('HSET', K_HOLDER_INFO, field, cjson.encode(live))
+    end
+  end
+  caps[tenant] = {count = #live, list = live}
+  return #live
+end
+
+-- A slot given to one of "tenant"'s waiters: "entry" is its token (a grant) or its offer mark.
+local function note_held(caps, tenant, entry, now)
+  held_count(caps, tenant, now)
+  local held = caps[tenant]
+  held.list[#held.list + 1] = entry
+  held.count = held.count + 1
+  redis.call('HSET', K_HOLDER_INFO, HELD_FIELD .. tenant, cjson.encode(held.list))
+end
+
+-- The tenant a waiter of a capped key waits for (nil: none, or it joined before the cap).
+local function tenant_of(waiter)
+  return redis.call('HGET', K_WAITER_INFO, TENANT_FIELD .. waiter) or nil
+end
+
+-- The tenant of an acquire's tenant argument ("<share>|<tenant>"; with two levels, the org of
+-- "<share>|<org>|<user share>|<user>"), or nil for none.
+local function tenant_named(tenant_arg)
+  return string.match(tenant_arg, '^[^|]+|([^|]*)') or nil
+end
+
+-- A slot given to "waiter" outside a hand-off (its own ask claimed or took it): listed under
+-- its tenant as "entry" (its token, or its offer mark) on a capped key. Before the waiter is
+-- dropped from the line, which forgets its tenant.
+local function note_grant(r, waiter, entry, now)
+  local tenant = r.per_tenant > 0 and tenant_of(waiter)
+  if tenant then
+    note_held({}, tenant, entry, now)
+  end
+end
+
+-- The hand-off's candidates: the first "free" present waiters ("waiter, ticket, ..."), or
+-- under a cap ("caps" not nil) the first CAP_SCAN, so that it can pass over those whose tenant
+-- holds its cap.
+local function present_window(caps, free)
+  return redis.call('ZRANGE', K_PRESENT, 0, (caps and CAP_SCAN or free) - 1, 'WITHSCORES')
+end
+
+-- Under a cap: whether the hand-off passes over "waiter" (its tenant holds its cap), and its
+-- tenant.
+local function capped_out(caps, waiter, r, now)
+  local tenant = caps and tenant_of(waiter)
+  return tenant and held_count(caps, tenant, now) >= r.per_tenant, tenant
+end
+
+-- A slot the hand-off gave "tenant"'s "waiter": an offer is listed now; the waiter granted in
+-- its own script ("offered" false) is counted here and listed by its caller under its token.
+local function note_given(caps, tenant, waiter, offered, now)
+  if not tenant then
+    return
+  elseif offered then
+    note_held(caps, tenant, OFFER_MARK .. waiter, now)
+  else
+    caps[tenant].count = caps[tenant].count + 1
+  end
 end
 
 -- The levels key's members (see the key schema): the start of an org's entries, of a user's,
@@ -104,7 +194,7 @@ local function org_turn(candidate, ticket)
   if not is_leveled(ticket) then
     return candidate
   end
-  local org = redis.call('HGET', K_WAITER_INFO, LEVEL_FIELD .. candidate)
+  local org = redis.call('HGET', K_WAITER_INFO, TENANT_FIELD .. candidate)
   if not org then
     return candidate
   end
