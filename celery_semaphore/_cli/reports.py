@@ -50,6 +50,7 @@ class Report:
     waiters: list[WaiterInfo]
     # the tenants with the most calls waiting (keys whose calls name tenants; at most 10)
     tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
+    per_tenant: int | None = None  # most slots one tenant may hold (semaphore_limits); None: no cap
 
     @property
     def gated(self) -> bool:
@@ -126,6 +127,7 @@ def report(catalogue: Catalogue, key: str) -> Report:
         waiters=status.waiters,
         # one more round trip, only for a key with a line
         tenants=semaphore.tenants() if status.waiter_count else [],
+        per_tenant=rule.per_tenant if rule is not None else None,
     )
 
 
@@ -170,7 +172,8 @@ def limit_text(r: Report) -> str:
             text += f" from {configured['source']}"
         else:
             text += f"; {NO_LIMIT}"
-    return text + ")"
+    text += ")"
+    return text if r.per_tenant is None else f"{text}, at most {r.per_tenant} per tenant"
 
 
 def _rule_text(r: Report, name: str, source: str | None, show: Callable[[Any], str]) -> str:

@@ -145,6 +145,26 @@ def test_a_key_no_task_or_setting_covers_says_no_limit_configured(proj: Proj) ->
     assert "task       - (no task of this app uses this key)" in result.stdout
 
 
+def test_status_names_a_cap_per_tenant_beside_the_limit(proj: Proj) -> None:
+    """semaphore_limits {"proj.fair_capped": {"limit": 3, "per_tenant": 2}}: the limit line says
+    the cap, and --json gives it as per_tenant; a key without one says nothing of it."""
+    capped = {"crawl:*": 2, "proj.fair_capped": {"limit": 3, "per_tenant": 2}}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(proj.app.conf, "semaphore_limits", capped)
+        forget_config(proj.app)
+        check_status_names_the_cap(proj)
+    forget_config(proj.app)
+
+
+def check_status_names_the_cap(proj: Proj) -> None:
+    result = proj.cli("status", "proj.fair_capped")
+    assert result.exit_code == 0, result.output
+    assert "limit      3 (semaphore_limits['proj.fair_capped']), at most 2 per tenant" in result.stdout
+    assert proj.status_json("proj.fair_capped")["per_tenant"] == 2
+    assert proj.status_json("proj.hold")["per_tenant"] is None
+    assert "per tenant" not in proj.cli("status", "proj.hold").stdout
+
+
 def test_set_limit_and_unset_limit_change_the_limit_and_its_source(proj: Proj) -> None:
     """set-limit stores an override that status reports (and workers obey); unset-limit drops it."""
     result = proj.cli("set-limit", "proj.hold", "5")
