@@ -60,7 +60,8 @@ def why(app: Any, task_id: str, *, keys: list[str] | None = None) -> dict[str, A
     """Where task ``task_id`` stands, as a JSON-ready dict: ``state`` is ``"running"``,
     ``"waiting"``, ``"parked"``, ``"done"`` or ``"unknown"``; while it waits (or is parked),
     ``keys`` has an entry per key it waits on, with its ``position`` and what it is
-    ``blocked_by`` (``"limit"``, ``"rate"``, ``"spacing"``, ``"pause"`` or ``"line"``).
+    ``blocked_by`` (``"limit"``, ``"rate"``, ``"spacing"``, ``"pause"``, ``"tenant_cap"`` or
+    ``"line"``).
     ``keys``: the semaphore keys to look at, when the task's arguments name them."""
     app.loader.import_default_modules()
     catalogue = Catalogue(app)
@@ -235,6 +236,9 @@ def _waiting_entry(view: KeyView) -> dict[str, Any]:
         "key": view.key,
         "position": place.position,
         "blocked_by": view.blocked_by(),
+        "tenant": place.tenant,
+        "tenant_slots": place.tenant_slots if view.per_tenant is not None else None,
+        "per_tenant": view.per_tenant,
         "waiters_ahead": place.position,
         "waiter_count": view.waiter_count,
         "limit": view.limit if view.limit < 2**31 else None,

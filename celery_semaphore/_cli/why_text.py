@@ -13,6 +13,7 @@ _BLOCKED = {
     "rate": "the rate: its window allows no start yet",
     "spacing": "the spacing since the last start",
     "line": "the line ahead of it",
+    "tenant_cap": "its tenant's cap: it holds as many slots as the key allows one tenant",
 }
 
 

@@ -30,6 +30,7 @@ LISTED = 5
 
 # What holds a waiter back now, the first that applies (see ``blocked_by``).
 PAUSE, LIMIT, RATE, SPACING, LINE = "pause", "limit", "rate", "spacing", "line"
+TENANT_CAP = "tenant_cap"  # its tenant holds the key's cap per tenant (per_tenant)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Place:
     present: bool  # asking now, or parked (offered its turn like a present waiter)
     parked: bool  # left the workers; its wake copy is sent when a slot is offered to it
     offer_opens_in: float | None  # None: no slot offered to it; else seconds until it may claim it
+    tenant: str | None = None  # its tenant, as kept on a key with a cap per tenant
+    tenant_slots: int = 0  # the slots that tenant holds now (offers included)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class KeyView:
     gate: Gate
     hold_time: float | None  # moving average of recent hold times (seconds); None: none seen yet
     holders: list[Holding] = field(default_factory=list)  # the first few, by lease deadline
+    per_tenant: int | None = None  # the key's cap per tenant; None: none
     ahead: list[str] = field(default_factory=list)  # the waiters just ahead of it, nearest last
 
     @property
@@ -87,11 +91,15 @@ class KeyView:
         waiter offered a slot, or one within the free slots), no free slot, then the spacing or
         the rate (whichever opens later); for everyone else, the line ahead. A waiter whose
         turn it is, a slot free and allowed, waits for its own copy to come and claim it: the
-        line (its place in it) is all that is left."""
+        line (its place in it) is all that is left. Under a cap per tenant, a waiter not offered
+        a slot whose tenant holds the cap is held back by the cap, before anything but a pause."""
         assert self.place is not None
         place, gate = self.place, self.gate
         if gate.paused_for > 0:
             return PAUSE
+        capped = self.per_tenant is not None and place.tenant is not None and place.tenant_slots >= self.per_tenant
+        if capped and place.offer_opens_in is None:
+            return TENANT_CAP
         gated = gate.rate_wait > 0 or gate.spacing_wait > 0
         offered = place.offer_opens_in is not None
         head = offered or place.position == 0 or (not gated and place.position < self.free)
@@ -202,7 +210,7 @@ def _view(key: str, reply: list[Any]) -> KeyView:
     now = int(now_ms)
     where = None
     if place:
-        rank, ticket, must_ask_by, info, present, offer = place
+        rank, ticket, must_ask_by, info, present, offer, tenant, tenant_slots = place
         first, _, address = as_text(info).partition(INFO_SEPARATOR)
         offer_ms = int(offer)
         where = Place(
@@ -214,6 +222,8 @@ def _view(key: str, reply: list[Any]) -> KeyView:
             parked=address.startswith(PARKED_MARK),
             # an offer's claim window opens CLAIM_MS (2 s) before its deadline
             offer_opens_in=max(0.0, (offer_ms - 2000 - now) / 1000) if offer_ms else None,
+            tenant=as_text(tenant) or None,
+            tenant_slots=int(tenant_slots),
         )
     paused, spacing_left, rate_left, rate_count, rate_ms, spacing_ms = (int(x) for x in gate)
     return KeyView(
@@ -235,6 +245,7 @@ def _view(key: str, reply: list[Any]) -> KeyView:
         hold_time=int(hold_ms) / 1000 if int(hold_ms) >= 0 else None,
         holders=_holdings(holders, now),
         ahead=[as_text(ahead[i]) for i in range(0, len(ahead), 2)],
+        per_tenant=int(counts[4]) or None,
     )
 
 

@@ -20,7 +20,7 @@ import redis
 import redis.asyncio
 
 from celery_semaphore import AsyncFairSemaphore, ConfigurationError, FairSemaphore, SemaphoreUnavailable
-from celery_semaphore._core import renewer
+from celery_semaphore._core import explain, renewer
 from celery_semaphore._core.attempts import Ask, Granted, new_token
 from celery_semaphore._core.tenants import Tenant
 
@@ -751,3 +751,17 @@ def test_a_line_of_100000_waiters_costs_the_same_over_10000_tenants_as_over_10(o
     assert many_users.join_us <= 2 * few_users.join_us, (few_users, many_users)
     assert many_users.cycle_us <= 2 * few_users.cycle_us, (few_users, many_users)
     client.close()
+
+
+def test_why_says_a_waiter_is_held_back_by_its_tenants_cap(redis_client: redis.Redis) -> None:
+    """A waiter of a tenant at its cap, with a slot free: the read-only look says the cap holds it
+    back, with the tenant and its slots, where it would say "line" for the head of the line."""
+    capped = Capped(redis_client)
+    for n in range(3):
+        capped.join(f"a{n}", "A")
+    assert capped.free_one() | capped.free_one() | capped.free_one() == {"a0", "a1"}  # and a free slot
+    keys, rules = capped.semaphore.keys, capped.semaphore.rules.arg
+    [a2] = explain.look(redis_client, [explain.Look("capped", keys, "a2", "none:*", rules)])
+    assert a2.blocked_by() == explain.TENANT_CAP
+    assert a2.place is not None and (a2.place.tenant, a2.place.tenant_slots, a2.per_tenant) == ("A", 2, 2)
+    assert a2.free == 1

@@ -13,8 +13,9 @@
 --            matching ARGV[2] (extra slots of a weighted holder left out)
 --   place    {} when not in line (or its place lapsed); else {rank, ticket, must-ask-by ms,
 --            "<first ask ms>|<wake address>" (or ""), present (1/0), offer claim deadline ms
---            (0: no offer)}
---   counts   {live holders, live offers, live waiters, limit in force}
+--            (0: no offer), its tenant as kept under a cap ("" for none), that tenant's live
+--            slots}
+--   counts   {live holders, live offers, live waiters, limit in force, per tenant cap (0: none)}
 --   gate     {paused ms left, spacing ms left, rate ms left, rate count, rate ms, spacing ms}
 --   hold_ms  the moving average of hold times, or -1
 --   holders  flat list: token, lease deadline ms, "<granted ms>|<label>", the first ARGV[4] live
@@ -40,18 +41,32 @@ repeat
   end
 until cursor == '0'
 
+local r = rules_in_force(ARGV[3] or '1', now)
+
+-- a tenant's live slots under a cap, as held_count counts them, without its clean-up (read-only)
+local function live_slots(tenant)
+  local listed = redis.call('HGET', K_HOLDER_INFO, HELD_FIELD .. tenant)
+  local live = 0
+  for _, entry in ipairs(listed and cjson.decode(listed) or {}) do
+    local score = tonumber(redis.call('ZSCORE', K_HOLDERS, entry))
+    if score and (score > now or score < -now) then
+      live = live + 1
+    end
+  end
+  return live
+end
+
 local place = {}
 local rank = redis.call('ZRANK', K_QUEUE, waiter)
 local must_ask_by = tonumber(redis.call('ZSCORE', K_DEADLINES, waiter))
 if rank and must_ask_by and must_ask_by > now then
   local offer = tonumber(redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. waiter))
+  local tenant = r.per_tenant > 0 and tenant_of(waiter) or ''
   place = {rank, redis.call('ZSCORE', K_QUEUE, waiter), must_ask_by,
            redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or '',
            redis.call('ZSCORE', K_PRESENT, waiter) and 1 or 0,
-           (offer and -offer > now) and -offer or 0}
+           (offer and -offer > now) and -offer or 0, tenant, tenant ~= '' and live_slots(tenant) or 0}
 end
-
-local r = rules_in_force(ARGV[3] or '1', now)
 local paused_left = r.paused_until > now and r.paused_until - now or 0
 local spacing_left, rate_left = 0, 0
 if r.spacing_ms > 0 then
@@ -76,6 +91,6 @@ end
 
 return {now, held, place,
         {redis.call('ZCOUNT', K_HOLDERS, above, '+inf'), redis.call('ZCOUNT', K_HOLDERS, '-inf', below),
-         redis.call('ZCOUNT', K_DEADLINES, above, '+inf'), r.limit},
+         redis.call('ZCOUNT', K_DEADLINES, above, '+inf'), r.limit, r.per_tenant},
         {paused_left, spacing_left, rate_left, r.rate_n, r.rate_ms, r.spacing_ms},
         tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1, holders, ahead}
