@@ -41,7 +41,7 @@ end
 
 -- Whether a hand-off's first waiters ("waiter, ticket, ..." as ZRANGE WITHSCORES gives them)
 -- hold a two-level one: its start's waiter is then chosen by org_turn, which may swap places
--- with a waiter further back, so the hand-off takes one waiter at a time (present_head).
+-- with a waiter further back, so the hand-off takes one waiter at a time (present_window).
 local function any_leveled(first)
   for i = 2, #first, 2 do
     if is_leveled(first[i]) then
