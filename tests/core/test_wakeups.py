@@ -620,6 +620,13 @@ def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(red
     blocked = threading.Thread(target=lambda: leases.append(semaphore.acquire(timeout=30)), daemon=True)
     blocked.start()
     wait_until(lambda: semaphore.status().waiter_count == 1, timeout=10, what="the blocked caller in line")
+    # its listener subscribes beside its first ask: until the server has the subscription, an
+    # offer published to it is unheard (and rightly reported to the releasing caller)
+    wait_until(
+        lambda: bool(redis_client.pubsub_channels(f"{semaphore.keys.base}:wake:*")),
+        timeout=10,
+        what="the blocked caller's listener subscribed",
+    )
     told: list[tuple[str, ...]] = []
     handler = semaphore_module._to_wake_handler
     semaphore_module.on_to_wake(lambda _, waiters, __: told.append(waiters))

@@ -174,8 +174,12 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
     workers = list(chaos_workers)
 
     ids: list[str] = []
+    org_of: dict[str, int] = {}  # the org each task's call names (proj.chaos's semaphore_fair_by)
     for burst in range(10):
-        ids += [proj.chaos.apply_async((rng.uniform(0.05, 0.25),), queue=QUEUE).id for _ in range(TASKS // 10)]
+        for _ in range(TASKS // 10):
+            seconds = rng.uniform(0.05, 0.25)
+            ids.append(proj.chaos.apply_async((seconds,), queue=QUEUE).id)
+            org_of[ids[-1]] = int(seconds * 1000) % 3
         # the kill schedule: a child or two between bursts, one whole worker halfway
         for _ in range(rng.choice((1, 1, 2))):
             time.sleep(rng.uniform(0.2, 1.0))
@@ -222,6 +226,9 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
     assert "runs WITHOUT its semaphore" not in log
 
     assert most_at_once(starts, ends, kills.at) <= LIMIT, summary
+    for org in range(3):  # and no org over its cap (semaphore_limits: 2 a tenant)
+        of_org = [record for record in starts if org_of.get(record[0]) == org]
+        assert most_at_once(of_org, ends, kills.at) <= 2, f"org{org}: {summary}"
 
     lost = set(ids) - finished
     assert not (lost & delivered), f"waiting tasks lost ({summary}):\n" + "\n".join(

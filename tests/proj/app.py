@@ -41,6 +41,8 @@ app.conf.update(
         "proj.capped_by_settings": {"limit": 1, "max_waiters": 2, "on_full": "reject"},
         # at most 2 of the 3 slots for one customer
         "proj.fair_capped": {"limit": 3, "per_tenant": 2},
+        # the chaos run's orgs too
+        "proj.chaos": {"limit": 3, "per_tenant": 2},
     },
     semaphore_shares={"big:*": 3},
 )
@@ -402,8 +404,12 @@ def parked_backlog(self: Any, seconds: float, key: str = "proj.parked_backlog") 
     semaphore_inline_wait=0,
     semaphore_countdown=(1, 3),
     semaphore_lease=2,
-    # three tenants, so that the chaos also runs the line's fair-share ordering
-    semaphore_fair_by=lambda args, kwargs: f"tenant{int(args[0] * 1000) % 3}",
+    # three orgs of four users, so that the chaos also runs the line's fair-share ordering, the
+    # choice of an org's user at each hand-off and (semaphore_limits) the cap of 2 slots an org
+    semaphore_fair_by=(
+        lambda args, kwargs: f"org{int(args[0] * 1000) % 3}",
+        lambda args, kwargs: f"user{int(args[0] * 10000) % 4}",
+    ),
     name="proj.chaos",
     bind=True,
     acks_late=True,
@@ -413,7 +419,7 @@ def chaos(self: Any, seconds: float, key: str = "chaos") -> str:
     """Every wait is a re-sent message (no in-process wait), a killed holder's slot comes back
     within 2 s, and a child killed mid-body has its message redelivered. Records its process id
     with its start and end, so a run cut short by a kill ends when that process was killed.
-    Its calls belong to three tenants (semaphore_fair_by)."""
+    Its calls belong to three orgs of four users each (semaphore_fair_by), at most 2 slots an org."""
     _held_by_process(key, seconds, self.request.id)
     return str(self.request.id)
 
