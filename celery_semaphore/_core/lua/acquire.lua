@@ -37,7 +37,7 @@
 --                        then its tenant's virtual time (see tenant_ticket), not its arrival.
 --                        Two levels: "<share>|<org>|<user share>|<user>" (the user's runtime
 --                        share is stored under "<org>/<user>"): the ticket is the org's virtual
---                        time, and the user's is kept in the levels key (see _lib.lua)
+--                        time, and the user's is kept in the levels key (see _tenants.lua)
 --   ARGV[9] priority_ms  "" or the ms a new waiter is placed earlier than its ask (a priority;
 --                        with a tenant, ms of its tenant's clock, 1000 ms a start at share 1)
 --   ARGV[10] full        "" or "<max waiters>|<policy>|<coalesce key>", what a full line does
