@@ -544,8 +544,8 @@ end
 -- Hand free slots to the oldest present waiters, one offer each, each told alone. "except" (a
 -- waiter asking in this very script) is not offered: the caller grants it directly. Returns
 -- (slots still free, whether "except" was among the first in line for them, offers made, and
--- the ms until "except" may claim the slot a rate, a spacing or a pause reserved it (0: none)).
--- Under such rules, while no start is allowed now and no offer is out, the head of the line is
+-- the ms until "except" may claim the slot a rate, a spacing or a pause reserved it (0: none),
+-- and under a cap per tenant the counts it read, for its caller's notes). Under such rules, while no start is allowed now and no offer is out, the head of the line is
 -- offered the next allowed moment at once (a delayed offer): nobody behind it can take that
 -- moment, and it is told now, so it can be back by then. "size": the entries of K_HOLDERS when
 -- the caller has just counted them (nil: counted here).
@@ -614,7 +614,7 @@ local function hand_off(now, r, except, size)
   if opens_at > now then
     free = 0  -- the one start to come is reserved: nobody else may take a slot now
   end
-  return free, chosen, offered, delayed
+  return free, chosen, offered, delayed, caps
 end
 
 -- Purge one step, then hand freed slots on. The common ending of every script that may have

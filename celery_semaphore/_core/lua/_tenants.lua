@@ -112,11 +112,12 @@ end
 
 -- A slot given to "waiter" outside a hand-off (its own ask claimed or took it): listed under
 -- its tenant as "entry" (its token, or its offer mark) on a capped key. Before the waiter is
--- dropped from the line, which forgets its tenant.
-local function note_grant(r, waiter, entry, now)
+-- dropped from the line, which forgets its tenant. "caps": the counts a hand-off of the same
+-- script read (nil: none), so that they are not read twice.
+local function note_grant(r, waiter, entry, now, caps)
   local tenant = r.per_tenant > 0 and tenant_of(waiter)
   if tenant then
-    note_held({}, tenant, entry, now)
+    note_held(caps or {}, tenant, entry, now)
   end
 end
 

@@ -384,11 +384,11 @@ average = tonumber(redis.call('HGET', K_WAITER_INFO, HOLD_FIELD)) or -1
 
 if not enqueue then
   local left, _, offered = hand_off(now, r, nil, size)
-  local tenant = r.per_tenant > 0 and tenant_named(tenant_arg)
-  if left > 0 and not (tenant and held_count({}, tenant, now) >= r.per_tenant) then
+  local tenant, caps = r.per_tenant > 0 and tenant_named(tenant_arg), {}
+  if left > 0 and not (tenant and held_count(caps, tenant, now) >= r.per_tenant) then
     hold(token, now, lease_ms, label, size == 0 and offered == 0)
     if tenant then
-      note_held({}, tenant, token, now)
+      note_held(caps, tenant, token, now)
     end
     return granted(GRANTED, r)
   end
@@ -428,20 +428,20 @@ else
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
-  if r.per_tenant > 0 and tenant_arg ~= '' then
+  if r.per_tenant > 0 and tenant_arg ~= '' and ticket % 1 == 0 then  -- a two-level one has it
     redis.call('HSET', K_WAITER_INFO, TENANT_FIELD .. waiter, tenant_named(tenant_arg))
   end
 end
 redis.call('ZADD', K_PRESENT, ticket, waiter)
 redis.call('ZADD', K_DEADLINES, now + patience_ms, waiter)
 
-local left, chosen, offered, delayed = hand_off(now, r, waiter, size)
+local left, chosen, offered, delayed, caps = hand_off(now, r, waiter, size)
 if chosen and placing then
-  note_grant(r, waiter, OFFER_MARK .. waiter, now)
+  note_grant(r, waiter, OFFER_MARK .. waiter, now, caps)
   return sent_free(ticket)
 end
 if chosen then
-  note_grant(r, waiter, token, now)
+  note_grant(r, waiter, token, now, caps)
   drop_waiter(waiter)
   hold(token, now, lease_ms, label, size == 0 and offered == 0)
   return granted(GRANTED, r)
