@@ -48,6 +48,7 @@ from .._core import fork_locks
 from .._core.clients import client_for
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
+from .stowing import forget_producer, stowing_producer
 from .wake_queues import (
     BACKSTOP_QUEUE_SUFFIX,
     backstop_queue,
@@ -142,6 +143,29 @@ class DueCopies:
 
     def run(self, origins: list[str] | tuple[str, ...], *, epoch: str = "", most: int = BATCH) -> Moved:
         """Stow what was published to the backstop lists of ``origins``, and move what is due."""
+        keys, args = self._script_call(origins, epoch, most)
+        moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=args)
+        next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
+        return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
+
+    def push_and_stow(self, backstop_list: str, message: str, origin: str) -> None:
+        """Push ``message`` to ``backstop_list`` (the list of ``origin``'s backstop queue that
+        kombu would push it to, named as kombu names it) and stow it, in one round trip.
+        Raises what the push raises; a failed stow is left to the movers (the copy is listed)."""
+        keys, args = self._script_call([origin], "", BATCH)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(self.naming.prefix + backstop_list, message)
+        # EVALSHA, not the registered script: redis-py's pipeline asks SCRIPT EXISTS first
+        pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+        _, stowed = pipe.execute(raise_on_error=False)
+        if not isinstance(stowed, Exception):
+            return
+        try:
+            self._script(keys=keys, args=args)  # NOSCRIPT: the server lost its cache
+        except Exception as error:
+            logger.warning("a waiting task's copy waits in %s until a worker stows it: %s", backstop_list, error)
+
+    def _script_call(self, origins: list[str] | tuple[str, ...], epoch: str, most: int) -> tuple[list[str], list[Any]]:
         keys = list(self.keys)
         names: list[str] = []
         for origin in origins:
@@ -150,10 +174,7 @@ class DueCopies:
             for source, target in zip(sources, targets, strict=True):
                 keys += [source, target]
                 names += [json.dumps(backstop_queue(origin)), json.dumps(wake_queue(origin))]
-        keep_ms = round(KEEP_MOVED_S * 1000)
-        moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=[most, epoch, keep_ms, *names])
-        next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
-        return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
+        return keys, [most, epoch, round(KEEP_MOVED_S * 1000), *names]
 
     def send_now(self, run: str) -> int:
         """Send a copy of ``run``'s stored copy to its queue now (a parked task's wake-up),
@@ -172,11 +193,13 @@ class DueCopies:
             pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
         pipe.execute()
 
-    def granted(self, run: str, *, withdraw: bool) -> bool:
+    def granted(self, run: str, *, withdraw: bool, remember_s: float = 0.0) -> bool:
         """A copy of ``run`` was granted its slot: whether the broker's Redis remembers the run
-        finished; with ``withdraw``, its stored copy is forgotten in the same round trip. Its
-        moved copy is forgotten either way: a copy of the run arrived, and with acks_late its
-        message comes back from the broker should this worker die."""
+        finished; with ``withdraw``, its stored copy is forgotten in the same round trip, and
+        with ``remember_s`` the run is remembered as finished from now (it runs at most once:
+        begun is as good as finished). Its moved copy is forgotten either way: a copy of the
+        run arrived, and with acks_late its message comes back from the broker should this
+        worker die."""
         pipe = self.client.pipeline(transaction=False)
         pipe.zscore(self.keys[3], run)
         if withdraw:
@@ -184,7 +207,13 @@ class DueCopies:
         else:
             pipe.zrem(self.keys[4], run)
             pipe.hdel(self.keys[5], run)
+        if remember_s > 0:
+            pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
         return pipe.execute()[0] is not None
+
+    def reopen(self, run: str) -> None:
+        """Forget that ``run`` finished: it goes on in a copy (a body that paused its key)."""
+        self.client.zrem(self.keys[3], run)
 
     def _forget(self, pipe: Any, run: str) -> None:
         """Queue on ``pipe`` the forgetting of ``run``'s stored copy and of its moved one."""
@@ -226,15 +255,27 @@ def due_copies_for(app: Any) -> DueCopies | None:
 
 def send_copy(app: Any, copy: Any) -> None:
     """Send ``copy`` (a signature); one bound for a backstop list is stowed at once, so that
-    ``withdraw`` finds it. Raises what the send raises; a failed stow is left to the movers."""
-    copy.apply_async()
+    ``withdraw`` finds it, in the same round trip as its publish (``stowing.py``). Raises what
+    the send raises; a failed stow is left to the movers."""
     queue = (copy.options or {}).get("queue")
     name = getattr(queue, "name", queue)
-    if not isinstance(name, str) or not name.endswith(BACKSTOP_QUEUE_SUFFIX):
+    store = due_copies_for(app) if isinstance(name, str) and name.endswith(BACKSTOP_QUEUE_SUFFIX) else None
+    if store is None or not isinstance(name, str):
+        copy.apply_async()
         return
-    store = due_copies_for(app)
-    if store is None:
+    try:
+        producer = stowing_producer(app, store)
+    except Exception as error:  # published and stowed apart, as kombu's channel would
+        logger.debug("a waiting task's copy is published and stowed apart: %s", error)
+        producer = None
+    if producer is not None:
+        try:
+            copy.apply_async(producer=producer)
+        except Exception:
+            forget_producer(app)  # the next copy connects anew
+            raise
         return
+    copy.apply_async()
     try:
         store.run([origin_of_derived(name)])
     except Exception as error:
@@ -261,18 +302,36 @@ def withdraw(app: Any, run: str | None, *, remember_s: float = 0.0) -> None:
         logger.debug("could not withdraw the stored copy of run %s: %s", run, error)
 
 
-def granted(app: Any, run: str | None, *, withdraw: bool) -> bool:
+@dataclass(frozen=True)
+class RunInBroker:
+    """What the broker's Redis said of a granted copy's run."""
+
+    finished: bool  # it remembers the run finished: this copy must not run it
+    remembered: bool  # the run is remembered as finished from now (at most once): no need at its end
+
+
+def granted(app: Any, run: str | None, *, at_most_once: bool, remember_s: float) -> RunInBroker:
     """A copy of ``run`` was granted: whether the broker's Redis remembers the run finished
-    (False where it cannot say); with ``withdraw`` (no acks_late: Celery runs it at most once),
-    its stored copy is forgotten, so that nothing runs it again whatever kills this worker."""
+    (not where it cannot say). With ``at_most_once`` (no acks_late: Celery runs it at most
+    once), its stored copy is forgotten, so that nothing runs it again whatever kills this
+    worker, and the run is remembered as finished for ``remember_s`` from now, in the same
+    round trip: its end then has nothing to tell the broker."""
     store = due_copies_for(app) if run is not None else None
     if store is None or run is None:
-        return False
+        return RunInBroker(finished=False, remembered=False)
     try:
-        return store.granted(run, withdraw=withdraw)
+        finished = store.granted(run, withdraw=at_most_once, remember_s=remember_s if at_most_once else 0.0)
     except Exception as error:  # a stored copy comes back when due, and its run record drops it
         logger.debug("could not ask the broker's Redis about run %s: %s", run, error)
-        return False
+        return RunInBroker(finished=False, remembered=False)
+    return RunInBroker(finished=finished, remembered=at_most_once and remember_s > 0)
+
+
+def reopen(app: Any, run: str) -> None:
+    """Forget that ``run`` finished, in the broker's Redis: the run goes on in a copy."""
+    store = due_copies_for(app)
+    if store is not None:
+        store.reopen(run)
 
 
 class Mover:

@@ -33,6 +33,13 @@ from .due_copies import withdraw
 logger = logging.getLogger("celery_semaphore")
 
 _PENDING_ATTRIBUTE = "semaphore_lease_after_outcome"
+# on a request whose run the broker's Redis remembers as finished since its grant: until when
+# (monotonic) its end need not say so again
+_REMEMBERED_ATTRIBUTE = "_semaphore_run_remembered_until"
+# A run remembered as finished from its grant (it runs at most once) is remembered this much
+# longer than asked (a share of the time asked), so that a body shorter than that extra ends
+# with its run remembered long enough, and its end tells the broker nothing.
+REMEMBER_EXTRA = 0.1
 
 # Releasing when Redis is unreachable: tries in the background, the lease is the backstop.
 RELEASE_TRIES = 5
@@ -80,7 +87,16 @@ def _give_back_pending(task: Any = None, **_: Any) -> None:
     if lease is not None:
         setattr(request, _PENDING_ATTRIBUTE, None)
         give_back(lease, finished=True)
-        withdraw(task.app, lease.run, remember_s=lease.remember_ms / 1000)  # no copy of it comes back
+        remembered_until = getattr(request, _REMEMBERED_ATTRIBUTE, None)
+        if remembered_until is None or time.monotonic() > remembered_until:
+            withdraw(task.app, lease.run, remember_s=lease.remember_ms / 1000)  # no copy of it comes back
+
+
+def run_remembered(request: Any, remember_s: float) -> None:
+    """The broker's Redis remembers the run of ``request`` as finished since its grant, for
+    ``remember_s`` and ``REMEMBER_EXTRA`` more (it runs at most once, and its stored copy was
+    withdrawn then): an end within the extra has nothing to tell it."""
+    setattr(request, _REMEMBERED_ATTRIBUTE, time.monotonic() + remember_s * REMEMBER_EXTRA)
 
 
 signals.task_postrun.connect(_give_back_pending, weak=False, dispatch_uid="celery_semaphore.give_back_pending")

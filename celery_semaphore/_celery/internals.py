@@ -25,6 +25,8 @@ logger = logging.getLogger("celery_semaphore")
 # the oldest and newest releases the suite ran against
 TESTED_WITH = {"celery": ("5.3", "5.7"), "kombu": ("5.3", "5.7")}
 
+# what stowing.py's channel calls of kombu's Redis channel
+STOWING_CHANNEL_METHODS = ("_put", "_q_for_pri", "_get_message_priority")
 # kombu's Redis transport's own defaults for naming a queue's priority lists (due_copies.py)
 KOMBU_REDIS_SEPARATOR = "\x06\x16"
 KOMBU_REDIS_PRIORITY_STEPS = (0, 3, 6, 9)
@@ -73,6 +75,15 @@ def _redis_list_names() -> bool:
     )
 
 
+def _redis_put() -> bool:
+    from kombu.transport import redis as kombu_redis
+
+    channel = kombu_redis.Channel
+    return all(callable(getattr(channel, name, None)) for name in STOWING_CHANNEL_METHODS) and list(
+        inspect.signature(channel._put).parameters
+    )[:3] == ["self", "queue", "message"]
+
+
 def _ignore_result_helper() -> bool:
     from celery.app import task as celery_task
 
@@ -119,6 +130,12 @@ INTERNALS: tuple[Internal, ...] = (
         "due copies are moved to the list names of kombu 5.3-5.7; if kombu names them otherwise, "
         "set broker_transport_options 'sep' and 'priority_steps' explicitly",
         _redis_list_names,
+    ),
+    Internal(
+        "kombu Redis Channel._put(queue, message), _q_for_pri and _get_message_priority",
+        "stowing",
+        "a waiting task's copy is published, then stowed, in two round trips to the broker's Redis, not one",
+        _redis_put,
     ),
     Internal(
         "celery.app.task.get_actual_ignore_result",

@@ -50,6 +50,13 @@ class ParkedScripts:
         args: list[Any] = [record, look_in_ms, copy, b"nx" if only_if_absent else b"", line]
         return bool(self._scripts["park"](keys=keys[:4], args=args))
 
+    def park_run(
+        self, keys: list[bytes], record: str, look_in_ms: int, copy: bytes, line: str
+    ) -> tuple[Script, list[bytes], list[Any]]:
+        """``park`` of a record to keep, as its script, keys and arguments: to run in one round
+        trip with another script (``scripts.run_in_order``)."""
+        return self._scripts["park"], keys[:4], [record, look_in_ms, copy, b"", line]
+
     def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
         """The parked-task records now due, (record, copy) each, taken by this caller alone."""
         reply = self._scripts["claim_parked"](keys=keys[:3], args=[most])

@@ -144,7 +144,12 @@ class Parking:
             if parked is not None and parked is entry:
                 self._to_send.put(parked)
 
-        recorded = self.record(semaphore, waiter, run, wake_copy, away_for, stored_in_broker=stored_in_broker)
+        script_run = self.record_run(semaphore, waiter, run, wake_copy, away_for, stored_in_broker)
+        if script_run is not None:
+            script, keys, args = script_run
+            script(keys=keys, args=args)
+            self.sweep_from_here(semaphore, wake_copy.app)
+        recorded = script_run is not None
         handle = wake_ups.on_wake(channel, waiter, woken)
         entry = _Parked(
             handle,
@@ -202,18 +207,19 @@ class Parking:
         with self._lock:
             self._wake_targets.setdefault((id(client), prefix), _SweepTarget(client, prefix, app))
 
-    def record(
+    def record_run(
         self,
         semaphore: FairSemaphore | MultiSemaphore,
         waiter: str,
         run: str,
         wake_copy: Any,
         away_for: float,
-        *,
-        stored_in_broker: bool = False,
-    ) -> bool:
-        """Keep the wake copy in Redis, due when ``away_for`` is up (any process's sweep sends it
-        then, if no copy of the wait asked), and sweep it from here; whether it is kept there.
+        stored_in_broker: bool,
+    ) -> tuple[Any, list[bytes], list[Any]] | None:
+        """The script run that keeps the wake copy in Redis, due when ``away_for`` is up (any
+        process's sweep sends it then, if no copy of the wait asked); None where it cannot be
+        kept there. Run alone (``park``) or in one round trip with another script (``placing.py``);
+        then ``sweep_from_here``.
 
         With ``stored_in_broker`` (the Redis broker: the wait's copy waits in the broker's store
         under ``run``, ``due_copies.py``), the record keeps a mark instead: a wake-up or a sweep
@@ -221,20 +227,19 @@ class Parking:
         here was the largest part of a waiting task's memory in the semaphore's Redis."""
         copy = STORED_COPY_MARK.encode() if stored_in_broker else serialized(wake_copy)
         if copy is None:
-            return False
-        prefix = prefix_of(semaphore)
-        parked_scripts_for(semaphore.client).park(
-            parked_keys(prefix),
-            record=record_of(semaphore, waiter, run),
-            look_in_ms=round(away_for * 1000),
-            copy=copy,
-            line=line_of(semaphore),
+            return None
+        return parked_scripts_for(semaphore.client).park_run(
+            parked_keys(prefix_of(semaphore)),
+            record_of(semaphore, waiter, run),
+            round(away_for * 1000),
+            copy,
+            line_of(semaphore),
         )
+
+    def sweep_from_here(self, semaphore: FairSemaphore | MultiSemaphore, app: Any) -> None:
+        prefix = prefix_of(semaphore)
         with self._lock:
-            self._sweep_targets.setdefault(
-                (id(semaphore.client), prefix), _SweepTarget(semaphore.client, prefix, wake_copy.app)
-            )
-        return True
+            self._sweep_targets.setdefault((id(semaphore.client), prefix), _SweepTarget(semaphore.client, prefix, app))
 
     def _start(self) -> None:
         if self._sender is None or not self._sender.is_alive():

@@ -247,21 +247,27 @@ class _ParkedAtSend:
         backstop = self._backstop_s(reserved)
         wake_copy = self._copy(queue=wake_queue(self.queue), headers=self.headers)
         self._send(self._stored_copy(backstop))
-        away_for = backstop + AWAY_SLACK
-        address = self.semaphore.keys.wake_address(SENDER_LISTENER)
+        self._record_and_park(wake_copy, backstop + AWAY_SLACK)
+
+    def _record_and_park(self, wake_copy: Any, away_for: float) -> None:
+        """Keep the parked record, then park the place for ``away_for`` seconds, in one round
+        trip, in that order: a wake-up finds the record. A place parked without its record
+        (the record's script failed) is parked again with no wake address: its backstop copy
+        brings it back. Never raises: a place not parked lapses by itself."""
+        semaphore, waiter, records = self.semaphore, self.waiter, parking()
+        script_run = records.record_run(semaphore, waiter, self.run, wake_copy, away_for, stores_copies(self.task.app))
         try:
-            parking().record(
-                self.semaphore,
-                self.waiter,
-                self.run,
-                wake_copy,
-                away_for,
-                stored_in_broker=stores_copies(self.task.app),
-            )
-        except Exception as error:  # its backstop copy still comes
-            logger.warning("%s[%s] waits for its backstop copy only: %s", self.task.name, self.task_id, error)
-            address = ""
-        leave(self.semaphore, self.waiter, away_for=away_for, wake=address)
+            if script_run is not None:
+                wake = semaphore.keys.wake_address(SENDER_LISTENER)
+                recorded = semaphore._park_after(script_run, waiter, away_for, wake)
+                if not isinstance(recorded, Exception):
+                    records.sweep_from_here(semaphore, wake_copy.app)
+                    return
+                logger.warning("%s[%s] waits for its backstop copy only: %s", self.task.name, self.task_id, recorded)
+            semaphore._leave(waiter, away_for, "")
+        except SemaphoreError as error:
+            if not outages.is_down(semaphore):
+                logger.warning("could not leave the line of %r (the place lapses by itself): %s", semaphore.name, error)
 
     def _backstop_s(self, reserved: float | None) -> float:
         options = self.wait_options

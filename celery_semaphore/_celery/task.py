@@ -45,7 +45,7 @@ from . import stamping as _stamping  # noqa: F401  (stamps every message sent: b
 from .catalogue import semaphore_for_call
 from .config import config_for
 from .due_copies import granted, send_copy
-from .giving_back import give_back, give_back_at_end
+from .giving_back import REMEMBER_EXTRA, give_back, give_back_at_end, run_remembered
 from .keys import KeyFunction
 from .options import (
     FROM_SETTINGS,
@@ -322,6 +322,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 tenant=tenant_of_call(self, args, kwargs),
                 priority=priority_of_call(self, args, kwargs),
                 coalesce=coalesce_of_call(self, args, kwargs),
+                at_most_once=run is not None and not self._acks_late(),
             )
             node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)
@@ -352,7 +353,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 raise Ignore()
             WaitingDelivery(self, semaphore, history, args, kwargs).wait_for_twin(attempt)
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        if isinstance(attempt, Granted) and (history.waits or redelivered) and self._ran_already(run, history):
+        waited_copy = history.waits or redelivered
+        if isinstance(attempt, Granted) and waited_copy and self._ran_already(run, history, remember):
             # the semaphore's Redis forgot the run (restarted empty, or the copy came after the
             # run was forgotten), but the broker's Redis or the result backend remembers it
             attempt.lease.release()
@@ -360,17 +362,23 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             raise Ignore()
         waited = max(0.0, time.time() - history.first_refused)
         if isinstance(attempt, Granted):
-            if run is not None and not self._acks_late():
-                begin_at_most_once(semaphore, run, remember)
+            if run is not None and not self._acks_late() and not isinstance(semaphore, FairSemaphore):
+                begin_at_most_once(semaphore, run, remember)  # one key's grant did it (at_most_once)
             metrics.acquired(family, waited, attempt.lease)
             return attempt.lease
         metrics.refused(family)
         WaitingDelivery(self, semaphore, history, args, kwargs).wait(attempt, waited)
 
-    def _ran_already(self, run: str | None, history: WaitHistory) -> bool:
+    def _ran_already(self, run: str | None, history: WaitHistory, remember: float) -> bool:
         """Asked of a granted copy: whether its run finished already. Without acks_late its
-        stored copy is withdrawn meanwhile (with it, the copy stays until the run finishes)."""
-        return granted(self.app, run, withdraw=not self._acks_late()) or self._succeeded_since(history.since())
+        stored copy is withdrawn meanwhile and the run remembered as finished (begun at most
+        once); with it, the copy stays until the run finishes."""
+        in_broker = granted(
+            self.app, run, at_most_once=not self._acks_late(), remember_s=remember * (1 + REMEMBER_EXTRA)
+        )
+        if in_broker.remembered:
+            run_remembered(self.request, remember)
+        return in_broker.finished or self._succeeded_since(history.since())
 
     def _succeeded_since(self, since: float) -> bool:
         """Whether the app's result backend says this task id succeeded after this wait began

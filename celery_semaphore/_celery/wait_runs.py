@@ -13,6 +13,7 @@ from .._core.multi import MultiSemaphore, home_of
 from .._core.semaphore import FairSemaphore
 from .._core.validation import to_ms
 from .config import SemaphoreConfig, config_for
+from .due_copies import reopen
 from .options import WaitOptions, wait_options
 from .parked_scripts import parked_scripts_for
 from .policy import KEPT_APART_BACKSTOP_S
@@ -60,7 +61,8 @@ def begin_at_most_once(semaphore: FairSemaphore | MultiSemaphore, run: str, reme
     """A copy of ``run`` was granted and its task has no acks_late: Celery runs it at most once,
     so the run counts as finished from now on, and no other copy of its wait may take it over,
     not even once this worker is dead and its lease has lapsed (a copy held by another worker
-    on RabbitMQ, a wake copy in flight, a redelivery). One more round trip, at a waited grant."""
+    on RabbitMQ, a wake copy in flight, a redelivery). For several keys or a weight: one more
+    round trip at a waited grant; one key's grant records it itself (``Ask.at_most_once``)."""
     try:
         semaphore._finish_run(run, to_ms(remember))
     except Exception as error:  # Redis down just after the grant: as before, a lapsed lease lets a copy in
@@ -75,6 +77,7 @@ def reopen_run(task: Any, semaphore: FairSemaphore | MultiSemaphore, history: Wa
         return
     config = config_for(task.app)
     home = home_of(semaphore)
+    reopen(task.app, history.run_id(task.request))  # its grant told the broker's Redis it finished
     parked_scripts_for(home.client).remember_wait(
         home.keys,
         first_delivery=history.run_id(task.request),

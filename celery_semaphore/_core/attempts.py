@@ -57,7 +57,10 @@ class Ask:
     line (see ``tenants``).
     ``priority``: seconds a new waiter is placed earlier than its ask (see ``priority_ms``).
     ``coalesce``: with ``on_full="keep_latest"``, a new waiter takes the place of the waiter of
-    the same coalesce key, which is evicted."""
+    the same coalesce key, which is evicted. ``at_most_once``: with a ``run``, the run counts as
+    finished from its grant (a Celery task without acks_late runs at most once), so that no
+    other copy takes it over once this one's lease lapses; the grant records it so, and a
+    key-list or weighted semaphore (whose script does not) leaves it to the caller."""
 
     token: str
     waiter: str
@@ -72,6 +75,7 @@ class Ask:
     tenant: Tenant | None = None
     priority: float = 0.0
     coalesce: str | None = None
+    at_most_once: bool = False
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,11 @@ def acquire(
     run: str = "",
     remember_ms: int = 0,
     line: LineArgs | None = None,
+    at_most_once: bool = False,
 ) -> ScriptCall[AcquireReply]:
     encoded = token.encode()
+    if at_most_once:  # sent negative: the grant records the run finished (see acquire.lua)
+        remember_ms = -remember_ms
     args: list[Any] = [
         encoded,
         encoded if waiter is token else waiter.encode(),

@@ -30,25 +30,15 @@ import redis
 import redis.cluster
 
 from ..errors import ConfigurationError
-from . import renewer
-from .attempts import (
-    Ask,
-    Attempt,
-    Granted,
-    OneTry,
-    StartsOnArrival,
-    Waiting,
-    default_label,
-    new_token,
-    refusal_of,
-)
+from . import renewer, script_calls
+from .attempts import Ask, Attempt, Granted, OneTry, StartsOnArrival, Waiting, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
 from .replies import Holder
 from .rules import Rate, check_rate, check_spacing
 from .script_calls import PLACING, LineArgs
-from .scripts import Scripts, scripts_for
+from .scripts import Script, Scripts, scripts_for
 from .status import STATUS_LISTING_LIMIT, SemaphoreStatus, status_of
 from .storage import (
     CLAIMED,
@@ -63,13 +53,7 @@ from .storage import (
     token_prefix_pattern,
 )
 from .tenants import READ_PER_LISTED, Tenant, TenantInfo, tenant_report
-from .validation import (
-    check_limit,
-    check_seconds,
-    check_token,
-    check_waiter,
-    to_ms,
-)
+from .validation import check_limit, check_seconds, check_token, check_waiter, to_ms
 from .waiting import WakeAddress, acquire_within, wait_for_turn
 
 logger = logging.getLogger("celery_semaphore")
@@ -233,6 +217,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             ask.run or "",
             remember_ms,
             self._line_args(ask),
+            at_most_once=ask.at_most_once,
         )
 
     def _place(self, ask: Ask) -> Waiting | StartsOnArrival | None:
@@ -290,6 +275,8 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
         run: str,
         remember_ms: int,
         line: LineArgs | None = None,
+        *,
+        at_most_once: bool = False,
     ) -> Attempt:
         """A try with its arguments checked (or made here, as ``acquire`` makes them): the one
         round trip, and what its reply means."""
@@ -310,6 +297,7 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
                 run=run,
                 remember_ms=remember_ms,
                 line=line,
+                at_most_once=at_most_once,
             )
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "acquire") from error
@@ -334,6 +322,18 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
             reply = self._scripts.leave(self.keys, waiter=waiter, away_ms=away_ms, rules=self.rules, wake=wake)
         tell_to_wake(self, reply.to_wake)
         return reply.done
+
+    def _park_after(self, first: tuple[Script, list[bytes], list[Any]], waiter: str, away_for: float, wake: str) -> Any:
+        """``first`` (a script of this semaphore's client: a task's parked record), then park
+        ``waiter`` as ``_leave`` does, in one round trip: what ``first`` replied, or the error
+        it raised. Raises what parking raised."""
+        call = script_calls.leave(
+            self.keys, waiter=waiter, away_ms=to_ms(check_seconds("away_for", away_for)), rules=self.rules, wake=wake
+        )
+        with RedisErrors(self.name, "leave"):
+            first_reply, reply = self._scripts.run_after(first, call)
+        tell_to_wake(self, reply.to_wake)
+        return first_reply
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """``release``, marking the run ``run`` (if any) finished for ``remember_ms``."""

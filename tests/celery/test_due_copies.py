@@ -31,7 +31,13 @@ from celery_semaphore._celery.due_copies import (
     send_copy,
     withdraw,
 )
-from celery_semaphore._celery.wait_headers import COPY_ID_HEADER, DUE_IN_HEADER, QUEUE_HEADER
+from celery_semaphore._celery.wait_headers import (
+    COPY_ID_HEADER,
+    DUE_IN_HEADER,
+    MESSAGE_HEADER,
+    QUEUE_HEADER,
+    SENT_HEADER,
+)
 from celery_semaphore._celery.wake_queues import wake_aware
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
@@ -316,3 +322,69 @@ def test_a_finished_run_is_remembered_and_no_copy_of_it_is_stored_after(setup: S
     wait_until(lambda: store.run(["celery"]) and client.zcard(FINISHED_KEY) == 0, timeout=5, what="forgotten")
     send_copy(app, _copy(app, "run-f", 60))  # forgotten: stored again
     assert client.zcard(DUE_KEY) == 1
+
+
+class RoundTrips:
+    """Counts the requests this process writes to any Redis server (redis-py writes a command,
+    or a whole pipeline, at once), to pin how many round trips a step costs. Subscriptions are
+    not counted: a Redis result backend subscribes to the result of every task sent (Celery's
+    ``on_task_call``), a copy of a wait's too, and unsubscribes as its AsyncResult goes; that
+    is Celery's per send, waits for no reply, and is not the semaphore's doing."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import redis.connection
+
+        self.count = 0
+        send = redis.connection.AbstractConnection.send_packed_command
+
+        def counted(connection: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+            head = bytes(command[0] if isinstance(command, list | tuple) else command)[:32]
+            if b"SUBSCRIBE" not in head:
+                self.count += 1
+            return send(connection, command, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+
+
+def round_trips_of_a_copy(setup: Setup, monkeypatch: pytest.MonkeyPatch, run: str) -> int:
+    """The round trips that send one copy of ``run`` once the producers are connected; the
+    copy is stored, not left in the backstop list."""
+    send_copy(setup.app, _copy(setup.app, f"{run}-warm", 60))  # connects the producers
+    trips = RoundTrips(monkeypatch)
+    send_copy(setup.app, _copy(setup.app, run, 60))
+    count = trips.count
+    assert setup.client.llen(BACKSTOP_LIST) == 0 and setup.client.zscore(DUE_KEY, run) is not None
+    return count
+
+
+def test_a_copy_is_published_and_stowed_in_one_round_trip_as_kombu_writes_it(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy goes through kombu's own producer, whose channel pushes it and runs the stowing
+    script in one pipeline: one round trip (the app's producer, then the script, took two), and
+    the stored message is the one kombu pushes to the list for the same call, to the byte but
+    for its delivery tag and the routing key the stowing rewrites."""
+    app, client = setup.app, setup.client
+    assert round_trips_of_a_copy(setup, monkeypatch, "run-b") == 1
+    stored = json.loads(bytes(client.hget(COPIES_KEY, "run-b")).split(b"\n", 1)[1])
+    # the same call through the app's producer, to the backstop list (nothing stows it here)
+    _copy(app, "run-b", 60).apply_async(task_id=stored["headers"]["id"])
+    pushed = json.loads(client.lpop(BACKSTOP_LIST))
+    for message in (stored, pushed):
+        message["properties"].pop("delivery_tag")
+        message["properties"]["delivery_info"].pop("routing_key")
+        for stamp in (SENT_HEADER, MESSAGE_HEADER):  # each publish's own, where the stamping is on
+            message["headers"].pop(stamp, None)
+    assert stored == pushed
+
+
+def test_a_kombu_whose_channel_lacks_what_stowing_calls_publishes_and_stows_apart(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kombu release whose Redis channel no longer has a method the stowing channel calls
+    (stood in for by a name no release has): the copy is published by the app's producer and
+    stowed after, two round trips, as before; it is stored all the same."""
+    from celery_semaphore._celery import stowing
+
+    monkeypatch.setattr(stowing, "STOWING_CHANNEL_METHODS", (*stowing.STOWING_CHANNEL_METHODS, "_not_in_any_kombu"))
+    assert round_trips_of_a_copy(setup, monkeypatch, "run-apart") == 2

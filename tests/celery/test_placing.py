@@ -30,6 +30,7 @@ from celery_semaphore._celery.tokens import task_key
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
 from ..workers import ROOT, Worker, worker_group
+from .test_due_copies import RoundTrips
 
 IDLE_QUEUE = "placing-idle"  # no worker consumes it
 QUEUE = "placing"
@@ -175,6 +176,29 @@ def test_a_stored_copy_sent_by_a_wake_and_lost_in_flight_is_sent_again_after_its
     finally:
         client.delete(IDLE_QUEUE, wake_queue)
         semaphore.leave(task_key(result.id))
+
+
+def test_a_task_that_would_wait_costs_its_sender_three_round_trips(proj: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its place (the semaphore's Redis), its backstop copy published and stowed (the
+    broker's), its parked record and its place parked (the semaphore's, one pipeline, in that
+    order): three round trips; five before the publish and the stowing, and the record and the
+    parking, went in one each."""
+    semaphore = semaphore_for(proj.app, "proj.handoff")
+    holder = semaphore.acquire(timeout=5)
+    sent = []
+    try:
+        sent.append(proj.handoff.apply_async((0.1, "placing-cost"), queue=IDLE_QUEUE))  # connects
+        trips = RoundTrips(monkeypatch)
+        sent.append(proj.handoff.apply_async((0.1, "placing-cost"), queue=IDLE_QUEUE))
+        assert trips.count == 3
+        assert len(stored_runs(proj, sent[1].id)) == 1
+        assert parked_copies(proj, semaphore, sent[1].id) == [STORED_COPY_MARK.encode()]
+        assert [w.waiter for w in semaphore.status().waiters] == [task_key(result.id) for result in sent]
+    finally:
+        for result in sent:
+            semaphore.leave(task_key(result.id))
+        holder.release()
+        broker(proj).delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
 def test_a_task_sent_while_its_key_is_paused_is_parked_and_the_resume_sends_it(proj: Any) -> None:
@@ -340,15 +364,17 @@ step, task_id, key, queue = sys.argv[1:5]
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
-class DyingParking:
-    record = staticmethod(die)
+def park_then_die(self, *args, **kwargs):
+    record_and_park(self, *args, **kwargs)
+    die()
 
+record_and_park = placing._ParkedAtSend._record_and_park
 if step == "placed":  # its place taken, no copy sent yet
     placing.send_copy = die
-elif step == "backstop":  # its backstop copy stored, no record of its wake copy
-    placing.parking = lambda: DyingParking()
-elif step == "recorded":  # its wake copy recorded, its place not parked
-    placing.leave = die
+elif step == "backstop":  # its backstop copy stored, no record of its wake copy, its place not parked
+    placing._ParkedAtSend._record_and_park = die
+elif step == "parked":  # its record kept and its place parked (one round trip), apply_async not returned
+    placing._ParkedAtSend._record_and_park = park_then_die
 proj.handoff.apply_async((0.05, key), queue=queue, task_id=task_id)
 print("returned")
 """
@@ -361,7 +387,7 @@ def granted_lease(semaphore: Any) -> Any:
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("step", ["placed", "backstop", "recorded"])
+@pytest.mark.parametrize("step", ["placed", "backstop", "parked"])
 def test_a_sender_killed_at_each_step_of_placing_loses_no_task_it_sent(
     proj: Any, workers: list[Worker], celery_stack: CeleryStack, step: str
 ) -> None:

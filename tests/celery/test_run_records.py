@@ -20,6 +20,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
+from celery_semaphore._celery.due_copies import due_copies_for
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
@@ -272,3 +273,42 @@ def test_a_tracked_task_is_started_while_its_body_runs(proj: Any, redis_workers:
     assert result.info["pid"] == pid
     # it did not wait, so it names no run: killed past its outcome, it runs again, and fails again
     wait_until(lambda: len(starts_of(proj, key, result.id, "ends")) > 1, timeout=30, what="its second end")
+
+
+def finished_marks(proj: Any, task_id: str) -> list[float]:
+    """Until when the broker's Redis remembers each run of ``task_id`` as finished (ms)."""
+    store = due_copies_for(proj.app)
+    assert store is not None
+    marks = store.client.zrange(store.keys[3], 0, -1, withscores=True)
+    return [score for run, score in marks if run.startswith(task_id.encode())]
+
+
+def test_a_run_without_acks_late_is_remembered_at_its_grant_and_a_short_one_ends_without_a_word(
+    proj: Any, redis_workers: Brokers
+) -> None:
+    """Without acks_late a waited run counts as finished from its grant (Celery runs it at most
+    once): the round trip that asks the broker's Redis at the grant also tells it so, for the
+    run's memory and a tenth more (45 s and 4.5 s for this task). A body shorter than that tenth
+    ends with nothing more to tell the broker: its mark stays as its grant set it. A longer one
+    sets it again at its end, so that every run is remembered its whole memory after its end."""
+    key = "remembered_at_grant"
+    semaphore = semaphore_for(proj.app, proj.sleepy.name)
+    holder = semaphore.acquire(timeout=5)
+    try:
+        short = send(proj, proj.sleepy, (0.3, key), redis_workers)
+        long = send(proj, proj.sleepy, (6.0, key), redis_workers)
+        for result in (short, long):
+            wait_until(lambda r=result: parked(proj, proj.sleepy.name, r.id), timeout=30, what="both tasks in line")
+        assert finished_marks(proj, short.id) == [] and finished_marks(proj, long.id) == []
+    finally:
+        holder.release()
+    (at_grant,) = wait_until(lambda: finished_marks(proj, short.id), timeout=30, what="the short run marked")
+    assert at_grant / 1000 - time.time() > REMEMBERED_S, "remembered its memory and more from its grant"
+    (at_long_grant,) = wait_until(lambda: finished_marks(proj, long.id), timeout=30, what="the long run marked")
+    assert long.get(timeout=30) == "woke"
+    # its grant's mark ends 49.5 s after its grant; its end's (task_postrun, just after the
+    # result is stored), 45 s after its end, 6 s later
+    wait_until(lambda: finished_marks(proj, long.id) != [at_long_grant], timeout=10, what="the long run marked again")
+    (at_end,) = finished_marks(proj, long.id)
+    assert at_end > at_long_grant + 1000
+    assert finished_marks(proj, short.id) == [at_grant], "the short run's end told the broker nothing"

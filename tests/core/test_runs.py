@@ -111,3 +111,25 @@ def test_a_renewed_run_outlives_the_time_its_record_is_remembered(redis_client: 
 def _server_ms(client: redis.Redis) -> float:
     seconds, micros = client.time()
     return seconds * 1000 + micros / 1000
+
+
+def test_a_run_granted_at_most_once_is_never_taken_over_and_a_repeat_of_its_grant_is_granted(
+    redis_client: redis.Redis,
+) -> None:
+    """``at_most_once`` (a Celery task without acks_late): the grant itself records the run
+    finished, in the same script run. Its holder released by task id from outside (its worker
+    killed), a later copy is told the run is done, not handed it (compare the take-over above).
+    The same token asking again while it holds the slot (a reply lost and the call retried) is
+    a repeat of its own grant: granted, not dropped."""
+    semaphore = FairSemaphore(redis_client, "runs-once", 1)
+    first = semaphore._try(Ask(token="t9:a", waiter="t9", run="t9#0", remember=60, at_most_once=True))
+    assert isinstance(first, Granted)
+    assert redis_client.hget(semaphore.keys.runs, "t9#0") == b"", "finished from its grant"
+    again = semaphore._try(Ask(token="t9:a", waiter="t9", run="t9#0", remember=60, at_most_once=True))
+    assert isinstance(again, Granted)
+    assert semaphore.status().holder_count == 1
+    assert semaphore._release_holders_with_prefix("t9:") == 1  # as a killed child's parent does
+    late = semaphore._try(Ask(token="t9:b", waiter="t9", run="t9#0", remember=60, at_most_once=True))
+    assert late == Duplicate(running=False)
+    assert semaphore.status().holder_count == 0
+    first.lease.released = again.lease.released = True  # keep the renewer off the released slot

@@ -31,7 +31,9 @@
 --   ARGV[6] run          "" or the run id of this copy of a wait: if another copy of the run was
 --                        granted within the last ARGV[7] ms and still holds its slot, or
 --                        released it normally, this try is answered RUNNING or RAN
---   ARGV[7] remember_ms  how long a granted run is remembered (counted from its grant)
+--   ARGV[7] remember_ms  how long a granted run is remembered (counted from its grant); sent
+--                        negative, the run is recorded finished at its grant (it runs at most
+--                        once: no copy takes it over once this one's lease lapses)
 --   ARGV[8] tenant       "" or "<share>|<tenant>": the caller's tenant and the share its settings
 --                        give it (a runtime override in KEYS[14] wins): a new waiter's ticket is
 --                        then its tenant's virtual time (see tenant_ticket), not its arrival.
@@ -89,6 +91,10 @@ lease_ms, patience_ms = tonumber(lease_ms), tonumber(patience_ms)
 local placing = enqueue == '2'
 enqueue, fresh = enqueue ~= '0', fresh == '1'
 local wake, run, remember_ms = ARGV[5] or '', ARGV[6] or '', tonumber(ARGV[7])
+local run_begins = token  -- what the run's record holds from its grant: '' once it counts finished
+if remember_ms and remember_ms < 0 then
+  remember_ms, run_begins = -remember_ms, ''
+end
 local tenant_arg = ARGV[8] or ''
 local priority_ms = tonumber(ARGV[9]) or 0
 local max_waiters, full_policy, coalesce = string.match(ARGV[10] or '', '^(%d*)|([%w_]+)|(.*)$')
@@ -99,6 +105,9 @@ local free_now  -- placing: the waiter would start now (see enqueue "2")
 
 if run ~= '' then
   local taken, lease_left_ms = run_taken(run, token, now)
+  if taken == 'ran' and (tonumber(redis.call('ZSCORE', K_HOLDERS, token)) or 0) > now then
+    taken = nil  -- begun at most once under this very token, which holds it: a repeat of its grant
+  end
   if taken == 'running' then
     return {RUNNING, lease_left_ms}
   elseif taken == 'ran' then
@@ -111,7 +120,7 @@ end
 local function granted(code, r)
   record_start(r, now, 1)
   if run ~= '' then
-    record_run(run, token, now, remember_ms)
+    record_run(run, run_begins, now, remember_ms)
   end
   if #to_wake > 0 then
     return {code, unpack(to_wake)}
