@@ -121,8 +121,8 @@ def placed_at_send(
     if not isinstance(semaphore, FairSemaphore) or outages.is_down(semaphore):
         return None
     copied = {name: value for name, value in options.items() if name not in _CALL_ONLY_OPTIONS}
-    if serialized(task.signature(args, kwargs, copied)) is None:
-        return None  # no worker could read its wake copy back from Redis
+    if not stores_copies(app) and serialized(task.signature(args, kwargs, copied)) is None:
+        return None  # its record keeps a wake copy (RabbitMQ) that no worker could read back
     task_id = task_id or uuid()
     headers = dict(options.get("headers") or {})
     stamp(headers)  # every copy keeps the one message's stamps
