@@ -48,7 +48,7 @@ from .._core import fork_locks
 from .._core.clients import client_for
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
-from .stowing import forget_producer, stowing_producer
+from .stowing import StowingUnavailable, stowing_producer
 from .wake_queues import (
     BACKSTOP_QUEUE_SUFFIX,
     backstop_queue,
@@ -264,17 +264,11 @@ def send_copy(app: Any, copy: Any) -> None:
         copy.apply_async()
         return
     try:
-        producer = stowing_producer(app, store)
-    except Exception as error:  # published and stowed apart, as kombu's channel would
-        logger.debug("a waiting task's copy is published and stowed apart: %s", error)
-        producer = None
-    if producer is not None:
-        try:
+        with stowing_producer(app, store) as producer:
             copy.apply_async(producer=producer)
-        except Exception:
-            forget_producer(app)  # the next copy connects anew
-            raise
         return
+    except StowingUnavailable as error:  # published and stowed apart, as kombu's channel would
+        logger.debug("a waiting task's copy is published and stowed apart: %s", error)
     copy.apply_async()
     try:
         store.run([origin_of_derived(name)])

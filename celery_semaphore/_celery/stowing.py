@@ -18,28 +18,36 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from kombu.messaging import Producer
 from kombu.utils.json import dumps
 
+from .._core import fork_locks
 from .internals import STOWING_CHANNEL_METHODS
 from .wake_queues import BACKSTOP_QUEUE_SUFFIX, origin_of_derived
 
 logger = logging.getLogger("celery_semaphore")
 
+# Most idle connections a process keeps per app for these copies (more publish at once: closed after).
+MOST_IDLE = 8
+
+
+class StowingUnavailable(Exception):
+    """This kombu's transport cannot stow as it publishes: publish and stow apart."""
+
 
 class _Publisher:
-    """One thread's connection and producer for one app's copies, in the process that made them."""
+    """A connection and producer for one app's copies, used by one thread at a time."""
 
     def __init__(self, app: Any, store: Any) -> None:
-        self.pid = os.getpid()
         self.connection = app.connection_for_write()
         base = self.connection.get_transport_cls()
         missing = [name for name in STOWING_CHANNEL_METHODS if not callable(getattr(base.Channel, name, None))]
         if missing:  # not kombu's Redis channel as this module knows it: published and stowed apart
-            raise TypeError(f"{base.Channel.__name__} has no {', '.join(missing)}")
+            raise StowingUnavailable(f"{base.Channel.__name__} has no {', '.join(missing)}")
         channel_class = _stowing_channel(base.Channel, store)
         transport = type(f"Stowing{base.__name__}", (base,), {"Channel": channel_class})
         self.connection = self.connection.clone(transport=transport)
@@ -61,26 +69,50 @@ def _stowing_channel(base: type[Any], store: Any) -> type[Any]:
     return type(f"Stowing{base.__name__}", (base,), {"_put": _put})
 
 
-_local = threading.local()
+class _Publishers:
+    """The idle publishers of each app in this process: a thread takes one (or makes one) for
+    one publish and gives it back, so that a process holds as many connections as it publishes
+    at once, not one per thread it ever ran (a server may run a thread per request)."""
 
+    def __init__(self) -> None:
+        self._lock = fork_locks.reset_in_child()  # guards dict and list steps only
+        self._idle: dict[int, tuple[Any, int, list[_Publisher]]] = {}
 
-def stowing_producer(app: Any, store: Any) -> Any:
-    """The producer of this thread that publishes ``app``'s copies into ``store`` (a
-    ``DueCopies``); a kombu connection is not for sharing between threads, nor across a fork."""
-    publishers: dict[int, tuple[Any, _Publisher]] = getattr(_local, "publishers", None) or {}
-    _local.publishers = publishers
-    entry = publishers.get(id(app))
-    if entry is None or entry[0] is not app or entry[1].pid != os.getpid():
-        entry = publishers[id(app)] = (app, _Publisher(app, store))  # a forked child's: never used, not closed
-    return entry[1].producer
-
-
-def forget_producer(app: Any) -> None:
-    """Drop this thread's producer of ``app`` (after a failed publish: the next one connects anew)."""
-    publishers: dict[int, tuple[Any, _Publisher]] = getattr(_local, "publishers", None) or {}
-    entry = publishers.pop(id(app), None)
-    if entry is not None and entry[1].pid == os.getpid():
+    @contextmanager
+    def publisher(self, app: Any, store: Any) -> Iterator[Any]:
+        with self._lock:
+            entry = self._idle.get(id(app))
+            if entry is None or entry[0] is not app or entry[1] != os.getpid():  # a forked child's: left alone
+                entry = self._idle[id(app)] = (app, os.getpid(), [])
+            idle = entry[2]
+            taken = idle.pop() if idle else None
         try:
-            entry[1].connection.release()
-        except Exception as error:  # already broken: nothing to give back
-            logger.debug("could not close a connection of waiting tasks' copies: %s", error)
+            publisher = taken or _Publisher(app, store)
+        except Exception as error:  # nothing was published
+            raise StowingUnavailable(str(error)) from error
+        try:
+            yield publisher.producer
+        except BaseException:
+            _close(publisher)  # the next publish connects anew
+            raise
+        with self._lock:
+            if len(idle) < MOST_IDLE:
+                idle.append(publisher)
+                return
+        _close(publisher)
+
+
+def _close(publisher: _Publisher) -> None:
+    try:
+        publisher.connection.release()
+    except Exception as error:  # already broken: nothing to give back
+        logger.debug("could not close a connection of waiting tasks' copies: %s", error)
+
+
+_publishers = _Publishers()
+
+
+def stowing_producer(app: Any, store: Any) -> AbstractContextManager[Any]:
+    """A producer that publishes ``app``'s copies into ``store`` (a ``DueCopies``), for one
+    publish: a kombu connection is not for sharing between threads, nor across a fork."""
+    return _publishers.publisher(app, store)
