@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from redis.exceptions import NoScriptError
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError, ResponseError
 
 from . import fork_locks
 from . import script_calls as calls
@@ -242,14 +243,24 @@ class Script:
 
 def run_in_order(runs: list[tuple[Script, list[bytes], list[Any]]]) -> list[Any]:
     """Run several scripts of one client, in order, in one round trip; their replies, or the
-    error each raised. Should the server have lost a script (NOSCRIPT), every script is loaded
-    and all run again, in order: the scripts run this way must bear a second run."""
+    error each raised (a script's error; a lost connection raises). Should the server have lost
+    a script (NOSCRIPT), every script is loaded and all run again, in order: the scripts run
+    this way must bear a second run. A cluster client's pipeline refuses EVALSHA: there, one
+    call each, in order."""
     client = runs[0][0].client
+    replies: list[Any] = []
+    if isinstance(client, RedisCluster):
+        for script, keys, args in runs:
+            try:
+                replies.append(script(keys=keys, args=args))
+            except ResponseError as error:
+                replies.append(error)
+        return replies
     for _ in range(2):
         pipe = client.pipeline(transaction=False)
         for script, keys, args in runs:
             script.queue_on(pipe, keys, args)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
+        replies = pipe.execute(raise_on_error=False)
         if not any(isinstance(reply, NoScriptError) for reply in replies):
             break
         for script, _, _ in runs:

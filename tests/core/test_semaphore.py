@@ -24,6 +24,7 @@ from celery_semaphore import (
 )
 from celery_semaphore._core import renewer
 from celery_semaphore._core.attempts import Ask, new_token
+from celery_semaphore._core.scripts import Script
 
 from ..concurrency_probe import ConcurrencyProbe
 from ..hammer import hammer
@@ -159,6 +160,28 @@ def test_an_away_waiter_keeps_its_place_but_holds_up_nobody(redis_client: redis.
     passed_by.lease.release()
     assert isinstance(semaphore.try_acquire(waiter="sleeper"), Granted)
     semaphore._release_holders_with_prefix("")
+
+
+def test_a_script_then_the_parking_of_a_place_run_in_order_in_one_call(redis_client: redis.Redis) -> None:
+    """``_park_after`` (a task placed at send: its record, then its place parked): another
+    script of the client runs first, then the place is parked, one round trip (on a cluster,
+    whose pipeline refuses EVALSHA, one call each, in order). A first script that fails is
+    answered with its error, not raised, and the place is parked all the same."""
+    semaphore = FairSemaphore(redis_client, "park-after", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    assert isinstance(semaphore.try_acquire(waiter="placed"), Waiting)
+    mark = Script(redis_client, "return redis.call('SET', KEYS[1], ARGV[1])")
+    first = semaphore._park_after((mark, [b"{park-after}:mark"], [b"kept"]), "placed", 30, "")
+    assert first in (b"OK", "OK", True)
+    assert redis_client.get("{park-after}:mark") == b"kept"
+    assert [(w.waiter, w.present) for w in semaphore.status().waiters] == [("placed", False)]
+    failing = Script(redis_client, "return redis.error_reply('refused')")
+    refused = semaphore._park_after((failing, [b"{park-after}:mark"], []), "placed", 30, "")
+    assert isinstance(refused, redis.ResponseError)
+    assert [(w.waiter, w.present) for w in semaphore.status().waiters] == [("placed", False)]
+    holder.release()
+    semaphore.leave("placed")
+    redis_client.delete("{park-after}:mark")
 
 
 def test_a_newcomer_trying_once_cannot_jump_the_line(redis_client: redis.Redis) -> None:

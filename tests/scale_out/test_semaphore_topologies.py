@@ -23,6 +23,7 @@ from ..core.test_runs import (  # noqa: F401  (collected again here, on each top
 from ..core.test_semaphore import (  # noqa: F401  (collected again here, on each topology)
     test_a_newcomer_trying_once_cannot_jump_the_line,
     test_a_repeated_acquire_with_the_same_token_is_granted_once,
+    test_a_script_then_the_parking_of_a_place_run_in_order_in_one_call,
     test_a_short_lease_never_shortens_the_expiry_of_a_long_one,
     test_a_waiter_that_left_comes_back_to_its_old_place,
     test_acquire_timeout_raises_with_context_and_leaves_the_line,
