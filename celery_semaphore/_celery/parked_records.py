@@ -16,6 +16,23 @@ from .._core.storage import RECORD_SEPARATOR
 # sends that stored message (``send_stored_copy.lua``), so no second copy waits in this Redis.
 # The scripts keep it as they keep a copy (``WOKEN_COPY_MARK`` goes in front when it is woken).
 STORED_COPY_MARK = "stored-in-broker"
+# In front of a kept copy (or its mark) whose task waits for its offer in its pool process when a
+# slot should reach it within <ms> (``policy.stands_by``): a release may wake it ahead of its
+# offer (claim_parked_waiter.lua, which spells it the same). A task that would not wait there
+# (``semaphore_inline_wait = 0``) is never woken ahead: it would only park again.
+AHEAD_COPY_MARK = "ahead:{}\n"
+
+
+def kept_copy(copy: bytes, stands_by_ms: int) -> bytes:
+    """A parked task's copy as its record keeps it: marked when it may be woken ahead."""
+    return AHEAD_COPY_MARK.format(stands_by_ms).encode() + copy if stands_by_ms > 0 else copy
+
+
+def without_ahead_mark(copy: bytes) -> bytes:
+    """A kept copy as it was given, its ``AHEAD_COPY_MARK`` (if any) taken off."""
+    if copy.startswith(b"ahead:"):
+        return copy.partition(b"\n")[2]
+    return copy
 
 
 def parked_keys(prefix: str) -> list[bytes]:

@@ -20,8 +20,8 @@ from .._core.replies import waiters_of
 from .._core.script_args import number
 from .._core.scripts import Script, SemaphoreKeys, built_script
 from .._core.scripts import preload as preload_the_semaphores
-from .._core.storage import as_text
-from .parked_records import parked_waiter_entry
+from .._core.storage import WOKEN_COPY_MARK, as_text
+from .parked_records import without_ahead_mark
 
 # The package whose lua/ folder holds these scripts.
 _PACKAGE = __name__.rpartition(".")[0]
@@ -59,8 +59,7 @@ class ParkedScripts:
 
     def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
         """The parked-task records now due, (record, copy) each, taken by this caller alone."""
-        reply = self._scripts["claim_parked"](keys=keys[:3], args=[most])
-        return [(as_text(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply), 2)]
+        return records_claimed(self._scripts["claim_parked"](keys=keys[:3], args=[most]))
 
     def claim_parked_waiter(
         self, keys: list[bytes], *, deadlines_key: str, waiter: str, lease_ms: int
@@ -68,10 +67,22 @@ class ParkedScripts:
         """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
         this caller alone and leased for ``lease_ms`` (a sweep sends its copy again after that,
         unless its run was granted); None when it has none (or another caller took it)."""
-        reply = self._scripts["claim_parked_waiter"](
-            keys=keys[:3], args=[parked_waiter_entry(deadlines_key, waiter), number(lease_ms)]
-        )
-        return (as_text(reply[0]), bytes(reply[1])) if reply else None
+        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[deadlines_key, number(lease_ms), waiter])
+        claimed = records_claimed(reply)
+        return claimed[0] if claimed else None
+
+    def claim_offered_run(
+        self, keys: list[bytes], line: SemaphoreKeys, *, lease_ms: int, ahead: int, limit: int
+    ) -> tuple[Script, list[bytes], list[Any]]:
+        """``claim_parked_waiter`` of every parked waiter holding a live offer of ``line``, and
+        of those among its first ``ahead`` present waiters whose slot should come, by the line's
+        average hold and ``limit``, within what their record's ``AHEAD_COPY_MARK`` says (woken
+        ahead), as its script, keys and arguments: to run right after a release of the line, in its round trip (a single
+        Redis only: the line's keys and the records' are two hash tags). Its reply:
+        ``records_claimed``."""
+        named = [*keys[:3], *(key.encode() for key in (line.holders, line.waiter_info, line.present, line.gate))]
+        args = [line.deadlines, number(lease_ms), number(ahead), number(limit)]
+        return self._scripts["claim_parked_waiter"], named, args
 
     def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:
         """The lines with parked waiters to tick this round, or [] when another process has it."""
@@ -86,6 +97,18 @@ class ParkedScripts:
         (offered a slot: parked, or nobody heard; see notify in _core/lua/_lib.lua).
         ``rules``: as ``Rules.arg`` (a parked line's record carries them as text)."""
         return waiters_of(self._scripts["tick"](keys=keys.line_keys, args=[rules]))
+
+
+def records_claimed(reply: Any) -> list[tuple[str, bytes]]:
+    """The (record, copy) pairs a run of claim_parked_waiter.lua or claim_parked.lua took, each
+    copy as it was given (behind its woken mark, if any)."""
+    woken = WOKEN_COPY_MARK.encode()
+    pairs = []
+    for i in range(0, len(reply), 2):
+        copy = bytes(reply[i + 1])
+        mark = woken if copy.startswith(woken) else b""
+        pairs.append((as_text(reply[i]), mark + without_ahead_mark(copy[len(mark) :])))
+    return pairs
 
 
 _registered: weakref.WeakKeyDictionary[Any, ParkedScripts] = weakref.WeakKeyDictionary()

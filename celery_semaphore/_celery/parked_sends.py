@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._core.explain import wait_state
+from .._core.explain import WaitState, wait_states
 from .._core.storage import WOKEN_COPY_MARK
 from .due_copies import send_stored
 from .parked_records import STORED_COPY_MARK, ParkedRecord, parked_keys
@@ -34,54 +34,99 @@ def sweep_records(targets: list[Any]) -> None:
         except Exception as error:  # Redis down: the records wait for the next sweep
             logger.debug("could not sweep the parked tasks: %s", error)
             continue
-        for record, copy in claimed:
+        states = _states_of(target.client, claimed)
+        for (record, copy), state in zip(claimed, states, strict=True):
+            if state is None or state.granted:
+                continue
             try:
-                deadlines, runs, waiter, run, name = ParkedRecord.read(record)
-                woken = copy.startswith(WOKEN_COPY_MARK.encode())
-                copy = copy.removeprefix(WOKEN_COPY_MARK.encode())
-                if not copy:
-                    continue
-                state = wait_state(target.client, deadlines, runs, waiter, run)
-                if state.granted:
-                    continue
-                if woken:
-                    # its wake copy was sent a lease ago and no copy was granted since: lost
-                    # in flight (popped by a worker that died), or still waiting for a pool
-                    # process. Sent again, leased again; a second copy that arrives is
-                    # dropped by its run. A stored copy the broker no longer keeps ends it
-                    wake_copy = None if copy == STORED_COPY_MARK.encode() else deserialized(copy, target.app)
-                    sent_again(name)
-                    if wake_copy is None and not send_stored_copy(target.app, run, name):
-                        continue
-                    parked_scripts_for(target.client).park(
-                        parked_keys(target.prefix),
-                        record=record,
-                        copy=WOKEN_COPY_MARK.encode() + copy,
-                        only_if_absent=True,
-                        look_in_ms=round(WOKEN_LEASE_S * 1000),
-                    )
-                    if wake_copy is not None:
-                        send_wake_copy(wake_copy, name)
-                    continue
-                if state.left_ms is not None:  # still in line: look again once its place would lapse
-                    parked_scripts_for(target.client).park(
-                        parked_keys(target.prefix),
-                        record=record,
-                        copy=copy,
-                        only_if_absent=True,
-                        look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000),
-                    )
-                    continue
-                if copy == STORED_COPY_MARK.encode():
-                    sent_again(name)
-                    send_stored_copy(target.app, run, name)
-                    continue
-                wake_copy = deserialized(copy, target.app)
+                _sweep_one(target, record, copy, state)
             except Exception as error:
                 logger.warning("could not sweep a parked task (%s): its backstop copy is its only way back", error)
-                continue
-            sent_again(name)
+
+
+def _states_of(client: Any, claimed: list[tuple[str, bytes]]) -> list[WaitState | None]:
+    """Where the wait of each record taken stands, read in one round trip; None for a record
+    with no copy left (nothing to send) or one that cannot be read."""
+    waits: list[tuple[str, str, str, str]] = []
+    places: list[int | None] = []
+    for record, copy in claimed:
+        try:
+            deadlines, runs, waiter, run, _ = ParkedRecord.read(record)
+        except Exception as error:
+            logger.warning("could not read a parked task's record (%s): its backstop copy is its only way back", error)
+            deadlines = ""
+        if not deadlines or not copy.removeprefix(WOKEN_COPY_MARK.encode()):
+            places.append(None)
+            continue
+        places.append(len(waits))
+        waits.append((deadlines, runs, waiter, run))
+    if not waits:
+        return [None] * len(claimed)
+    try:
+        states = wait_states(client, waits)
+    except Exception as error:
+        logger.warning(
+            "could not sweep %d parked tasks (%s): their backstop copies are their only way back", len(waits), error
+        )
+        return [None] * len(claimed)
+    return [None if place is None else states[place] for place in places]
+
+
+def _sweep_one(target: Any, record: str, copy: bytes, state: WaitState) -> None:
+    """Send again the copy of a wait that no copy asked for, taken by a sweep with ``state``."""
+    _, _, _, run, name = ParkedRecord.read(record)
+    woken = copy.startswith(WOKEN_COPY_MARK.encode())
+    copy = copy.removeprefix(WOKEN_COPY_MARK.encode())
+    if woken:
+        # its wake copy was sent a lease ago and no copy was granted since: lost in flight
+        # (popped by a worker that died), or still waiting for a pool process. Sent again,
+        # leased again; a second copy that arrives is dropped by its run. A stored copy the
+        # broker no longer keeps ends it
+        wake_copy = None if copy == STORED_COPY_MARK.encode() else deserialized(copy, target.app)
+        sent_again(name)
+        if wake_copy is None and not send_stored_copy(target.app, run, name):
+            return
+        parked_scripts_for(target.client).park(
+            parked_keys(target.prefix),
+            record=record,
+            copy=WOKEN_COPY_MARK.encode() + copy,
+            only_if_absent=True,
+            look_in_ms=round(WOKEN_LEASE_S * 1000),
+        )
+        if wake_copy is not None:
             send_wake_copy(wake_copy, name)
+        return
+    if state.left_ms is not None:  # still in line: look again once its place would lapse
+        parked_scripts_for(target.client).park(
+            parked_keys(target.prefix),
+            record=record,
+            copy=copy,
+            only_if_absent=True,
+            look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000),
+        )
+        return
+    sent_again(name)
+    if copy == STORED_COPY_MARK.encode():
+        send_stored_copy(target.app, run, name)
+        return
+    send_wake_copy(deserialized(copy, target.app), name)
+
+
+def send_claimed(app: Any, record: str, copy: bytes) -> str:
+    """Send the copy of a parked task whose record (and copy, as kept) this caller took to wake
+    it; its waiter. Its record's lease sends it again should this one fail (a stored copy not
+    stowed yet, a broker down)."""
+    parked = ParkedRecord.read(record)
+    if copy == STORED_COPY_MARK.encode():
+        send_stored_copy(app, parked.run, parked.name)
+        return parked.waiter
+    try:
+        wake_copy = deserialized(copy, app)
+    except Exception as error:
+        logger.warning("could not wake a parked task (%s): its backstop copy is its way back", error)
+        return parked.waiter
+    send_wake_copy(wake_copy, parked.name)
+    return parked.waiter
 
 
 def send_stored_copy(app: Any, run: str, name: str) -> bool:

@@ -49,17 +49,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.cluster import RedisCluster
+
 from .._core.explain import WaitState, wait_state
+from .._core.hand_offs import ReleaseFollower, on_release, on_to_wake
 from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import SemaphoreKeys
-from .._core.semaphore import FairSemaphore, on_to_wake
+from .._core.semaphore import FairSemaphore
 from .._core.wakeups import WakeHandle, wake_ups_for
 from . import parked_sends
-from .parked_records import STORED_COPY_MARK, ParkedRecord, line_of, parked_keys, prefix_of, read_parked_line, record_of
-from .parked_scripts import parked_scripts_for
-from .parked_sends import send_stored_copy, send_wake_copy, sent_again, sweep_records
+from .parked_records import STORED_COPY_MARK, kept_copy, line_of, parked_keys, prefix_of, read_parked_line, record_of
+from .parked_scripts import parked_scripts_for, records_claimed
+from .parked_sends import send_claimed, send_stored_copy, send_wake_copy, sent_again, sweep_records
 from .pausing import members
-from .wake_copies import deserialized, serialized
+from .policy import WAKE_AHEAD
+from .wake_copies import serialized
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -127,12 +131,15 @@ class Parking:
         away_for: float,
         run: str,
         stored_in_broker: bool = False,
+        stands_by_ms: int = 0,
     ) -> str:
         """Register ``wake_copy`` to be sent when ``waiter`` is offered a slot of ``semaphore``
         (within ``away_for`` seconds), or when that time is up and no copy of the wait (run
         ``run``) has asked; returns the wake address to park the waiter under. With
         ``stored_in_broker``, the wait's copy is (about to be) stored in the broker's Redis under
-        ``run``: the record in Redis keeps a mark, not a second copy (see ``record``)."""
+        ``run``: the record in Redis keeps a mark, not a second copy (see ``record``).
+        ``stands_by_ms``: a slot that should reach the task within that long is waited for in
+        its pool process, so a release may wake it ahead of its offer (``policy.stands_by_ms``)."""
         wake_ups = wake_ups_for(semaphore.client)
         channel = semaphore.keys.wake_address(wake_ups.listener_id)
         key = (id(semaphore.client), f"{channel}\n{waiter}")
@@ -144,7 +151,7 @@ class Parking:
             if parked is not None and parked is entry:
                 self._to_send.put(parked)
 
-        script_run = self.record_run(semaphore, waiter, run, wake_copy, away_for, stored_in_broker)
+        script_run = self.record_run(semaphore, waiter, run, wake_copy, away_for, stored_in_broker, stands_by_ms)
         if script_run is not None:
             script, keys, args = script_run
             script(keys=keys, args=args)
@@ -215,6 +222,7 @@ class Parking:
         wake_copy: Any,
         away_for: float,
         stored_in_broker: bool,
+        stands_by_ms: int = 0,
     ) -> tuple[Any, list[bytes], list[Any]] | None:
         """The script run that keeps the wake copy in Redis, due when ``away_for`` is up (any
         process's sweep sends it then, if no copy of the wait asked); None where it cannot be
@@ -232,7 +240,7 @@ class Parking:
             parked_keys(prefix_of(semaphore)),
             record_of(semaphore, waiter, run),
             round(away_for * 1000),
-            copy,
+            kept_copy(copy, stands_by_ms),
             line_of(semaphore),
         )
 
@@ -357,18 +365,35 @@ class Parking:
                 # (a blocked caller asks again by itself), or another process took it
                 self._send_parked_here(deadlines_keys, waiter)
                 continue
-            record, copy = claimed
-            parked = ParkedRecord.read(record)
-            if copy == STORED_COPY_MARK.encode():
-                # its lease sends it again should the broker not keep it yet (a copy not stowed)
-                send_stored_copy(app, parked.run, parked.name)
-                continue
-            try:
-                wake_copy = deserialized(copy, app)
-            except Exception as error:
-                logger.warning("could not wake a parked task (%s): its backstop copy is its way back", error)
-                continue
-            send_wake_copy(wake_copy, parked.name)
+            send_claimed(app, *claimed)
+
+    def release_follower(self, semaphore: Any) -> ReleaseFollower | None:
+        """For a release of ``semaphore`` from this process, where it can send wake copies (see
+        ``wake_offered``), on a single Redis: the claim of the records of the line's parked
+        waiters offered a slot, in the release's round trip, and the sending of their copies."""
+        if not isinstance(semaphore, FairSemaphore) or isinstance(semaphore.client, RedisCluster):
+            return None
+        with self._lock:
+            key = (id(semaphore.client), semaphore.prefix)
+            target = self._sweep_targets.get(key) or self._wake_targets.get(key)
+        if target is None:
+            return None
+        app = target.app
+        plain = semaphore.rules.arg.isdigit()  # no rate, spacing or cap per tenant in code
+        run = parked_scripts_for(semaphore.client).claim_offered_run(
+            parked_keys(semaphore.prefix),
+            semaphore.keys,
+            lease_ms=round(parked_sends.WOKEN_LEASE_S * 1000),
+            ahead=WAKE_AHEAD if plain else 0,
+            limit=semaphore.rules.limit,
+        )
+
+        def woke(reply: Any) -> list[str]:
+            if isinstance(reply, Exception):
+                raise reply
+            return [send_claimed(app, record, copy) for record, copy in records_claimed(reply)]
+
+        return ReleaseFollower(run, woke)
 
     def _send_parked_here(self, deadlines_keys: list[str], waiter: str) -> None:
         with self._lock:
@@ -471,3 +496,4 @@ def _wake_offered(semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str,
 
 
 on_to_wake(_wake_offered)
+on_release(lambda semaphore: parking().release_follower(semaphore))

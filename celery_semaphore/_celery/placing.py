@@ -255,7 +255,15 @@ class _ParkedAtSend:
         (the record's script failed) is parked again with no wake address: its backstop copy
         brings it back. Never raises: a place not parked lapses by itself."""
         semaphore, waiter, records = self.semaphore, self.waiter, parking()
-        script_run = records.record_run(semaphore, waiter, self.run, wake_copy, away_for, stores_copies(self.task.app))
+        script_run = records.record_run(
+            semaphore,
+            waiter,
+            self.run,
+            wake_copy,
+            away_for,
+            stores_copies(self.task.app),
+            policy.stands_by_ms(self.wait_options.inline_wait),
+        )
         try:
             if script_run is not None:
                 wake = semaphore.keys.wake_address(SENDER_LISTENER)

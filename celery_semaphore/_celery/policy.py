@@ -38,6 +38,14 @@ KEPT_APART_BACKSTOP_S = 300.0
 # missed its withdrawal and comes back when due still finds its run and is dropped.
 BACKSTOP_PER_EXPECTED_WAIT = 2.0
 BACKSTOP_MOST_S = 1800.0
+# How many of the first parked waiters of a line with short holds (an average hold within the
+# inline wait) a release wakes ahead of their offer (claim_parked_waiter.lua): each arrives and
+# waits for its offer in a pool process, so that the hand-off is a publish, not a trip of its
+# wake copy through the broker (about 9 ms measured). Such a waiter may wait in its process even
+# where that leaves none of the worker's free, if its slot should come within STAND_BY_MOST_S
+# (see stands_by).
+WAKE_AHEAD = 2
+STAND_BY_MOST_S = 0.5
 # A start a rate, a spacing or a pause reserves further off than this parks its task as well as
 # sending it for then: an operator's resume or looser rule may bring the start forward, and only
 # a wake-up reaches a task away for a day. A nearer one comes back by its copy alone.
@@ -82,6 +90,26 @@ def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
         turn = waiting.position if waiting.turn is None else waiting.turn
         return turn < UNKNOWN_HOLD_ROUNDS * waiting.limit
     return expected <= inline_wait
+
+
+def stands_by(waiting: Waiting) -> bool:
+    """Whether a refused waiter is among the next ``WAKE_AHEAD`` to be offered a slot of a line
+    whose slots come back often (a slot should reach it within ``STAND_BY_MOST_S``): one woken
+    ahead (or any so near its turn) waits for it in its pool process, even where that takes the
+    worker's last free one (``pool_room``), rather than leave and come back through the broker.
+    A hand-off to it is then a publish, and the process is taken that briefly. With no hold
+    time known, or longer holds, the worker's last process stays free (a task that may start
+    now would wait behind the wait)."""
+    if waiting.turn is None or waiting.turn >= WAKE_AHEAD or waiting.opens_in is not None:
+        return False
+    expected = expected_wait(waiting, among_present=True)
+    return expected is not None and expected <= STAND_BY_MOST_S
+
+
+def stands_by_ms(inline_wait: float) -> int:
+    """Within how many ms a slot must reach a task with ``inline_wait`` for it to stand by for
+    its offer in its pool process (``stands_by``); 0: it never does."""
+    return round(min(inline_wait, STAND_BY_MOST_S) * 1000) if inline_wait > 0 else 0
 
 
 def countdown(

@@ -67,6 +67,11 @@ class PoolRoom:
         busy = sum(self._flags) if self._index() is not None else self._busy
         return busy < self._size
 
+    def has_others(self) -> bool:
+        """Whether a task here shares its worker with other processes (or threads): a worker of
+        one runs nothing else while a task waits in it."""
+        return self._size != 1
+
     def _index(self) -> int | None:
         if self._flags is None:
             return None

@@ -329,7 +329,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             if (
                 isinstance(attempt, Waiting)
                 and policy.waits_in_process(attempt, options.inline_wait)
-                and pool_room.leaves_one_free()
+                and (pool_room.leaves_one_free() or (policy.stands_by(attempt) and pool_room.has_others()))
             ):
                 attempt = semaphore._wait(
                     dataclasses.replace(ask, ticket=attempt.ticket, fresh=False), options.inline_wait

@@ -257,6 +257,7 @@ class WaitingDelivery:
                     away_for=backstop_countdown + AWAY_SLACK,
                     run=run,
                     stored_in_broker=stores_copies(self.task.app),
+                    stands_by_ms=policy.stands_by_ms(self.options.inline_wait),
                 )
             except Exception as error:  # no wake-up then: the backstop copy must bring it back
                 logger.warning(

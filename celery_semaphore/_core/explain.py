@@ -262,11 +262,24 @@ def wait_state(client: Any, deadlines_key: str, runs_key: str, waiter: str, run:
     """Where a waiter that stepped away stands, read from the keys of its semaphore (a parked
     record names them): for a caller that holds no semaphore object for it, such as a sweep of
     parked Celery tasks."""
-    now_ms, (deadline_ms, granted) = _read_at_server_time(
-        client, lambda pipe: (pipe.zscore(deadlines_key, waiter), pipe.hexists(runs_key, run))
-    )
-    left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
-    return WaitState(granted=bool(granted), left_ms=left)
+    return wait_states(client, [(deadlines_key, runs_key, waiter, run)])[0]
+
+
+def wait_states(client: Any, waits: Sequence[tuple[str, str, str, str]]) -> list[WaitState]:
+    """``wait_state`` of each of ``waits`` (deadlines key, runs key, waiter, run), in one round
+    trip: a sweep takes a hundred records at once."""
+
+    def reads(pipe: Any) -> None:
+        for deadlines_key, runs_key, waiter, run in waits:
+            pipe.zscore(deadlines_key, waiter)
+            pipe.hexists(runs_key, run)
+
+    now_ms, replies = _read_at_server_time(client, reads)
+    states = []
+    for deadline_ms, granted in zip(replies[::2], replies[1::2], strict=True):
+        left = None if deadline_ms is None or float(deadline_ms) <= now_ms else int(float(deadline_ms)) - now_ms
+        states.append(WaitState(granted=bool(granted), left_ms=left))
+    return states
 
 
 def run_finished(client: Any, runs_key: str, run_expiry_key: str, run: str) -> bool:

@@ -32,12 +32,13 @@ from dataclasses import replace
 
 from . import renewer
 from .attempts import Ask, Attempt, Granted, OneTry
+from .hand_offs import tell_to_wake
 from .lease import Lease
 from .multi_config import MultiConfig
 from .redis_errors import RedisErrors
 from .replies import Holder
 from .scripts import scripts_for
-from .semaphore import FairSemaphore, tell_to_wake
+from .semaphore import FairSemaphore
 from .storage import GRANTED, RENEW_LOST, is_extra_slot
 from .validation import check_seconds
 from .waiting import WakeAddress, acquire_within, wait_for_turn

@@ -297,6 +297,15 @@ class Scripts:
             raise reply
         return first_reply, call.parse(reply)
 
+    def run_before(self, call: ScriptCall[R], then: tuple[Script, list[bytes], list[Any]]) -> tuple[R, Any]:
+        """Run ``call``, then ``then`` (another script of this client, with its keys and
+        arguments), in one round trip: ``call``'s parsed reply, and ``then``'s reply or the
+        error it raised. Raises what ``call`` raised."""
+        reply, then_reply = run_in_order([(self._scripts[call.name], call.keys, call.args), then])
+        if isinstance(reply, Exception):
+            raise reply
+        return call.parse(reply), then_reply
+
     acquire = _blocking(calls.acquire)
     release = _blocking(calls.release)
     renew = _blocking(calls.renew)

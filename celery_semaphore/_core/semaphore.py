@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +32,7 @@ from ..errors import ConfigurationError
 from . import renewer, script_calls
 from .attempts import Ask, Attempt, Granted, OneTry, StartsOnArrival, Waiting, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
+from .hand_offs import follower_for, tell_to_wake, woken_by
 from .lease import Lease
 from .redis_errors import REDIS_ERRORS, RedisErrors, translate
 from .replies import Holder
@@ -57,38 +57,6 @@ from .validation import check_limit, check_seconds, check_token, check_waiter, t
 from .waiting import WakeAddress, acquire_within, wait_for_turn
 
 logger = logging.getLogger("celery_semaphore")
-
-
-# Told (semaphore, waiters) when a script offered a slot to parked waiters, or to waiters whose
-# wake-up nobody heard (their process is gone): the Celery layer sends a parked task's wake copy
-# itself (_celery/parking.py). Unset, a parked waiter's own process sends it, and an offer nobody
-# heard lapses after its claim window and goes on to the next waiter. The third argument,
-# "later": the caller must not wait for the wake-ups (the renewer: see tell_to_wake).
-ToWakeHandler = Callable[[Any, "tuple[str, ...]", bool], None]
-_to_wake_handler: ToWakeHandler | None = None
-
-
-def on_to_wake(handler: ToWakeHandler | None) -> None:
-    global _to_wake_handler
-    _to_wake_handler = handler
-
-
-def tell_to_wake(semaphore: Any, waiters: tuple[str, ...], *, later: bool = False) -> None:
-    """Hand ``waiters`` (offered a slot of ``semaphore``: parked, or nobody heard) to the
-    handler, if any; never raises: the release or try that found them has done its own work.
-    ``later``: for the renewer, which must never wait on what a wake-up involves (a broker)."""
-    handler = _to_wake_handler
-    if handler is None or not waiters:
-        return
-    try:
-        handler(semaphore, waiters, later)
-    except Exception as error:
-        logger.warning(
-            "could not wake the waiters of %r that did not hear their turn (their offer lapses "
-            "after its claim window): %s",
-            getattr(semaphore, "name", semaphore),
-            error,
-        )
 
 
 class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"], OneTry):
@@ -337,14 +305,20 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """``release``, marking the run ``run`` (if any) finished for ``remember_ms``."""
+        call = script_calls.release(self.keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms)
+        follower = follower_for(self)
         try:
-            reply = self._scripts.release(
-                self.keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms
-            )
+            if follower is None:
+                reply = self._scripts.run(call)
+            else:
+                reply, followed = self._scripts.run_before(call, follower.run)
         except REDIS_ERRORS as error:
             raise translate(error, self.name, "release") from error
-        if reply.to_wake:
-            tell_to_wake(self, reply.to_wake)
+        to_wake = reply.to_wake
+        if follower is not None:
+            woken = woken_by(follower, followed)
+            to_wake = tuple(waiter for waiter in to_wake if waiter not in woken)
+        tell_to_wake(self, to_wake)
         return reply.done
 
     def _line_front(self) -> int | None:

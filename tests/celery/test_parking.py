@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -94,6 +95,62 @@ def test_the_releasing_process_sends_the_wake_copy_and_the_parked_one_does_not_s
         releasing._sweep_targets.pop((id(redis_client), prefix), None)
 
 
+def test_the_release_takes_the_parked_record_in_its_own_round_trip(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a single Redis, the releasing process takes the record of the parked waiter its
+    release offered the slot in the release's own round trip (the claim follows the release in
+    one pipeline), not in a second one; and it sends the wake copy, once. What each write of the
+    releasing thread holds is read off the connection (redis-py writes a pipeline at once); the
+    parked task's own listener, in this process too here, takes the record in a thread of its
+    own (and finds it taken)."""
+    import hashlib
+    import threading
+
+    import redis.connection
+
+    from celery_semaphore._celery.parked_scripts import _PACKAGE, preload
+    from celery_semaphore._celery.parking import parking
+    from celery_semaphore._core.scripts import built_script, script_source
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-one-trip"
+    releasing = parking()
+    releasing.sweep(app, redis_client, prefix)
+    try:
+        semaphore = FairSemaphore(redis_client, "park-one-trip", 1, prefix=prefix)
+        holder = semaphore.acquire(timeout=5)
+        assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+        wake_copy = app.signature("parking.job", queue="q-one-trip.semaphore-wake")
+        semaphore._leave("t1", 30, Parking().park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+        preload(redis_client)  # as a worker does at start: no NOSCRIPT and second run to count
+        writes: list[bytes] = []
+        releaser = threading.current_thread()
+        send = redis.connection.AbstractConnection.send_packed_command
+
+        def noted(connection: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is releaser:
+                parts = command if isinstance(command, list | tuple) else [command]
+                writes.append(b"".join(bytes(part) for part in parts))
+            return send(connection, command, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", noted)
+        holder.release()
+        monkeypatch.undo()
+        release = hashlib.sha1(script_source("release").encode()).hexdigest().encode()
+        claim = hashlib.sha1(built_script(_PACKAGE, "claim_parked_waiter").encode()).hexdigest().encode()
+        claims = [write for write in writes if claim in write]
+        assert len(claims) == 1, "one claim"
+        assert release in claims[0], "in the release's own write"
+        assert sum(release in write for write in writes) == 1
+        wait_until(
+            lambda: _queued(redis_server, "q-one-trip.semaphore-wake") == 1, timeout=10, what="the wake copy sent"
+        )
+        assert redis_client.hlen(parked_keys(prefix)[2]) == 0, "the record taken"
+    finally:
+        releasing._sweep_targets.pop((id(redis_client), prefix), None)
+
+
 def test_a_wake_up_handed_on_later_is_sent_from_the_sender_thread(
     redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,16 +167,16 @@ def test_a_wake_up_handed_on_later_is_sent_from_the_sender_thread(
     assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
     wake_copy = app.signature("parking.job", queue="q-later.semaphore-wake")
     semaphore._leave("t1", 30, Parking().park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
-    import celery_semaphore._celery.parking as parking_module
+    import celery_semaphore._celery.parked_sends as parked_sends
 
     senders: list[threading.Thread] = []
-    send = parking_module.send_wake_copy
+    send = parked_sends.send_wake_copy
 
     def noted_send(copy: object, name: str) -> None:
         senders.append(threading.current_thread())
         send(copy, name)
 
-    monkeypatch.setattr(parking_module, "send_wake_copy", noted_send)
+    monkeypatch.setattr(parked_sends, "send_wake_copy", noted_send)
     waker = Parking()
     waker.sweep(app, redis_client, prefix)
     waker.wake_offered(semaphore, ("t1",), later=True)
@@ -377,3 +434,114 @@ def test_a_busy_sender_still_sweeps(redis_server: RedisServer, redis_client: red
 
     wait_until(swept_while_busy, timeout=10, what="the lost wait sent again while the sender is busy")
     holder.release()
+
+
+def test_a_sweep_reads_where_its_records_stand_in_one_round_trip(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep takes up to a hundred due records at once and reads where each wait stands (its
+    place, its run) in one round trip for all, not one each: 6 records, 3 of waits whose run
+    was granted meanwhile (left alone) and 3 of waits whose place lapsed with no copy asking
+    (sent again). The grants are written as the acquire script records one (run -> token)."""
+    import redis.connection
+
+    from celery_semaphore._celery.parked_records import record_of
+    from celery_semaphore._celery.parked_scripts import parked_scripts_for
+    from celery_semaphore._celery.parked_sends import sweep_records
+    from celery_semaphore._celery.parking import _SweepTarget
+    from celery_semaphore._celery.wake_copies import serialized
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-batch"
+    semaphore = FairSemaphore(redis_client, "park-batch", 1, prefix=prefix)
+    holder = semaphore.acquire(timeout=5)
+    scripts = parked_scripts_for(redis_client)
+    for i in range(6):
+        waiter = f"w{i}"
+        assert isinstance(semaphore.try_acquire(token=f"{waiter}:a", waiter=waiter), Waiting)
+        copy = serialized(app.signature("parking.job", queue=f"q-batch-{i}.semaphore-wake"))
+        assert copy is not None
+        record = record_of(semaphore, waiter, f"{waiter}#0")
+        assert scripts.park(parked_keys(prefix), record=record, look_in_ms=1, copy=copy)
+        assert semaphore._leave(waiter, 0.2, "") is not None
+        if i % 2:
+            redis_client.hset(semaphore.keys.runs, f"{waiter}#0", f"{waiter}:b")
+    lapse = max(float(score) for _, score in redis_client.zrange(semaphore.keys.deadlines, 0, -1, withscores=True))
+    wait_until(lambda: _server_time(redis_client) * 1000 > lapse, timeout=10, what="every place lapsed")
+    reads = 0
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(connection: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        parts = command if isinstance(command, list | tuple) else [command]
+        reads += b"HEXISTS" in b"".join(bytes(part) for part in parts)
+        return send(connection, command, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    sweep_records([_SweepTarget(redis_client, prefix, app)])
+    monkeypatch.undo()
+    assert reads == 1, "one round trip reads where all six stand"
+    assert [_queued(redis_server, f"q-batch-{i}.semaphore-wake") for i in range(6)] == [1, 0, 1, 0, 1, 0]
+    assert redis_client.zcard(parked_keys(prefix)[0]) == 0
+    holder.release()
+
+
+def _woken_ahead_setup(
+    redis_server: RedisServer, redis_client: redis.Redis, name: str, stands_by: int, **semaphore_options: Any
+) -> tuple[Celery, FairSemaphore, Any]:
+    """A line of ``name`` whose one slot is held, with 4 parked waiters w0..w3 (their records
+    kept in Redis, their wake copies for queue q-<name>-<i>, each of a task that stands by for
+    a slot coming within ``stands_by`` ms: 0, never), seen from a process that sweeps the
+    deployment (this process's parking, as a worker's). Returns the app, the semaphore and the
+    holder's lease."""
+    from celery_semaphore._celery.parking import parking
+
+    app = _app(redis_server)
+    parking().sweep(app, redis_client, f"{PREFIX}-{name}")
+    semaphore = FairSemaphore(redis_client, name, 1, prefix=f"{PREFIX}-{name}", **semaphore_options)
+    holder = semaphore.acquire(timeout=5)
+    for i in range(4):
+        waiter = f"w{i}"
+        assert isinstance(semaphore.try_acquire(token=f"{waiter}:a", waiter=waiter), Waiting)
+        wake_copy = app.signature("parking.job", queue=f"q-{name}-{i}.semaphore-wake")
+        address = Parking().park(semaphore, waiter, wake_copy, away_for=30, run=f"{waiter}#0", stands_by_ms=stands_by)
+        semaphore._leave(waiter, 30, address)
+    return app, semaphore, holder
+
+
+def _sent(redis_server: RedisServer, name: str) -> list[int]:
+    return [_queued(redis_server, f"q-{name}-{i}.semaphore-wake") for i in range(4)]
+
+
+@pytest.mark.parametrize("rules", ["short holds", "long holds", "a rate", "tasks that never wait in a worker"])
+def test_a_release_wakes_the_next_parked_waiters_ahead_of_their_offer(
+    redis_server: RedisServer, redis_client: redis.Redis, rules: str
+) -> None:
+    """On a line whose holds are short (a slot should reach the next two within 0.5 s, and
+    within the inline wait) and which has no rate, spacing or pause, the release that offers the head its slot also
+    wakes the next two (``WAKE_AHEAD``) parked waiters, in its round trip: their copies arrive before
+    their offer and wait for it in a pool process, so the hand-off is a publish. Their records
+    are leased as woken (a sweep sends a lost copy again). With longer holds, a rate, or tasks
+    that would not wait for their offer in a pool process (``semaphore_inline_wait = 0``: they
+    would only park again), only the head is woken."""
+    from celery_semaphore._celery.parking import parking
+    from celery_semaphore._core.storage import WOKEN_COPY_MARK
+
+    name = f"ahead-{rules.split()[0]}-{len(rules)}"
+    options: dict[str, Any] = {"rate": "100/s"} if rules == "a rate" else {}
+    stands_by = 0 if rules == "tasks that never wait in a worker" else 500
+    _, semaphore, holder = _woken_ahead_setup(redis_server, redis_client, name, stands_by, **options)
+    try:
+        if rules == "long holds":
+            time.sleep(0.7)  # a hold beyond the 0.5 s a woken-ahead wait stands by for: a length, not a race
+        holder.release()
+        woken = 1 + (2 if rules == "short holds" else 0)  # the head, and the next two
+        # sent by the release itself, before it returns (an offer nobody claims would lapse in
+        # 2 s and go on to the next waiter: not what is measured here)
+        assert _sent(redis_server, name) == [1] * woken + [0] * (4 - woken)
+        copies = parked_keys(f"{PREFIX}-{name}")[1]
+        marked = [bytes(copy).startswith(WOKEN_COPY_MARK.encode()) for copy in redis_client.hvals(copies)]
+        assert sorted(marked) == [False] * (4 - woken) + [True] * woken, "the woken ones leased, not dropped"
+    finally:
+        parking()._sweep_targets.pop((id(redis_client), f"{PREFIX}-{name}"), None)
+        semaphore._release_holders_with_prefix("")

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_semaphore._celery.policy import countdown, expected_wait, waits_in_process
+from celery_semaphore._celery.policy import (
+    STAND_BY_MOST_S,
+    WAKE_AHEAD,
+    countdown,
+    expected_wait,
+    stands_by,
+    waits_in_process,
+)
 from celery_semaphore._core.attempts import Waiting
 
 waitings = st.builds(
@@ -123,3 +130,21 @@ def test_a_backstop_kept_in_the_broker_comes_after_twice_the_expected_wait_of_a_
     assert backstop((1.0, 30.0), kept_apart=True, expected=near) == KEPT_APART_BACKSTOP_S
     assert backstop((1.0, 30.0), kept_apart=True, bounds_given=True, expected=by_rate) == 30
     assert BACKSTOP_MOST_S + AWAY_SLACK < REMEMBER_SLACK
+
+
+def test_the_next_waiters_to_be_offered_stand_by_in_their_process() -> None:
+    """The waiters a release may have woken ahead (the first ``WAKE_AHEAD`` present) of a line
+    whose slots come back within ``STAND_BY_MOST_S`` wait for their offer in their pool process,
+    even where it is the worker's last free one; the rest do not: one further back, one whose
+    line's hold time is unknown or long, one whose start nobody may take before a known moment."""
+    assert WAKE_AHEAD >= 1
+
+    def waiting(turn: int, hold: float | None = 0.1, **more: float) -> Waiting:
+        return Waiting(position=turn, free=0, limit=4, turn=turn, hold_time=hold, **more)
+
+    assert all(stands_by(waiting(turn)) for turn in range(WAKE_AHEAD))
+    assert not stands_by(waiting(WAKE_AHEAD))
+    assert not stands_by(Waiting(position=0, free=0, limit=4, hold_time=0.1))  # its turn unknown
+    assert not stands_by(waiting(0, hold=None))
+    assert not stands_by(waiting(0, hold=STAND_BY_MOST_S * 2))
+    assert not stands_by(waiting(0, opens_in=30.0))

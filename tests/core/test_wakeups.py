@@ -563,7 +563,7 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
     purges it reports the waiter again: a claim window late, not a backstop late. A periodic
     tick and a holder's renewal each purge."""
     from celery_semaphore._celery.parked_scripts import parked_scripts_for
-    from celery_semaphore._core import semaphore as semaphore_module
+    from celery_semaphore._core import hand_offs
 
     semaphore = FairSemaphore(redis_client, f"heard-{noticed_by}", 2, patience=30)
     keeper, holder = semaphore.acquire(timeout=0), semaphore.acquire(timeout=0)
@@ -575,8 +575,8 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
     assert semaphore._leave("parked", away_for=60, wake=address)
     told: list[tuple[str, ...]] = []
     later: list[bool] = []
-    handler = semaphore_module._to_wake_handler  # the Celery layer's, if imported: put back after
-    semaphore_module.on_to_wake(lambda _, waiters, not_now: (told.append(waiters), later.append(not_now)))
+    handler = hand_offs._to_wake_handler  # the Celery layer's, if imported: put back after
+    hand_offs.on_to_wake(lambda _, waiters, not_now: (told.append(waiters), later.append(not_now)))
     try:
         assert holder.release()
         assert told == [("parked",)], "a parked waiter is the caller's to wake, heard or not"
@@ -603,7 +603,7 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
         assert isinstance(granted, Granted), "the late waiter still heads the line"
         granted.lease.release()
     finally:
-        semaphore_module.on_to_wake(handler)
+        hand_offs.on_to_wake(handler)
         deaf.close()
         keeper.release()
         semaphore._release_holders_with_prefix("")
@@ -612,7 +612,7 @@ def test_a_parked_waiter_offered_a_slot_is_reported_to_the_caller_and_again_when
 def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(redis_client: redis.Redis) -> None:
     """A caller blocked in ``acquire`` hears its offer on its own listener and claims it: the
     releasing caller has nothing to send for it."""
-    from celery_semaphore._core import semaphore as semaphore_module
+    from celery_semaphore._core import hand_offs
 
     semaphore = FairSemaphore(redis_client, "heard-present", 1, patience=30)
     holder = semaphore.acquire(timeout=0)
@@ -628,13 +628,13 @@ def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(red
         what="the blocked caller's listener subscribed",
     )
     told: list[tuple[str, ...]] = []
-    handler = semaphore_module._to_wake_handler
-    semaphore_module.on_to_wake(lambda _, waiters, __: told.append(waiters))
+    handler = hand_offs._to_wake_handler
+    hand_offs.on_to_wake(lambda _, waiters, __: told.append(waiters))
     try:
         assert holder.release()
         blocked.join(timeout=30)
         assert leases and leases[0].release()
         assert told == []
     finally:
-        semaphore_module.on_to_wake(handler)
+        hand_offs.on_to_wake(handler)
         semaphore._release_holders_with_prefix("")
