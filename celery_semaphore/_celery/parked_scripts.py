@@ -77,9 +77,9 @@ class ParkedScripts:
         """``claim_parked_waiter`` of every parked waiter holding a live offer of ``line``, and
         of those among its first ``ahead`` present waiters whose slot should come, by the line's
         average hold and ``limit``, within what their record's ``AHEAD_COPY_MARK`` says (woken
-        ahead), as its script, keys and arguments: to run right after a release of the line, in its round trip (a single
-        Redis only: the line's keys and the records' are two hash tags). Its reply:
-        ``records_claimed``."""
+        ahead), as its script, keys and arguments: to run right after a release of the line, in
+        its round trip (a single Redis only: the line's keys and the records' are two hash
+        tags). Its reply: ``records_claimed``."""
         named = [*keys[:3], *(key.encode() for key in (line.holders, line.waiter_info, line.present, line.gate))]
         args = [line.deadlines, number(lease_ms), number(ahead), number(limit)]
         return self._scripts["claim_parked_waiter"], named, args
