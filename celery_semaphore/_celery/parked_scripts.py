@@ -67,9 +67,16 @@ class ParkedScripts:
         """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
         this caller alone and leased for ``lease_ms`` (a sweep sends its copy again after that,
         unless its run was granted); None when it has none (or another caller took it)."""
-        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[deadlines_key, number(lease_ms), waiter])
-        claimed = records_claimed(reply)
+        claimed = self.claim_parked_waiters(keys, deadlines_key=deadlines_key, waiters=[waiter], lease_ms=lease_ms)
         return claimed[0] if claimed else None
+
+    def claim_parked_waiters(
+        self, keys: list[bytes], *, deadlines_key: str, waiters: list[str], lease_ms: int
+    ) -> list[tuple[str, bytes]]:
+        """``claim_parked_waiter`` of each of ``waiters`` of one line, in one round trip: the
+        (record, copy) pairs taken."""
+        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[deadlines_key, number(lease_ms), *waiters])
+        return records_claimed(reply)
 
     def claim_offered_run(
         self, keys: list[bytes], line: SemaphoreKeys, *, lease_ms: int, ahead: int, limit: int

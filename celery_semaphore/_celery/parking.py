@@ -339,12 +339,16 @@ class Parking:
             return
         lines = members(semaphore)
         first = home_of(semaphore)
-        with self._lock:
-            key = (id(first.client), first.prefix)
-            target = self._sweep_targets.get(key) or self._wake_targets.get(key)
+        target = self._target_for(first.client, first.prefix)
         if target is not None:
             deadlines_keys = [line.keys.deadlines for line in lines]
             self._wake(first.client, first.prefix, deadlines_keys, waiters, target.app)
+
+    def _target_for(self, client: Any, prefix: str) -> _SweepTarget | None:
+        """The deployment at ``client`` and ``prefix`` as this process sweeps or wakes it, if it does."""
+        with self._lock:
+            key = (id(client), prefix)
+            return self._sweep_targets.get(key) or self._wake_targets.get(key)
 
     def _wake(self, client: Any, prefix: str, deadlines_keys: list[str], waiters: tuple[str, ...], app: Any) -> None:
         """Send the wake copies of ``waiters`` parked in the lines of ``deadlines_keys``. A script
@@ -352,31 +356,27 @@ class Parking:
         first line of its own task (a task with one of those keys, or with them in another
         order): each line is looked in until one holds the waiter's record."""
         scripts, lease_ms = parked_scripts_for(client), round(parked_sends.WOKEN_LEASE_S * 1000)
-        for waiter in waiters:
-            claimed = None
-            for deadlines_key in deadlines_keys:
-                claimed = scripts.claim_parked_waiter(
-                    parked_keys(prefix), deadlines_key=deadlines_key, waiter=waiter, lease_ms=lease_ms
-                )
-                if claimed is not None:
-                    break
-            if claimed is None:
-                # parked here only (its copy cannot be serialized), or not a parked task at all
-                # (a blocked caller asks again by itself), or another process took it
-                self._send_parked_here(deadlines_keys, waiter)
-                continue
-            send_claimed(app, *claimed)
+        left = list(waiters)
+        for deadlines_key in deadlines_keys:  # one round trip per line, for all its waiters
+            if not left:
+                break
+            claimed = scripts.claim_parked_waiters(
+                parked_keys(prefix), deadlines_key=deadlines_key, waiters=left, lease_ms=lease_ms
+            )
+            woken = {send_claimed(app, record, copy) for record, copy in claimed}
+            left = [waiter for waiter in left if waiter not in woken]
+        for waiter in left:
+            # parked here only (its copy cannot be serialized), or not a parked task at all (a
+            # blocked caller asks again by itself), or another process took it
+            self._send_parked_here(deadlines_keys, waiter)
 
     def release_follower(self, semaphore: Any) -> ReleaseFollower | None:
         """For a release of ``semaphore`` from this process, where it can send wake copies (see
         ``wake_offered``), on a single Redis: the claim of the records of the line's parked
         waiters offered a slot, in the release's round trip, and the sending of their copies."""
-        if not isinstance(semaphore, FairSemaphore) or isinstance(semaphore.client, RedisCluster):
-            return None
-        with self._lock:
-            key = (id(semaphore.client), semaphore.prefix)
-            target = self._sweep_targets.get(key) or self._wake_targets.get(key)
-        if target is None:
+        cluster = isinstance(getattr(semaphore, "client", None), RedisCluster)
+        target = self._target_for(semaphore.client, semaphore.prefix) if isinstance(semaphore, FairSemaphore) else None
+        if target is None or cluster:
             return None
         app = target.app
         plain = semaphore.rules.arg.isdigit()  # no rate, spacing or cap per tenant in code

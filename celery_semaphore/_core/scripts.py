@@ -292,19 +292,26 @@ class Scripts:
         """Run ``first`` (another script of this client, with its keys and arguments), then
         ``call``, in one round trip: ``first``'s reply, or the error it raised, and ``call``'s
         parsed reply. Raises what ``call`` raised."""
-        first_reply, reply = run_in_order([first, (self._scripts[call.name], call.keys, call.args)])
-        if isinstance(reply, Exception):
-            raise reply
-        return first_reply, call.parse(reply)
+        reply, first_reply = self._run_beside(call, first, call_first=False)
+        return first_reply, reply
 
     def run_before(self, call: ScriptCall[R], then: tuple[Script, list[bytes], list[Any]]) -> tuple[R, Any]:
         """Run ``call``, then ``then`` (another script of this client, with its keys and
         arguments), in one round trip: ``call``'s parsed reply, and ``then``'s reply or the
         error it raised. Raises what ``call`` raised."""
-        reply, then_reply = run_in_order([(self._scripts[call.name], call.keys, call.args), then])
+        return self._run_beside(call, then, call_first=True)
+
+    def _run_beside(
+        self, call: ScriptCall[R], other: tuple[Script, list[bytes], list[Any]], *, call_first: bool
+    ) -> tuple[R, Any]:
+        """``call`` and ``other`` in one round trip, in the order asked: ``call``'s parsed reply
+        (raising what it raised) and ``other``'s reply or error."""
+        own = (self._scripts[call.name], call.keys, call.args)
+        replies = run_in_order([own, other] if call_first else [other, own])
+        reply, other_reply = replies if call_first else replies[::-1]
         if isinstance(reply, Exception):
             raise reply
-        return call.parse(reply), then_reply
+        return call.parse(reply), other_reply
 
     acquire = _blocking(calls.acquire)
     release = _blocking(calls.release)
