@@ -451,12 +451,35 @@ def requeued(self: Any, seconds: float, key: str = "requeued") -> str:
     return str(self.request.id)
 
 
+@app.task(
+    base=SemaphoreTask,
+    semaphore_limit=3,
+    semaphore_countdown=(1, 3),
+    semaphore_lease=2,
+    name="proj.chaos_standing_by",
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def chaos_standing_by(self: Any, seconds: float, key: str = "chaos_standing_by") -> str:
+    """The chaos run's task on a line with a bare limit and the default inline wait: its holds
+    are short, so a release wakes the next two parked tasks ahead of their offer and they wait
+    for it in their pool process (standing by), where the SIGKILLs also find them."""
+    _held_by_process(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+# the probe key of each chaos task's records
+CHAOS_KEYS = {"proj.chaos": "chaos", "proj.chaos_standing_by": "chaos_standing_by"}
+
+
 @signals.task_prerun.connect
 def _record_chaos_delivery(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     """Every delivery of a chaos task, so a task never seen by any worker (lost by the broker
     before delivery) can be told from one lost while it waited."""
-    if getattr(task, "name", None) == "proj.chaos":
-        probe("chaos").client.rpush("probe:chaos:deliveries", f"{task_id} {os.getpid()} {time.time()}")
+    key = CHAOS_KEYS.get(getattr(task, "name", None) or "")
+    if key is not None:
+        probe(key).client.rpush(f"probe:{key}:deliveries", f"{task_id} {os.getpid()} {time.time()}")
 
 
 # --- exactly once, whatever happens to the workers (issue 16) ------------------------------
