@@ -185,6 +185,12 @@ def _sampler(port: int, stop: threading.Event, out: dict[str, int]) -> None:
         time.sleep(0.01)
 
 
+def _scripts_run(client: redis.Redis) -> int:
+    """Scripts the server has run so far (EVALSHA and EVAL calls, INFO commandstats)."""
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+
+
 def _inversions(records: list[Record]) -> tuple[int, int]:
     """Pairs of ticketed callers that started in the other order than their tickets, and all
     such pairs (a merge count: n log n)."""
@@ -239,6 +245,7 @@ def run(coroutines: int, threads: int, ramp_ms: float, cancel_rounds: int = 5) -
         deadline = time.monotonic() + 60
         while int(watcher.get(READY) or 0) < 2 * threads and time.monotonic() < deadline:
             time.sleep(0.01)
+        scripts_before, samples_before = _scripts_run(watcher), sampled["samples"]
         began = time.monotonic()
         records, most = asyncio.run(_coroutines(server.port, coroutines, ramp_ms / 1000))
         took = time.monotonic() - began
@@ -249,6 +256,8 @@ def run(coroutines: int, threads: int, ramp_ms: float, cancel_rounds: int = 5) -
             most = max(most, process_most)
         for process in processes:
             process.join(60)
+        # the sampler's status calls are scripts too, one per sample: not the callers' work
+        scripts = _scripts_run(watcher) - scripts_before - (sampled["samples"] - samples_before)
         sampling.set()
         sampler.join()
         cancelled = asyncio.run(_cancelling(server.port, CANCELLED, cancel_rounds)) if cancel_rounds else []
@@ -282,6 +291,7 @@ def run(coroutines: int, threads: int, ramp_ms: float, cancel_rounds: int = 5) -
         "hand_off_to_coroutine_p50_p99_ms": [round(_percentile(to_kind["coroutine"], f), 2) for f in (0.5, 0.99)],
         "hand_off_to_process_p50_p99_ms": [round(_percentile(to_kind["process"], f), 2) for f in (0.5, 0.99)],
         "loop_connections_max": sampled["connections"],
+        "scripts_per_hold": round(scripts / max(len(records), 1), 2),
         "cancel_500_to_empty_ms": cancelled,
     }
 

@@ -33,6 +33,7 @@ from . import script_calls as calls
 from .async_lease import AsyncGranted, AsyncLease
 from .async_scripts import AsyncScripts, async_scripts_for
 from .async_waiting import Acquiring, Asking, AsyncAttempt, AsyncWaiting, SentRelease, SentTry
+from .async_wakeups import async_wake_ups_for
 from .attempts import Ask, default_label, new_token, refusal_of
 from .config import SemaphoreConfig
 from .redis_errors import RedisErrors
@@ -154,7 +155,11 @@ class AsyncFairSemaphore(SemaphoreConfig[AsyncClient], AsyncWaiting):
         """Queue the release now, without yielding: the future of its raw reply and its call
         (``_released`` makes the answer of them)."""
         call = calls.release(self.keys, token=token, rules=self.rules)
-        return self._scripts.submit(call), call
+        future = self._scripts.submit(call)
+        # the claim of this loop's first sleeper goes in the same batch (see claim_next)
+        wake_ups = async_wake_ups_for(self.client)
+        wake_ups.claim_next(self.keys.wake_address(wake_ups.listener_id))
+        return future, call
 
     async def _renew_many(self, holders: list[Holder], *, reclaim: bool) -> list[int]:
         with RedisErrors(self.name, "renew"):

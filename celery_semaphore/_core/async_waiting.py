@@ -245,7 +245,7 @@ class AsyncWaiting:
                     if wait is None:
                         return attempt
                     if subscribed:
-                        told = await signal.wait(wait, claim)
+                        told = await signal.wait(wait, claim, claim.ticket)
                     else:
                         # an offer published before the subscription was confirmed is lost: ask
                         # again as soon as it is

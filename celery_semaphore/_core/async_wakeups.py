@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import sys
 import time
@@ -44,6 +45,12 @@ from .storage import CLUSTER_MARK, as_text
 from .wakeups import IDLE_CHANNEL_S, READ_TIMEOUT_S, UNCLAIMED_MAX, UNCLAIMED_S
 
 logger = logging.getLogger("celery_semaphore")
+
+
+# (ticket, order of sleeping, the handle, its claim): an entry of AsyncWakeUps._sleepers
+_Sleeper = tuple[int, int, "AsyncWakeHandle", Callable[[], None]]
+# a channel's heap of sleepers is compacted past this many entries (and twice the live handles)
+COMPACT_ABOVE = 256
 
 
 class _Channel:
@@ -96,18 +103,21 @@ class AsyncWakeHandle:
         """See that the channel is subscribed; wait up to ``timeout`` s for the confirmation."""
         return await self.wake_ups.subscribed(self.channel, timeout)
 
-    async def wait(self, timeout: float, claim: Callable[[], None] | None = None) -> bool:
+    async def wait(self, timeout: float, claim: Callable[[], None] | None = None, ticket: int | None = None) -> bool:
         """Wait up to ``timeout`` s for a wake-up; True if told. The flag is down again after.
 
         ``claim``, if given, is called by the reader as it hears the wake-up, before it wakes
         this waiter, and only while the waiter sleeps here (so never with a try of its own in
         flight): it queues the waiter's claim from the reader's turn, one event-loop turn (the
-        whole ready queue) sooner than the woken waiter could."""
+        whole ready queue) sooner than the woken waiter could. With the waiter's ``ticket``, a
+        release of this loop may call it sooner still (``AsyncWakeUps.claim_next``)."""
         if not self.told:
             loop = asyncio.get_running_loop()
             sleep = self._sleep = loop.create_future()
             timer = loop.call_later(max(timeout, 0.0), _time_up, sleep)
             self.claim = claim
+            if claim is not None and ticket is not None:
+                self.wake_ups._sleeping(self, claim, ticket)
             try:
                 await sleep
             finally:
@@ -122,6 +132,18 @@ class AsyncWakeHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.wake_ups._unregister(self)
+
+
+def _claim_and_wake(handle: AsyncWakeHandle) -> None:
+    """Send the claim of a sleeping waiter (if it sleeps and has not been told already) and wake
+    it: it then only awaits the reply."""
+    claim, handle.claim = handle.claim, None
+    if claim is not None and not handle.told:
+        try:
+            claim()
+        except Exception as error:  # the waiter asks itself once woken
+            logger.debug("could not send the claim of %s: %s", handle.waiter, error)
+    handle.set()
 
 
 def _time_up(sleep: asyncio.Future[None]) -> None:
@@ -180,6 +202,10 @@ class AsyncWakeUps:
         self._reader: asyncio.Task[None] | None = None
         self._subscribing = asyncio.Lock()
         self._first_tries: dict[str, int] = {}  # channel -> first tries in flight
+        # channel -> its sleeping waiters by ticket (see claim_next); an entry is stale once its
+        # waiter woke, and is dropped when it comes to the top or the heap is compacted
+        self._sleepers: dict[str, list[_Sleeper]] = {}
+        self.sleeps = 0  # sleeps begun with a ticket: each one's order among them
 
     def signal(self, channel: str, waiter: str) -> AsyncWakeHandle:
         """Register ``waiter`` of ``channel``; a wake-up that came for it in the last
@@ -194,6 +220,35 @@ class AsyncWakeUps:
         if told_at is not None and time.monotonic() - told_at < UNCLAIMED_S:
             handle.told = True
         return handle
+
+    def claim_next(self, channel: str) -> bool:
+        """Send the claim of the first sleeping waiter of ``channel`` (the lowest ticket) and
+        wake it, as the reader does when it hears its offer; True if there was one.
+
+        A release of this loop calls it as it queues the release: the claim then leaves in the
+        same batch, right behind the release, and runs in Redis just after it. Where the release
+        offered its slot to that waiter (the common case, the line's head being this loop's
+        oldest sleeper), the hand-off costs one round trip, not the release's and then, once the
+        offer is heard, the claim's. Where it did not (the head is another process's, or asks
+        itself just now), the claim is one early try that is refused, as a keep-alive is: any
+        try is fair, so a wrong guess costs a try and never a place."""
+        heap = self._sleepers.get(channel)
+        while heap:
+            _, _, handle, claim = heapq.heappop(heap)
+            if handle.claim is claim and not handle.told:
+                _claim_and_wake(handle)
+                return True
+        return False
+
+    def _sleeping(self, handle: AsyncWakeHandle, claim: Callable[[], None], ticket: int) -> None:
+        heap = self._sleepers.setdefault(handle.channel, [])
+        self.sleeps += 1
+        heapq.heappush(heap, (ticket, self.sleeps, handle, claim))
+        if len(heap) > COMPACT_ABOVE and len(heap) > 2 * len(self._handles):
+            # keep-alives put a waiter in again at every sleep: keep one live entry per waiter
+            live = {id(entry[2]): entry for entry in heap if entry[2].claim is entry[3] and not entry[2].told}
+            heap[:] = live.values()
+            heapq.heapify(heap)
 
     def ready(self, channel: str) -> bool:
         """Offers published on ``channel`` from now on are heard."""
@@ -239,6 +294,7 @@ class AsyncWakeUps:
                 entry.users -= 1
                 if entry.users == 0:
                     entry.idle_since = time.monotonic()
+                    self._sleepers.pop(handle.channel, None)  # nobody left to claim for
 
     async def _subscribe(self, channel: str, entry: _Channel) -> None:
         """SUBSCRIBE ``channel`` (the reader marks it ready on the confirmation); on failure,
@@ -289,6 +345,7 @@ class AsyncWakeUps:
     def _forget(self, pubsub: Any) -> None:
         self._pubsub = None
         self._reader = None
+        self._sleepers.clear()  # every waiter is woken, and sleeps again where it sleeps
         for entry in self._channels.values():
             if not entry.ready.is_set():  # a first try waiting for it asks now, unsubscribed
                 entry.failed = True
@@ -328,13 +385,7 @@ class AsyncWakeUps:
         key = (channel, as_text(message.get("data")))
         handle = self._handles.get(key)
         if handle is not None:
-            claim, handle.claim = handle.claim, None
-            if claim is not None and not handle.told:
-                try:
-                    claim()
-                except Exception as error:  # the waiter asks itself once woken
-                    logger.debug("could not send the claim of %s: %s", key, error)
-            handle.set()
+            _claim_and_wake(handle)
             return
         unclaimed = self._unclaimed
         now = time.monotonic()

@@ -25,6 +25,8 @@ import redis.asyncio.sentinel
 import redis.sentinel
 
 from celery_semaphore import AsyncFairSemaphore, AsyncGranted, AsyncLease, FairSemaphore, SemaphoreUnavailable, Waiting
+from celery_semaphore._core.async_scripts import async_scripts_for
+from celery_semaphore._core.async_wakeups import COMPACT_ABOVE, async_wake_ups_for
 
 from ..commandstats import command_calls
 from ..redis_server import LOOPBACK, RedisClusterSet, RedisSentinelSet, RedisServer
@@ -504,3 +506,125 @@ def test_a_batch_after_a_script_flush_loads_each_script_once(redis_server: Redis
     finally:
         admin.close()
         own_server.close()
+
+
+class _Batches:
+    """The script names of every batch the loop's sender sends for ``client``: an observer on
+    the sender's own round trip (each batch still goes to Redis as it would)."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.sent: list[list[str]] = []
+        scripts = async_scripts_for(client)
+        replies = scripts._replies
+
+        async def recording(calls: list[Any]) -> list[Any]:
+            self.sent.append([call.name for call in calls])
+            return await replies(calls)
+
+        scripts._replies = recording  # type: ignore[method-assign]
+
+
+async def _asleep(client: redis.asyncio.Redis, count: int) -> bool:
+    """``count`` waiters of this loop sleep until told (past their refused try): the ones a
+    release of this loop may claim for."""
+    wake_ups = async_wake_ups_for(client)
+    return sum(1 for handle in wake_ups._handles.values() if handle.claim is not None) == count
+
+
+async def _held_and_recorded(
+    server: RedisServer,
+) -> tuple[redis.asyncio.Redis, AsyncFairSemaphore, _Batches, AsyncLease]:
+    """A semaphore of limit 1 whose one slot is held, its batches recorded from then on."""
+    client = async_client(server)
+    sem = AsyncFairSemaphore(client, "api", limit=1)
+    await (await sem.acquire()).release()  # the scripts loaded: no NOSCRIPT round trip later
+    batches = _Batches(client)
+    return client, sem, batches, await sem.acquire()
+
+
+def test_a_release_carries_the_claim_of_the_loop_s_next_sleeper(redis_server: RedisServer) -> None:
+    """The release and the claim of the waiter it offers the slot to leave in one batch: the
+    hand-off between two coroutines of a loop is one round trip, not two (the release's, then
+    the claim's once the offer is heard)."""
+
+    async def main() -> None:
+        client, sem, batches, holder = await _held_and_recorded(redis_server)
+        waiter = asyncio.ensure_future(sem.acquire(timeout=30))
+        await until(lambda: _asleep(client, 1), what="the waiter asleep")
+        batches.sent.clear()
+        await holder.release()
+        lease = await asyncio.wait_for(waiter, 5)
+        assert batches.sent == [["release", "acquire"]], batches.sent
+        await lease.release()
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_claim_sent_with_a_release_that_offered_another_keeps_the_order(redis_server: RedisServer) -> None:
+    """The claim a release carries is a guess (the head of the line may be another process's):
+    where the offer went to a blocking caller ahead of the loop's sleeper, that claim is refused
+    and the sleeper keeps its place, second, as it was."""
+    blocking = FairSemaphore(redis_server.client(), "api", limit=1)
+    order: list[str] = []
+    go_on = threading.Event()
+
+    def blocking_caller() -> None:
+        with blocking.acquire(timeout=30):
+            order.append("blocking")
+            go_on.wait(10)
+
+    async def main() -> None:
+        client, sem, batches, holder = await _held_and_recorded(redis_server)
+        thread = threading.Thread(target=blocking_caller)
+        thread.start()
+        await until(lambda: _waiting(sem, 1), what="the blocking caller in line")
+        waiter = asyncio.ensure_future(sem.acquire(timeout=30))
+        await until(lambda: _asleep(client, 1), what="the coroutine asleep, second in line")
+        batches.sent.clear()
+        await holder.release()
+        assert batches.sent[0] == ["release", "acquire"]  # the guess was sent ...
+        await until(lambda: _holder_count(sem, 1), what="the blocking caller holding")
+        assert order == ["blocking"] and not waiter.done()  # ... refused: the coroutine waits
+        go_on.set()
+        lease = await asyncio.wait_for(waiter, 5)
+        order.append("coroutine")
+        await lease.release()
+        await asyncio.to_thread(thread.join, 10)
+        await client.aclose()
+
+    asyncio.run(main())
+    assert order == ["blocking", "coroutine"]
+
+
+async def _holder_count(sem: AsyncFairSemaphore, count: int) -> bool:
+    status = await sem.status(listed=0)
+    return status.holder_count == count and status.waiter_count == 1
+
+
+def test_a_waiter_s_keep_alives_do_not_grow_the_loop_s_sleepers(redis_server: RedisServer) -> None:
+    """Each sleep between keep-alive asks puts the waiter among the loop's sleepers again (the
+    ones a release claims for): the old entries are dropped, not kept one per sleep, and the
+    line's entry goes once nobody waits on it."""
+
+    async def main() -> None:
+        client = async_client(redis_server)
+        sem = AsyncFairSemaphore(client, "api", limit=1, patience=0.015)  # a keep-alive every ~5 ms
+        holder = await sem.acquire()
+        waiter = asyncio.ensure_future(sem.acquire(timeout=30))
+        wake_ups = async_wake_ups_for(client)
+        most = 0
+
+        async def slept_often() -> bool:
+            nonlocal most
+            most = max([most, *(len(heap) for heap in wake_ups._sleepers.values())])
+            return wake_ups.sleeps > 2 * COMPACT_ABOVE
+
+        await until(slept_often, timeout=30, what="the waiter asleep many times")
+        assert most <= COMPACT_ABOVE + 1
+        await holder.release()
+        await (await asyncio.wait_for(waiter, 5)).release()
+        assert wake_ups._sleepers == {}
+        await client.aclose()
+
+    asyncio.run(main())
