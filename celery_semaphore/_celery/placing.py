@@ -11,6 +11,11 @@ place but never a slot (``FairSemaphore._place``):
   delivery claims the offer (one delivery, as ever). Until then the offer counts as a slot taken
   (and as a start, under a rate), so that a burst of sends is not all sent on as free, and the
   tasks sent after it wait behind it, not in front;
+* it would wait, but its turn is near (fewer than ``limit`` waiters ahead, a slot expected within
+  half a second, ``policy.sent_to_stand_by``): it is sent to its queue carrying the ticket of the
+  place it took, and its delivery stands by for its offer in a pool process (``policy.stands_by``),
+  as a task woken ahead does. Until it arrives its place is present: an offer made to it waits
+  for its claim, as an offered start does;
 * otherwise it is parked from the sender, exactly as a refused first delivery parks: its backstop
   copy waits in the broker (``due_copies.py``), its parked record (``parking.py``) names it (on
   RabbitMQ the record keeps a wake copy), and its place in line is parked under a wake address
@@ -145,13 +150,16 @@ def placed_at_send(
         return None
     if isinstance(attempt, StartsOnArrival):
         return Placement(task_id, False, {**headers, **_offered_start(task, task_id, headers, attempt.ticket)})
+    if attempt.ticket is not None and policy.sent_to_stand_by(attempt, wait_options(task, config_for(app)).inline_wait):
+        # near its turn: its delivery keeps the place its ticket names, and stands by for it
+        return Placement(task_id, False, {**headers, **_offered_start(task, task_id, headers, attempt.ticket)})
     _ParkedAtSend(task, args, kwargs, task_id, options, headers, queue, semaphore, attempt).park()
     return Placement(task_id, True, headers)
 
 
 def _offered_start(task: Any, task_id: str, headers: dict[str, Any], ticket: int) -> dict[str, Any]:
-    """The headers that let a first delivery claim the start offered at send: a wait of no
-    refusal yet (``csem_waits`` 0), with its signed ticket."""
+    """The headers that let a first delivery claim the start offered at send, or keep the place
+    taken then: a wait of no refusal yet (``csem_waits`` 0), with its signed ticket."""
     history = WaitHistory.fresh(headers.get(SENT_HEADER))
     signer = TicketSigner.of(config_for(task.app))
     return {**history.next(ticket, retries=0, signer=signer, task_id=task_id), WAITS_HEADER: 0}

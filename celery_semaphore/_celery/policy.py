@@ -92,18 +92,38 @@ def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
     return expected <= inline_wait
 
 
-def stands_by(waiting: Waiting) -> bool:
-    """Whether a refused waiter is among the next ``WAKE_AHEAD`` to be offered a slot of a line
-    whose slots come back often (a slot should reach it within ``STAND_BY_MOST_S``): one woken
-    ahead (or any so near its turn) waits for it in its pool process, even where that takes the
-    worker's last free one (``pool_room``), rather than leave and come back through the broker.
-    A hand-off to it is then a publish, and the process is taken that briefly. With no hold
-    time known, or longer holds, the worker's last process stays free (a task that may start
-    now would wait behind the wait)."""
-    if waiting.turn is None or waiting.turn >= WAKE_AHEAD or waiting.opens_in is not None:
+def stands_by(waiting: Waiting, *, placed: bool = False) -> bool:
+    """Whether a refused waiter waits for its slot in its pool process even where that takes the
+    worker's last free one (``pool_room``): a slot should reach it within ``STAND_BY_MOST_S``
+    (its hold time known), and it is among the next ``WAKE_AHEAD`` to be offered one (one
+    woken ahead, or any so near its turn), or its sender sent it near its turn (``placed``, see
+    ``sent_to_stand_by``). A hand-off to it is then a publish, and the process is taken that
+    briefly, rather than a trip through the broker. With no hold time known, or longer holds,
+    the worker's last process stays free (a task that may start now would wait behind the
+    wait)."""
+    if waiting.turn is None or waiting.opens_in is not None:
+        return False
+    if waiting.turn >= WAKE_AHEAD and not placed:
         return False
     expected = expected_wait(waiting, among_present=True)
     return expected is not None and expected <= STAND_BY_MOST_S
+
+
+def sent_to_stand_by(waiting: Waiting, inline_wait: float) -> bool:
+    """Whether a task placed as it is sent and refused a start goes to its queue anyway, keeping
+    the place it took, rather than be parked: it is within the next round of releases (fewer
+    than ``limit`` waiters ahead of it, present or away), and a slot should reach it within
+    ``STAND_BY_MOST_S`` and its own ``inline_wait``. Its delivery then stands by for its offer in
+    a pool process (``stands_by``). Parked, it would cost its sender two round trips more, and
+    its hand-off a trip of its wake copy through the broker: at that distance from the head, more
+    than the wait. Further back, or with a start reserved for later, a pause, or no hold time
+    known, it is parked: its delivery would only be refused."""
+    if inline_wait <= 0 or waiting.retry_after is not None or waiting.opens_in is not None:
+        return False
+    if waiting.position >= waiting.limit:
+        return False
+    expected = expected_wait(waiting)
+    return expected is not None and expected <= min(STAND_BY_MOST_S, inline_wait)
 
 
 def stands_by_ms(inline_wait: float) -> int:

@@ -324,12 +324,16 @@ class SemaphoreTask(Task):  # type: ignore[misc]
                 coalesce=coalesce_of_call(self, args, kwargs),
                 at_most_once=run is not None and not self._acks_late(),
             )
+            # sent by its sender with the place it took there (``placing.py``): near its turn
+            placed = history.waits == 0 and history.ticket is not None
             node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)
             if (
                 isinstance(attempt, Waiting)
                 and policy.waits_in_process(attempt, options.inline_wait)
-                and (pool_room.leaves_one_free() or (policy.stands_by(attempt) and pool_room.has_others()))
+                and (
+                    pool_room.leaves_one_free() or (policy.stands_by(attempt, placed=placed) and pool_room.has_others())
+                )
             ):
                 attempt = semaphore._wait(
                     dataclasses.replace(ask, ticket=attempt.ticket, fresh=False), options.inline_wait

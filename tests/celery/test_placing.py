@@ -84,6 +84,47 @@ def test_a_task_that_would_start_now_is_sent_holding_the_offer_of_its_start(proj
         client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
+def every_slot_held(semaphore: Any) -> list[Any]:
+    """Hold every slot of ``semaphore``, its hold time known: a line learns it from the releases
+    it sees while somebody waits, so one waiter joins while a slot is held 30 ms and released."""
+    holders = [semaphore.acquire(timeout=5) for _ in range(semaphore.limit)]
+    assert not semaphore.try_acquire(waiter="learning").granted
+    time.sleep(0.03)  # the hold the line learns, not a wait for anything
+    holders.pop().release()
+    semaphore.leave("learning")
+    return [*holders, semaphore.acquire(timeout=5)]
+
+
+def test_a_task_that_would_wait_near_its_turn_is_sent_keeping_its_place(proj: Any) -> None:
+    """Every slot held, its holds short (about 30 ms): the next three tasks sent (fewer than the
+    limit ahead of each) go to their queue carrying the ticket of the place each took, present
+    in line and stored nowhere: their deliveries stand by for their offers in their processes.
+    The fourth, a whole round of releases back, is parked with its copy in the broker's store."""
+    semaphore = semaphore_for(proj.app, "proj.hold")
+    assert semaphore.limit == 3 and semaphore.status().holder_count == 0
+    holders = every_slot_held(semaphore)
+    client = broker(proj)
+    client.delete(IDLE_QUEUE)
+    sent = [proj.hold.apply_async((0.01,), queue=IDLE_QUEUE) for _ in range(4)]
+    try:
+        queued = [json.loads(message)["headers"] for message in client.lrange(IDLE_QUEUE, 0, -1)]
+        queued_ids = sorted(headers["id"] for headers in queued)
+        near = [result.id for result in sent[:3]]
+        assert queued_ids == sorted(near), "the first three sent to their queue"
+        tickets = [(headers["csem_ticket"] is not None, headers["csem_waits"]) for headers in queued]
+        assert tickets == [(True, 0)] * 3, "each with the ticket of its place, no refusal yet"
+        line = [waiter.waiter for waiter in semaphore.status().waiters]
+        assert line == [task_key(result.id) for result in sent], "in line in the order sent"
+        stored = [len(stored_runs(proj, result.id)) for result in sent]
+        assert stored == [0, 0, 0, 1], "only the fourth parked, its copy stored"
+    finally:
+        for holder in holders:
+            holder.release()
+        for result in sent:
+            semaphore.leave(task_key(result.id))
+        client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
+
+
 def stored_message(proj: Any, run: bytes) -> bytes:
     """The message stored under ``run`` in the broker's store, without its target list."""
     store = due_copies_for(proj.app)
@@ -324,6 +365,38 @@ def test_tasks_that_would_wait_are_delivered_once_each_and_start_in_the_order_se
         lambda: all(received(workers, result.id) >= 1 for result in results), timeout=10, what="every receipt logged"
     )
     assert [received(workers, result.id) for result in results] == [1] * 8
+
+
+@pytest.mark.workers
+def test_tasks_sent_near_their_turn_and_parked_ones_run_once_each_in_the_order_sent(
+    proj: Any, workers: list[Worker]
+) -> None:
+    """Every slot held and the hold time known: of six tasks sent, the first three go to their
+    queue keeping their places (their deliveries stand by), the rest are parked. Once the slots
+    come back, all six run once each, in the order sent, never more than three at once, each
+    delivered once."""
+    key = "placing-near"
+    semaphore = semaphore_for(proj.app, "proj.hold")
+    holders = every_slot_held(semaphore)
+    try:
+        results = [proj.hold.apply_async((0.05, key), queue=QUEUE) for _ in range(6)]
+        stored = [len(stored_runs(proj, result.id)) for result in results]
+        assert stored == [0, 0, 0, 1, 1, 1]
+    finally:
+        for holder in holders:
+            holder.release()
+    for result in results:
+        assert result.get(timeout=60) == result.id
+    entries = proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)
+    started = [entry.split()[0].decode() for entry in entries]
+    sent = [result.id for result in results]
+    # the three slots come back together, so each three start together: by threes, in order
+    assert (sorted(started[:3]), sorted(started[3:])) == (sorted(sent[:3]), sorted(sent[3:]))
+    assert proj.probe(key).maximum <= 3
+    wait_until(
+        lambda: all(received(workers, result.id) >= 1 for result in results), timeout=10, what="every receipt logged"
+    )
+    assert [received(workers, result.id) for result in results] == [1] * 6
 
 
 @pytest.mark.workers

@@ -13,6 +13,7 @@ from celery_semaphore._celery.policy import (
     WAKE_AHEAD,
     countdown,
     expected_wait,
+    sent_to_stand_by,
     stands_by,
     waits_in_process,
 )
@@ -148,3 +149,37 @@ def test_the_next_waiters_to_be_offered_stand_by_in_their_process() -> None:
     assert not stands_by(waiting(0, hold=None))
     assert not stands_by(waiting(0, hold=STAND_BY_MOST_S * 2))
     assert not stands_by(waiting(0, opens_in=30.0))
+
+
+def test_a_task_placed_near_its_turn_is_sent_to_stand_by_the_rest_are_parked() -> None:
+    """At send, a task refused a start goes to its queue keeping its place only within the next
+    round of releases (fewer than ``limit`` ahead of it, away ones counted) and a slot expected
+    within half a second and its own inline wait; the rest are parked: further back, a hold
+    time unknown or long, a start reserved for later or a pause, or no waiting in process at
+    all."""
+
+    def waiting(position: int, hold: float | None = 0.1, **more: float) -> Waiting:
+        return Waiting(position=position, free=0, limit=4, turn=0, hold_time=hold, ticket=1, **more)
+
+    assert all(sent_to_stand_by(waiting(position), 2.0) for position in range(4))
+    assert not sent_to_stand_by(waiting(4), 2.0)  # a round of releases further back
+    assert not sent_to_stand_by(waiting(0, hold=None), 2.0)
+    assert not sent_to_stand_by(waiting(0, hold=0.6), 2.0)  # beyond half a second
+    assert not sent_to_stand_by(waiting(0, hold=0.3), 0.2)  # beyond its own inline wait
+    assert not sent_to_stand_by(waiting(0), 0)  # it never waits in process
+    assert not sent_to_stand_by(waiting(0, retry_after=1.0), 2.0)
+    assert not sent_to_stand_by(waiting(0, opens_in=30.0), 2.0)
+
+
+def test_a_delivery_sent_to_stand_by_stands_by_beyond_the_next_two() -> None:
+    """Its delivery may take the worker's last free process for its offer wherever it stands
+    among those present, as long as a slot should reach it within half a second; a delivery its
+    sender did not place stands by only among the next ``WAKE_AHEAD``."""
+
+    def waiting(turn: int, hold: float = 0.05) -> Waiting:
+        return Waiting(position=turn, free=0, limit=4, turn=turn, hold_time=hold)
+
+    assert stands_by(waiting(WAKE_AHEAD + 3), placed=True)
+    assert not stands_by(waiting(WAKE_AHEAD + 3))
+    assert not stands_by(waiting(40), placed=True)  # ceil(41 / 4) x 50 ms: beyond half a second
+    assert not stands_by(waiting(0, hold=STAND_BY_MOST_S * 2), placed=True)
