@@ -400,6 +400,32 @@ def test_tasks_sent_near_their_turn_and_parked_ones_run_once_each_in_the_order_s
 
 
 @pytest.mark.workers
+def test_tasks_sent_near_their_turn_each_run_once_through_a_restart_of_the_semaphore_redis(
+    celery_stack: CeleryStack, proj: Any, workers: list[Worker]
+) -> None:
+    """Three tasks sent near their turn (no copy stored anywhere) stand by in their processes
+    when the semaphore's Redis restarts empty: their places, the slots held and the probe are
+    gone. Each task still runs once, delivered once, and no slot stays held."""
+    key = "placing-restart"
+    semaphore = semaphore_for(proj.app, "proj.hold")
+    holders = every_slot_held(semaphore)
+    results = [proj.hold.apply_async((0.05, key), queue=QUEUE) for _ in range(3)]
+    assert [len(stored_runs(proj, result.id)) for result in results] == [0, 0, 0]
+    wait_until(
+        lambda: all(received(workers, result.id) >= 1 for result in results), timeout=30, what="all three delivered"
+    )
+    celery_stack.semaphore.restart()  # the holders above hold nothing now
+    for result in results:
+        assert result.get(timeout=60) == result.id
+    entries = proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)
+    assert sorted(entry.split()[0].decode() for entry in entries) == sorted(result.id for result in results)
+    assert [received(workers, result.id) for result in results] == [1] * 3
+    for holder in holders:
+        holder.release()  # lost with the restart: nothing to give back
+    wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="no slot held at the end")
+
+
+@pytest.mark.workers
 def test_a_group_and_a_chain_placed_at_send_complete_with_their_results(proj: Any, workers: list[Worker]) -> None:
     """A group sends its tasks on one producer, with its group id and index; a chain sends its
     first task carrying the rest. Placed at send while the slot is held, both complete with the

@@ -171,19 +171,43 @@ def chaos_workers(celery_stack: CeleryStack) -> Iterator[list[Worker]]:
         yield group
 
 
-@pytest.mark.parametrize("task_name", ["proj.chaos", "proj.chaos_standing_by"], ids=["parked", "standing_by"])
+@pytest.mark.parametrize(
+    ("task_name", "pace"),
+    [("proj.chaos", 0.0), ("proj.chaos_standing_by", 0.0), ("proj.chaos_standing_by", 0.05)],
+    ids=["parked", "standing_by", "sent_near"],
+)
 def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
-    celery_stack: CeleryStack, chaos_workers: list[Worker], task_name: str
+    celery_stack: CeleryStack,
+    chaos_workers: list[Worker],
+    task_name: str,
+    pace: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``parked``: every wait is a re-sent message (``proj.chaos``). ``standing_by``: a bare limit
     and the default inline wait (``proj.chaos_standing_by``): the next two waiters are woken
-    ahead of their offer and wait for it in their pool processes, which the kills hit too."""
+    ahead of their offer and wait for it in their pool processes, which the kills hit too.
+    ``sent_near``: the same task sent one every ``pace`` seconds, about the line's own pace, so
+    that the line stays short and tasks near their turn are sent keeping the place they took at
+    send, to stand by from their first delivery."""
     import tests.proj.app as proj
+    from celery_semaphore._celery import policy
 
+    # an observer on the sender's choice (the choice itself unchanged): how many tasks it sent
+    # keeping their place, near their turn, rather than parked
+    sent_near: list[bool] = []
+    decide = policy.sent_to_stand_by
+
+    def observed(waiting: Any, inline_wait: float) -> bool:
+        sent_near.append(decide(waiting, inline_wait))
+        return sent_near[-1]
+
+    monkeypatch.setattr(policy, "sent_to_stand_by", observed)
     rng = random.Random(SEED)
     key = proj.CHAOS_KEYS[task_name]
     task = proj.app.tasks[task_name]
     client = proj.probe(key).client
+    for name in ("starts", "ends", "deliveries"):  # what a run on the same key left
+        client.delete(f"probe:{key}:{name}")
     semaphore = semaphore_for(proj.app, task_name)
     kills = Kills()
     workers = list(chaos_workers)
@@ -195,6 +219,7 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
             seconds = rng.uniform(0.05, 0.25)
             ids.append(task.apply_async((seconds,), queue=QUEUE).id)
             org_of[ids[-1]] = int(seconds * 1000) % 3
+            time.sleep(pace)  # the sending's pace, not a wait for anything
         # the kill schedule: a child or two between bursts, one whole worker halfway
         for _ in range(rng.choice((1, 1, 2))):
             time.sleep(rng.uniform(0.2, 1.0))
@@ -243,6 +268,9 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
         assert len(deliveries) >= TASKS - 2, summary
         # about 300 runs stood by with the wake-ahead on, about 55 with it off (seed 20261124)
         assert stood_by(deliveries, starts) >= TASKS // 3, summary
+        if pace:
+            sent = sum(sent_near)
+            assert sent > 0, f"{summary}; none sent near its turn of {len(sent_near)} refused at send"
     assert len(kills.at) >= 10, summary
     assert "runs WITHOUT its semaphore" not in log
 
