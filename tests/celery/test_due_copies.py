@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -325,21 +326,24 @@ def test_a_finished_run_is_remembered_and_no_copy_of_it_is_stored_after(setup: S
 
 
 class RoundTrips:
-    """Counts the requests this process writes to any Redis server (redis-py writes a command,
-    or a whole pipeline, at once), to pin how many round trips a step costs. Subscriptions are
-    not counted: a Redis result backend subscribes to the result of every task sent (Celery's
-    ``on_task_call``), a copy of a wait's too, and unsubscribes as its AsyncResult goes; that
-    is Celery's per send, waits for no reply, and is not the semaphore's doing."""
+    """Counts the requests the thread that made it writes to any Redis server (redis-py writes a
+    command, or a whole pipeline, at once), to pin how many round trips a step costs. Other
+    threads' are not counted: the ticks and sweeps of parked lines run in threads of their own,
+    every second, whatever step is being counted. Subscriptions are not counted either: a Redis
+    result backend subscribes to the result of every task sent (Celery's ``on_task_call``), a
+    copy of a wait's too, and unsubscribes as its AsyncResult goes; that is Celery's per send,
+    waits for no reply, and is not the semaphore's doing."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import redis.connection
 
         self.count = 0
         send = redis.connection.AbstractConnection.send_packed_command
+        counting = threading.get_ident()
 
         def counted(connection: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
             head = bytes(command[0] if isinstance(command, list | tuple) else command)[:32]
-            if b"SUBSCRIBE" not in head:
+            if b"SUBSCRIBE" not in head and threading.get_ident() == counting:
                 self.count += 1
             return send(connection, command, *args, **kwargs)
 
