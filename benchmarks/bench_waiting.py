@@ -25,7 +25,8 @@ first send, divided by N):
 
 * each Redis's memory per waiting task, and its split by key (``MEMORY USAGE key SAMPLES 0``
   growth / N for every key over 4 KB; the rest of the growth is what no key accounts for);
-* the size of one stored message (a value of ``semaphore-backstops:copies``), of one wake copy
+* the size of one stored copy (a value of ``semaphore-backstops:packed:copies``: packed, its
+  fills; and the stencils, once per task and queue), of one wake copy
   (a value of ``semaphore:{parked-tasks}:copies``) and of the message Celery itself writes for
   the same call without the semaphore (``bench.backlog.plain`` sent to a queue nobody consumes:
   its list's one entry), read after the memory figures;
@@ -288,9 +289,10 @@ def measure_waiting(
     per_task = {name: (memory[name] - base_memory[name]) / n for name in memory}
     view = redis_broker_view(broker, r.queue)
     line = next((k for k in keys["semaphore"] if k.endswith(f"{{bb:{r.key}}}:queue")), None)
-    stored = one_value(broker, "semaphore-backstops:copies")
+    stored = one_value(broker, "semaphore-backstops:packed:copies")
+    stencils = broker.hvals("semaphore-backstops:packed:stencils")
     wake = one_value(semaphore, "semaphore:{parked-tasks}:copies")
-    due = broker.zrange("semaphore-backstops:due", 0, 0, withscores=True)
+    due = broker.zrange("semaphore-backstops:packed:due", 0, 0, withscores=True)
     seconds, micros = (float(part) for part in broker.time())
     rss, main = workers_rss_kb(group)
     return {
@@ -303,6 +305,7 @@ def measure_waiting(
         # slots taken while nothing runs: the head's start, reserved for the end of the pause
         "holders": key_size(semaphore, line.removesuffix(":queue") + ":holders") if line else None,
         "stored_message": stored,
+        "stencils": [len(stencil) for stencil in stencils],
         "wake_copy": wake,
         "first_backstop_due_s": (float(due[0][1]) / 1000 - (seconds + micros / 1e6)) if due else None,
         "queue_lists": view["queue"],
@@ -384,7 +387,8 @@ def report(f: dict[str, Any], settings: Settings, full: bool) -> list[str]:
         ["broker Redis per waiting task", kb(f["per_task"]["broker"])],
         ["semaphore Redis per waiting task", kb(f["per_task"]["semaphore"])],
         ["both, per waiting task", kb(f["per_task_total"])],
-        ["one stored message (backstop copy)", f"{stored[1]:,} B" if stored else "-"],
+        ["one stored copy (packed: its fills)", f"{stored[1]:,} B" if stored else "-"],
+        ["stencils (kept once per task and queue)", ", ".join(f"{size:,} B" for size in f["stencils"]) or "none"],
         ["one wake copy (parked record)", f"{wake[1]:,} B" if wake else "-"],
         ["Celery's own message, same call, no semaphore", f"{plain['message']:,} B (its list: {plain['list']:,} B)"],
         ["messages held by workers (unacked)", str(f["unacked"])],

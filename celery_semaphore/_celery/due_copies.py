@@ -48,6 +48,7 @@ from .._core import fork_locks
 from .._core.clients import client_for
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
+from .packing import PACKED_MARK, Packed, digest_of, unpack
 from .stowing import StowingUnavailable, stowing_producer
 from .wake_queues import (
     BACKSTOP_QUEUE_SUFFIX,
@@ -60,13 +61,20 @@ from .wake_queues import (
 
 logger = logging.getLogger("celery_semaphore")
 
-# The store's keys (behind kombu's global_keyprefix).
-DUE_KEY = "semaphore-backstops:due"
-COPIES_KEY = "semaphore-backstops:copies"
-EPOCH_KEY = "semaphore-backstops:epoch"
+# The store's keys (behind kombu's global_keyprefix). Its copies are packed (``packing.py``)
+# where their sender could pack them, against the stencils kept under STENCILS_KEY.
+DUE_KEY = "semaphore-backstops:packed:due"
+COPIES_KEY = "semaphore-backstops:packed:copies"
+EPOCH_KEY = "semaphore-backstops:packed:epoch"
 FINISHED_KEY = "semaphore-backstops:finished"
-MOVED_KEY = "semaphore-backstops:moved"
-SENT_KEY = "semaphore-backstops:sent"
+MOVED_KEY = "semaphore-backstops:packed:moved"
+SENT_KEY = "semaphore-backstops:packed:sent"
+STENCILS_KEY = "semaphore-backstops:packed:stencils"
+STENCILS_KEPT_KEY = "semaphore-backstops:packed:stencils-kept"
+# The store of earlier releases, which keep whole messages only and whose scripts would send a
+# packed copy as it is: what they stored is still moved, sent and withdrawn from there, so that
+# a rolling deploy strands nothing; this release stores nothing new in it.
+EARLIER_KEYS = tuple(f"semaphore-backstops:{name}" for name in ("due", "copies", "epoch", "finished", "moved", "sent"))
 
 # Most copies one script run stows per list and moves.
 BATCH = 100
@@ -83,6 +91,10 @@ EPOCH_EVERY_S = 1.0
 # stays that long is only a copy dropped because its run had finished (a restart sends it again,
 # and its run's finish, remembered in the broker or the result backend, drops it again).
 KEEP_MOVED_S = 300.0
+# A stencil is kept this long past the due time of the last copy stowed with it (and past the
+# keeping of the last one moved): a copy is moved within seconds of being due while any worker
+# runs, and a stencil costs about a kilobyte once per task and queue, not per copy.
+STENCIL_KEEP_S = 86400.0
 
 _STORING_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
 
@@ -111,7 +123,10 @@ def _naming_of(app: Any) -> _Naming:
 
 _LUA = importlib.resources.files("celery_semaphore._celery") / "lua"
 _SCRIPT_TEXT = (_LUA / "move_due_copies.lua").read_text(encoding="utf-8")
-_SEND_NOW_TEXT = (_LUA / "send_stored_copy.lua").read_text(encoding="utf-8")
+_PACKED_TEXT = (_LUA / "_packed.lua").read_text(encoding="utf-8")
+_SCRIPT_TEXT = _PACKED_TEXT + _SCRIPT_TEXT
+_SEND_NOW_TEXT = _PACKED_TEXT + (_LUA / "send_stored_copy.lua").read_text(encoding="utf-8")
+_STOW_TEXT = _PACKED_TEXT + (_LUA / "stow_copy.lua").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ class Moved:
     stowed: int  # copies taken from backstop lists into the store
     next_due_in: float | None  # seconds until the next stored copy is due; None: none stored
     flushed: bool  # the semaphore Redis was found restarted: every stored and kept moved copy was made due
+    unreadable: int = 0  # copies whose stencil is not kept (left stored, due again in a minute)
 
 
 class DueCopies:
@@ -134,24 +150,73 @@ class DueCopies:
         self.client = client_for(config.broker_redis)
         self.naming = _naming_of(app)
         # one epoch record per semaphore deployment: apps of several deployments share a broker
-        epoch_of = f"{EPOCH_KEY}:{config.prefix}@{config.backend_display}"
-        self.keys = [
-            self.naming.prefix + key for key in (DUE_KEY, COPIES_KEY, epoch_of, FINISHED_KEY, MOVED_KEY, SENT_KEY)
-        ]
+        deployment = f"{config.prefix}@{config.backend_display}"
+        names = (DUE_KEY, COPIES_KEY, f"{EPOCH_KEY}:{deployment}", FINISHED_KEY, MOVED_KEY, SENT_KEY)
+        self.keys = [self.naming.prefix + key for key in names]
+        self.stencil_keys = [self.naming.prefix + key for key in (STENCILS_KEY, STENCILS_KEPT_KEY)]
+        due, copies, epoch, finished, moved, sent = EARLIER_KEYS
+        earlier = (due, copies, f"{epoch}:{deployment}", finished, moved, sent)
+        self.earlier_keys = [self.naming.prefix + key for key in earlier]
         self._script: Any = self.client.register_script(_SCRIPT_TEXT)
         self._send_now: Any = self.client.register_script(_SEND_NOW_TEXT)
+        self._stow: Any = self.client.register_script(_STOW_TEXT)
 
     def run(self, origins: list[str] | tuple[str, ...], *, epoch: str = "", most: int = BATCH) -> Moved:
-        """Stow what was published to the backstop lists of ``origins``, and move what is due."""
+        """Stow what was published to the backstop lists of ``origins``, and move what is due,
+        from this store and from an earlier release's (``EARLIER_KEYS``), in one round trip."""
         keys, args = self._script_call(origins, epoch, most)
-        moved, stowed, next_in_ms, flushed = self._script(keys=keys, args=args)
-        next_in = None if int(next_in_ms) < 0 else int(next_in_ms) / 1000
-        return Moved(int(moved), int(stowed), next_in, bool(int(flushed)))
+        earlier = [*self.earlier_keys, *self.stencil_keys]
+        earlier_args: list[Any] = [most, epoch, round(KEEP_MOVED_S * 1000), ""]
+        pipe = self.client.pipeline(transaction=False)
+        # EVALSHA, not the registered script: redis-py's pipeline asks SCRIPT EXISTS first
+        pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+        pipe.evalsha(self._script.sha, len(earlier), *earlier, *earlier_args)
+        replies = pipe.execute(raise_on_error=False)
+        if any(isinstance(reply, Exception) for reply in replies):  # NOSCRIPT: the server lost its cache
+            replies = [self._script(keys=keys, args=args), self._script(keys=earlier, args=earlier_args)]
+        (moved, stowed, next_in_ms, flushed, unreadable), (moved_before, _, next_before_ms, flushed_before, _) = replies
+        due_in = [int(ms) for ms in (next_in_ms, next_before_ms) if int(ms) >= 0]
+        return Moved(
+            int(moved) + int(moved_before),
+            int(stowed),
+            min(due_in) / 1000 if due_in else None,
+            bool(int(flushed) or int(flushed_before)),
+            int(unreadable),
+        )
+
+    def stow(self, target_list: str, run: str, due_in_s: float, packed: Packed) -> bool:
+        """Store a copy, packed by its sender, due in ``due_in_s`` under ``run``, bound for
+        ``target_list`` (named as kombu names it): one script, so that the copy is stored (or,
+        due now, sent on) or this raises. False when its run had finished (the copy is dropped)."""
+        due, copies, _, finished, moved, sent = self.keys
+        keys = [due, copies, finished, moved, sent, *self.stencil_keys]
+        args = [
+            run,
+            round(due_in_s * 1000),
+            self.naming.prefix + target_list,
+            *packed,
+            round(STENCIL_KEEP_S * 1000),
+            round(KEEP_MOVED_S * 1000),
+        ]
+        return bool(int(self._stow(keys=keys, args=args)))
+
+    def stored_message(self, run: str) -> str | None:
+        """The message stored for ``run``, as it goes to its queue (None: none stored)."""
+        stored = self.client.hget(self.keys[1], run)
+        if stored is None:
+            return None
+        message = _text(stored).partition("\n")[2]
+        if not message.startswith(PACKED_MARK):
+            return message
+        packed = message[len(PACKED_MARK) :]
+        stencil = self.client.hget(self.stencil_keys[0], digest_of(packed))
+        return None if stencil is None else unpack(packed, _text(stencil))
 
     def push_and_stow(self, backstop_list: str, message: str, origin: str) -> None:
         """Push ``message`` to ``backstop_list`` (the list of ``origin``'s backstop queue that
-        kombu would push it to, named as kombu names it) and stow it, in one round trip.
-        Raises what the push raises; a failed stow is left to the movers (the copy is listed)."""
+        kombu would push it to, named as kombu names it) and stow it, in one round trip: for a
+        message ``packing.py`` cannot pack. Raises what the push raises; a failed stow is left to
+        the movers (the copy is listed)."""
         keys, args = self._script_call([origin], "", BATCH)
         pipe = self.client.pipeline(transaction=False)
         pipe.lpush(self.naming.prefix + backstop_list, message)
@@ -166,7 +231,7 @@ class DueCopies:
             logger.warning("a waiting task's copy waits in %s until a worker stows it: %s", backstop_list, error)
 
     def _script_call(self, origins: list[str] | tuple[str, ...], epoch: str, most: int) -> tuple[list[str], list[Any]]:
-        keys = list(self.keys)
+        keys = [*self.keys, *self.stencil_keys]
         names: list[str] = []
         for origin in origins:
             sources = self.naming.lists_of(backstop_queue(origin))
@@ -174,13 +239,14 @@ class DueCopies:
             for source, target in zip(sources, targets, strict=True):
                 keys += [source, target]
                 names += [json.dumps(backstop_queue(origin)), json.dumps(wake_queue(origin))]
-        return keys, [most, epoch, round(KEEP_MOVED_S * 1000), *names]
+        return keys, [most, epoch, round(KEEP_MOVED_S * 1000), round(STENCIL_KEEP_S * 1000), *names]
 
     def send_now(self, run: str) -> int:
         """Send a copy of ``run``'s stored copy to its queue now (a parked task's wake-up),
         leaving the stored one as its backstop: 1 sent from the store, 2 from the copies kept
-        as moved, 0 none kept."""
-        return int(self._send_now(keys=[self.keys[1], self.keys[5]], args=[run]))
+        as moved, 0 none kept, -1 its stencil is not kept (nothing sent)."""
+        keys = [self.keys[1], self.keys[5], self.stencil_keys[0], self.earlier_keys[1], self.earlier_keys[5]]
+        return int(self._send_now(keys=keys, args=[run]))
 
     def withdraw(self, run: str, *, remember_s: float = 0.0) -> None:
         """Forget the stored copy of ``run``: the run has started (and Celery runs it at most
@@ -205,8 +271,9 @@ class DueCopies:
         if withdraw:
             self._forget(pipe, run)
         else:
-            pipe.zrem(self.keys[4], run)
-            pipe.hdel(self.keys[5], run)
+            for keys in (self.keys, self.earlier_keys):
+                pipe.zrem(keys[4], run)
+                pipe.hdel(keys[5], run)
         if remember_s > 0:
             pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
         return pipe.execute()[0] is not None
@@ -216,10 +283,16 @@ class DueCopies:
         self.client.zrem(self.keys[3], run)
 
     def _forget(self, pipe: Any, run: str) -> None:
-        """Queue on ``pipe`` the forgetting of ``run``'s stored copy and of its moved one."""
-        for zset, hash_ in ((self.keys[0], self.keys[1]), (self.keys[4], self.keys[5])):
-            pipe.zrem(zset, run)
-            pipe.hdel(hash_, run)
+        """Queue on ``pipe`` the forgetting of ``run``'s stored copy and of its moved one, in this
+        store and in an earlier release's."""
+        for keys in (self.keys, self.earlier_keys):
+            for zset, hash_ in ((keys[0], keys[1]), (keys[4], keys[5])):
+                pipe.zrem(zset, run)
+                pipe.hdel(hash_, run)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 _lock = fork_locks.reset_in_child()
@@ -281,7 +354,10 @@ def send_stored(app: Any, run: str) -> bool:
     leaving it stored: whether one was kept there (stored, or moved when due and not asked for
     since). Raises what the broker's Redis raises."""
     store = due_copies_for(app)
-    return store is not None and store.send_now(run) > 0
+    sent = store.send_now(run) if store is not None else 0
+    if sent < 0:
+        logger.error("the stored copy of run %s names a stencil the broker's Redis no longer keeps", run)
+    return sent > 0
 
 
 def withdraw(app: Any, run: str | None, *, remember_s: float = 0.0) -> None:
@@ -366,6 +442,13 @@ class Mover:
             self.moved += moved.moved
             if moved.flushed:
                 logger.warning("the semaphore's Redis came back empty: every waiting task's stored copy is sent now")
+            if moved.unreadable:
+                logger.error(
+                    "%d waiting tasks' stored copies name a stencil the broker's Redis no longer keeps "
+                    "(kept, looked at again in a minute): was %s deleted?",
+                    moved.unreadable,
+                    self.store.stencil_keys[0],
+                )
             if moved.moved >= BATCH or moved.stowed >= BATCH:
                 continue  # more is due, or waiting to be stowed
             wait = MOVE_EVERY_S if moved.next_due_in is None else min(MOVE_EVERY_S, moved.next_due_in)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -27,7 +28,8 @@ from kombu.utils.json import dumps
 
 from .._core import fork_locks
 from .internals import STOWING_CHANNEL_METHODS
-from .wake_queues import BACKSTOP_QUEUE_SUFFIX, origin_of_derived
+from .packing import pack
+from .wake_queues import BACKSTOP_QUEUE_SUFFIX, origin_of_derived, wake_queue
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -63,10 +65,27 @@ def _stowing_channel(base: type[Any], store: Any) -> type[Any]:
             base._put(self, queue, message, **kwargs)
             return
         priority = self._get_message_priority(message, reverse=False)
-        payload = dumps(message)  # type: ignore[no-untyped-call]
-        store.push_and_stow(self._q_for_pri(queue, priority), payload, origin_of_derived(queue))
+        origin = origin_of_derived(queue)
+        target = self._q_for_pri(wake_queue(origin), priority)
+        headers = message.get("headers") or {}
+        run = headers.get("csem_backstop") or headers.get("semaphore_backstop") or f"?{uuid.uuid4().hex}"
+        packed = pack(_routed_to(message, queue, wake_queue(origin)))
+        if packed is None:
+            store.push_and_stow(self._q_for_pri(queue, priority), dumps(message), origin)  # type: ignore[no-untyped-call]
+            return
+        store.stow(target, str(run), float(headers.get("csem_due_in") or headers.get("semaphore_due_in") or 0), packed)
 
     return type(f"Stowing{base.__name__}", (base,), {"_put": _put})
+
+
+def _routed_to(message: dict[str, Any], queue: str, target: str) -> dict[str, Any]:
+    """``message``, published to the backstop ``queue``, as kombu would have published it to
+    ``target``: its routing key is what a consumer of ``target`` sees."""
+    properties = message.get("properties")
+    info = properties.get("delivery_info") if isinstance(properties, dict) else None
+    if not isinstance(properties, dict) or not isinstance(info, dict) or info.get("routing_key") != queue:
+        return message
+    return {**message, "properties": {**properties, "delivery_info": {**info, "routing_key": target}}}
 
 
 class _Publishers:

@@ -39,7 +39,7 @@ from celery_semaphore._celery.wait_headers import (
     QUEUE_HEADER,
     SENT_HEADER,
 )
-from celery_semaphore._celery.wake_queues import wake_aware
+from celery_semaphore._celery.wake_queues import wake_aware, wake_queue
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
 
@@ -364,13 +364,14 @@ def round_trips_of_a_copy(setup: Setup, monkeypatch: pytest.MonkeyPatch, run: st
 def test_a_copy_is_published_and_stowed_in_one_round_trip_as_kombu_writes_it(
     setup: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The copy goes through kombu's own producer, whose channel pushes it and runs the stowing
-    script in one pipeline: one round trip (the app's producer, then the script, took two), and
-    the stored message is the one kombu pushes to the list for the same call, to the byte but
-    for its delivery tag and the routing key the stowing rewrites."""
+    """The copy goes through kombu's own producer, whose channel packs it and runs the stowing
+    script: one round trip (the app's producer, then the script, took two), and the stored
+    message is the one kombu pushes to the list for the same call, but for its delivery tag and
+    the routing key of the queue it goes to when due."""
     app, client = setup.app, setup.client
     assert round_trips_of_a_copy(setup, monkeypatch, "run-b") == 1
-    stored = json.loads(bytes(client.hget(COPIES_KEY, "run-b")).split(b"\n", 1)[1])
+    stored = json.loads(setup.store.stored_message("run-b") or "")
+    assert stored["properties"]["delivery_info"]["routing_key"] == wake_queue("celery")
     # the same call through the app's producer, to the backstop list (nothing stows it here)
     _copy(app, "run-b", 60).apply_async(task_id=stored["headers"]["id"])
     pushed = json.loads(client.lpop(BACKSTOP_LIST))

@@ -126,12 +126,12 @@ def test_a_task_that_would_wait_near_its_turn_is_sent_keeping_its_place(proj: An
 
 
 def stored_message(proj: Any, run: bytes) -> bytes:
-    """The message stored under ``run`` in the broker's store, without its target list."""
+    """The message stored under ``run`` in the broker's store, as it goes to its queue."""
     store = due_copies_for(proj.app)
     assert store is not None
-    stored = store.client.hget(store.keys[1], run)
+    stored = store.stored_message(run.decode())
     assert stored is not None
-    return bytes(stored).split(b"\n", 1)[1]
+    return stored.encode()
 
 
 def same_but_its_tag(sent: bytes, stored: bytes) -> bool:

@@ -3,21 +3,28 @@
 -- exactly one of its backstop list, the store or its target queue at every moment, whoever
 -- runs this and whenever that process dies.
 --   KEYS[1] due     ZSET  copy id -> when it is due (this server's ms)
---   KEYS[2] copies  HASH  copy id -> "<target list key>\n<message as kombu wrote it>"
+--   KEYS[2] copies  HASH  copy id -> "<target list key>\n<message as kombu wrote it>", or packed
+--                   by its sender: "<target list key>\n\1<stencil digest>\0<fills>" (stow_copy.lua)
 --   KEYS[3] epoch   STRING the semaphore Redis's epoch last seen here
 --   KEYS[4] finished ZSET run id -> until when it is remembered as finished (finish, in
 --                   due_copies.py): a copy of a finished run is not stored
 --   KEYS[5] moved   ZSET  copy id -> when it was moved to its queue (this server's ms), until a
 --                   copy of its run asks again (stowed anew, granted) or it is withdrawn
 --   KEYS[6] sent    HASH  copy id -> what was moved, as in KEYS[2]
---   KEYS[7..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
+--   KEYS[7] stencils HASH stencil digest -> stencil (_celery/packing.py)
+--   KEYS[8] kept    ZSET  stencil digest -> until when it is kept (this server's ms)
+--   KEYS[9..] pairs: a backstop list kombu publishes to, then the list its copies go to when due
 --   ARGV[1] most    copies to stow per list, and to move, in this call
 --   ARGV[2] epoch   the semaphore Redis's epoch now, or "" (not looked at in this call)
 --   ARGV[3] keep_ms how long a moved copy is kept for a restart of the semaphore Redis
---   ARGV[4..] per pair: the backstop queue's name and the target queue's name, JSON-quoted
+--   ARGV[4] stencil_keep_ms how long a stencil outlives the copies that name it; "": this call
+--                   is for the store of an earlier release (whole messages), and leaves the
+--                   stencils alone
+--   ARGV[5..] per pair: the backstop queue's name and the target queue's name, JSON-quoted
 -- Returns {moved, stowed, next_due_in_ms (-1: nothing stored), flushed (1: the semaphore Redis
 -- was found restarted, and every stored copy, and every copy moved within keep_ms that no copy
--- of its run has asked since, was made due now)}.
+-- of its run has asked since, was made due now), unreadable (copies whose stencil is not kept:
+-- left stored, due again in a minute)}.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -63,9 +70,9 @@ end
 --    dropped. A copy of the run moved earlier has asked again: it is kept no longer.
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local stowed = 0
-for i = 7, #KEYS, 2 do
+for i = 9, #KEYS, 2 do
   local source, target = KEYS[i], KEYS[i + 1]
-  local from_name, to_name = ARGV[i - 3], ARGV[i - 2]
+  local from_name, to_name = ARGV[i - 4], ARGV[i - 3]
   for _ = 1, most do
     local message = redis.call('RPOP', source)
     if not message then
@@ -95,21 +102,46 @@ end
 
 -- 3. Move what is due to its queue, as kombu would have published it there, and keep it until a
 --    copy of its run asks again (step 1 sends it again if the semaphore Redis restarts first).
+--    The stencil of a packed copy is kept for as long as the copy is kept as moved.
+local stencil_keep_ms = tonumber(ARGV[4])
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
+local done, unreadable = {}, 0
 for _, id in ipairs(due) do
   local stored = redis.call('HGET', KEYS[2], id)
+  local target, message, digest
   if stored then
-    local cut = string.find(stored, '\n', 1, true)
-    redis.call('LPUSH', string.sub(stored, 1, cut - 1), string.sub(stored, cut + 1))
-    if string.sub(id, 1, 1) ~= '?' then  -- a copy with no run: nothing would ever ask for it
-      redis.call('ZADD', KEYS[5], now, id)
-      redis.call('HSET', KEYS[6], id, stored)
+    target, message, digest = stored_message(stored, KEYS[7])
+  end
+  if stored and not message then
+    unreadable = unreadable + 1
+    redis.call('ZADD', KEYS[1], now + 60000, id)
+  else
+    if stored then
+      redis.call('LPUSH', target, message)
+      if string.sub(id, 1, 1) ~= '?' then  -- a copy with no run: nothing would ever ask for it
+        redis.call('ZADD', KEYS[5], now, id)
+        redis.call('HSET', KEYS[6], id, stored)
+        if digest and stencil_keep_ms then
+          redis.call('ZADD', KEYS[8], 'GT', now + keep_ms + stencil_keep_ms, digest)
+        end
+      end
     end
+    done[#done + 1] = id
   end
 end
-if #due > 0 then
-  redis.call('ZREM', KEYS[1], unpack(due))
-  redis.call('HDEL', KEYS[2], unpack(due))
+if #done > 0 then
+  redis.call('ZREM', KEYS[1], unpack(done))
+  redis.call('HDEL', KEYS[2], unpack(done))
+end
+
+-- 4. Forget the stencils no copy names any more: kept past the due time of every copy stowed
+--    with them and the keeping of every copy moved, and only once nothing due is left to move.
+if stencil_keep_ms and #due < most then
+  local stale = redis.call('ZRANGEBYSCORE', KEYS[8], '-inf', now, 'LIMIT', 0, most)
+  if #stale > 0 then
+    redis.call('ZREM', KEYS[8], unpack(stale))
+    redis.call('HDEL', KEYS[7], unpack(stale))
+  end
 end
 
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
@@ -117,4 +149,4 @@ local next_in = -1
 if #first > 0 then
   next_in = math.max(0, tonumber(first[2]) - now)
 end
-return {#due, stowed, next_in, flushed}
+return {#done, stowed, next_in, flushed, unreadable}

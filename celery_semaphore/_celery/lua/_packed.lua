@@ -1,0 +1,48 @@
+-- _packed: the message a stored copy holds, put together from its stencil when it is packed
+-- (_celery/packing.py: "\1<stencil digest>\0<fill>\0<fill>...", a fill "\2<n>" repeating fill
+-- n). A copy stored whole (a message as kombu wrote it) is returned as it is. Returns the list
+-- the copy goes to, its message (nil when its stencil is not kept) and its stencil's digest (nil
+-- for a copy stored whole).
+local function split_at_nul(text, from)
+  local pieces = {}
+  while true do
+    local stop = string.find(text, '\0', from, true)
+    if not stop then
+      pieces[#pieces + 1] = string.sub(text, from)
+      return pieces
+    end
+    pieces[#pieces + 1] = string.sub(text, from, stop - 1)
+    from = stop + 1
+  end
+end
+
+local function stored_message(stored, stencils_key)
+  local cut = string.find(stored, '\n', 1, true)
+  local target = string.sub(stored, 1, cut - 1)
+  if string.byte(stored, cut + 1) ~= 1 then
+    return target, string.sub(stored, cut + 1)
+  end
+  local fills = split_at_nul(stored, cut + 2)  -- fills[1]: the stencil's digest
+  local stencil = redis.call('HGET', stencils_key, fills[1])
+  if not stencil then
+    return target, nil
+  end
+  local parts = split_at_nul(stencil, 1)
+  if #parts ~= #fills then
+    return target, nil
+  end
+  local whole = {parts[1]}
+  for i = 2, #parts do
+    local fill = fills[i]
+    if string.byte(fill, 1) == 2 then
+      fill = fills[tonumber(string.sub(fill, 2)) + 1]
+    end
+    if not fill then
+      return target, nil
+    end
+    whole[#whole + 1] = fill
+    whole[#whole + 1] = parts[i]
+  end
+  return target, table.concat(whole), fills[1]
+end
+

@@ -1,0 +1,102 @@
+"""A stored copy kept as what sets it apart from its task's other messages: its stencil apart.
+
+A waiting task's stored copy (``due_copies.py``) is the message kombu writes, about 1.5 KB, of
+which most is the same for every task sent to one queue: the key names, the task's name, the
+routing, the content type. A store of 100,000 waiting tasks held 100,000 copies of that text.
+
+Here the message is split into its *stencil*, the JSON text with a hole where each value of its
+own goes, kept once in the store under a digest of its text, and its *fills*: the JSON text of each
+of those values, kept with the copy. The scripts that send a copy (``lua/_packed.lua``) put the
+two back together in Redis, so that a copy still goes to its queue in one atomic step, as the
+exact message kombu decodes. What goes in the stencil is what repeats: the message's keys, the
+values named in ``STENCIL_HEADERS`` and ``STENCIL_PROPERTIES`` and any None, True, False or empty
+value; every other value, including any header this module does not know, is a fill. A fill equal
+to an earlier one (the task id as the root id and the correlation id) is kept as a reference.
+
+A message this cannot split with certainty (a hole that would be read twice) is stored whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, NamedTuple
+
+from kombu.utils.json import dumps
+
+# Marks a stored copy that is packed (its message's first byte: a message kombu writes is JSON).
+PACKED_MARK = "\x01"
+# Between a packed copy's stencil digest and its fills, and where a fill goes in a stencil: no
+# JSON text holds a raw NUL (it is written \u0000).
+HOLE = "\x00"
+# A fill that repeats fill <n> (1-based), written "\x02<n>": no JSON text starts with it.
+REPEAT_MARK = "\x02"
+_HOLE_TEXT = json.dumps(HOLE)
+
+# Values of a message's headers and properties that are the same for a task's messages to one
+# queue: the stencil keeps them. Whatever else a message holds is a fill.
+STENCIL_HEADERS = frozenset(
+    {"lang", "task", "shadow", "retries", "timelimit", "replaced_task_nesting", "csem_protocol", "csem_queue"}
+)
+STENCIL_PROPERTIES = frozenset({"delivery_mode", "delivery_info", "priority", "body_encoding"})
+# The message's own keys whose values are the same for every message kombu writes.
+STENCIL_FIELDS = frozenset({"content-encoding", "content-type"})
+_SECTIONS = {"headers": STENCIL_HEADERS, "properties": STENCIL_PROPERTIES}
+# Hex digits of the stencil's digest that name it (80 bits).
+DIGEST_CHARS = 20
+
+
+class Packed(NamedTuple):
+    """A message as the store keeps it: its stencil's digest and text, and its fills joined by
+    ``HOLE`` (the copy's value after ``PACKED_MARK``, digest and ``HOLE``)."""
+
+    digest: str
+    stencil: str
+    fills: str
+
+
+def pack(message: dict[str, Any]) -> Packed | None:
+    """``message`` (a kombu message before it is written) as a stencil and its fills; None when
+    it cannot be split with certainty (then it is stored whole)."""
+    fills: list[str] = []
+
+    def hole(value: Any) -> str:
+        text = dumps(value)  # type: ignore[no-untyped-call]
+        fills.append(f"{REPEAT_MARK}{fills.index(text) + 1}" if text in fills else text)
+        return HOLE
+
+    shaped: dict[str, Any] = {}
+    for key, value in message.items():
+        names = _SECTIONS.get(key)
+        if names is not None and isinstance(value, dict):
+            shaped[key] = {name: item if _repeats(name, item, names) else hole(item) for name, item in value.items()}
+        else:
+            shaped[key] = value if _repeats(key, value, STENCIL_FIELDS) else hole(value)
+    text = dumps(shaped)  # type: ignore[no-untyped-call]
+    if HOLE in text or text.count(_HOLE_TEXT) != len(fills):
+        return None
+    stencil = text.replace(_HOLE_TEXT, HOLE)
+    digest = hashlib.sha1(stencil.encode(), usedforsecurity=False).hexdigest()[:DIGEST_CHARS]
+    return Packed(digest, stencil, HOLE.join(fills))
+
+
+def _repeats(name: str, value: Any, names: frozenset[str]) -> bool:
+    return name in names or value is None or isinstance(value, bool) or value in ("", [], {})
+
+
+def unpack(packed: str, stencil: str) -> str:
+    """The message a packed copy's text (what follows ``PACKED_MARK``) and its stencil make:
+    what ``lua/_packed.lua`` builds in Redis, for the readers in Python."""
+    fills = packed.split(HOLE)[1:]
+    parts = stencil.split(HOLE)
+    if len(parts) != len(fills) + 1:
+        raise ValueError(f"a stencil of {len(parts) - 1} holes for {len(fills)} fills")
+    whole = [parts[0]]
+    for fill, part in zip(fills, parts[1:], strict=True):
+        whole += [fills[int(fill[1:]) - 1] if fill.startswith(REPEAT_MARK) else fill, part]
+    return "".join(whole)
+
+
+def digest_of(packed: str) -> str:
+    """The stencil digest a packed copy's text names."""
+    return packed.partition(HOLE)[0]

@@ -1,0 +1,167 @@
+"""A stored copy is kept packed: its fills with the copy, its stencil once per task and queue,
+put back together in Redis as the message kombu wrote (celery_semaphore/_celery/packing.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kombu.utils.json import dumps
+
+import celery_semaphore._celery.due_copies as due_copies
+from celery_semaphore._celery.due_copies import (
+    COPIES_KEY,
+    DUE_KEY,
+    EARLIER_KEYS,
+    STENCILS_KEPT_KEY,
+    STENCILS_KEY,
+    send_copy,
+    send_stored,
+    withdraw,
+)
+from celery_semaphore._celery.packing import PACKED_MARK, pack, unpack
+from tests.celery import test_due_copies
+from tests.celery.test_due_copies import WAKE_LIST, Setup, _copy
+from tests.waiting import wait_until
+
+servers, setup = test_due_copies.servers, test_due_copies.setup  # its fixtures, shared
+
+
+def _stored_value(setup: Setup, run: str) -> bytes:
+    value = setup.client.hget(COPIES_KEY, run)
+    assert value is not None
+    return bytes(value)
+
+
+def test_a_copy_is_stored_packed_in_under_half_its_message_and_sent_as_kombu_wrote_it(setup: Setup) -> None:
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-p", 0.3))
+    value = _stored_value(setup, "run-p")
+    message = store.stored_message("run-p")
+    assert message is not None and value.startswith(WAKE_LIST.encode() + b"\n" + PACKED_MARK.encode())
+    assert len(value) < 0.5 * len(message), (len(value), len(message))
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
+    (sent,) = client.lrange(WAKE_LIST, 0, -1)
+    assert sent.decode() == message  # Redis put it together as the reader in Python does
+    payload = json.loads(sent)
+    assert payload["headers"]["argsrepr"] == "('run-p',)"
+    assert payload["headers"]["root_id"] == payload["headers"]["id"] == payload["properties"]["correlation_id"]
+
+
+def test_the_copies_of_one_task_share_one_stencil(setup: Setup) -> None:
+    app, client = setup.app, setup.client
+    for number in range(30):
+        send_copy(app, _copy(app, f"run-{number}", 60))
+    assert client.hlen(COPIES_KEY) == 30 and client.hlen(STENCILS_KEY) == 1
+    send_copy(app, app.signature("due_copies_test.other", args=(1,), options=_copy(app, "run-o", 60).options))
+    assert client.hlen(STENCILS_KEY) == 2
+
+
+def test_a_wake_up_sends_the_packed_copy_whole_and_keeps_it_as_the_backstop(setup: Setup) -> None:
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-w", 60))
+    assert send_stored(app, "run-w")
+    (sent,) = client.lrange(WAKE_LIST, 0, -1)
+    woken, stored = json.loads(sent), json.loads(store.stored_message("run-w") or "")
+    assert woken["properties"].pop("delivery_tag") != stored["properties"].pop("delivery_tag")  # a tag of its own
+    assert woken == stored
+    assert client.zscore(DUE_KEY, "run-w") is not None
+
+
+def test_a_message_that_cannot_be_packed_is_stored_whole(setup: Setup) -> None:
+    """A value the stencil keeps that is itself the text of a hole (a shadow name of one NUL):
+    packing cannot tell it from a hole, so the copy is stored whole, and sent all the same."""
+    app, client, store = setup.app, setup.client, setup.store
+    copy = _copy(app, "run-x", 0.2)
+    copy.options["shadow"] = "\x00"
+    send_copy(app, copy)
+    assert _stored_value(setup, "run-x").startswith(WAKE_LIST.encode() + b"\n{")
+    assert client.hlen(STENCILS_KEY) == 0
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
+    (sent,) = client.lrange(WAKE_LIST, 0, -1)
+    assert json.loads(sent)["headers"]["shadow"] == "\x00"
+
+
+def test_a_stencil_is_kept_while_a_copy_may_name_it_and_forgotten_after(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept past the due time of the last copy stowed with it and the keeping of the last one
+    moved (times shortened here to a fraction of a second); then forgotten by a mover."""
+    monkeypatch.setattr(due_copies, "STENCIL_KEEP_S", 0.5)
+    monkeypatch.setattr(due_copies, "KEEP_MOVED_S", 0.5)
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-s", 0.2))
+    (short,) = client.hkeys(STENCILS_KEY)
+    send_copy(app, app.signature("due_copies_test.long", args=(1,), options=_copy(app, "run-l", 60).options))
+    assert client.hlen(STENCILS_KEY) == 2 and client.zcard(STENCILS_KEPT_KEY) == 2
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="the short copy moved when due")
+    assert client.hexists(STENCILS_KEY, short)  # its moved copy may be sent again
+    wait_until(lambda: store.run(["celery"]) and client.hlen(STENCILS_KEY) == 1, timeout=5, what="forgotten")
+    assert not client.hexists(STENCILS_KEY, short)
+    assert store.stored_message("run-l") is not None  # the other copy's stencil is kept
+
+
+def test_a_copy_whose_stencil_is_gone_is_kept_and_said(setup: Setup, caplog: pytest.LogCaptureFixture) -> None:
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-g", 0.1))
+    client.delete(STENCILS_KEY)
+    assert not send_stored(app, "run-g")
+    assert "no longer keeps" in caplog.text
+    wait_until(lambda: store.run(["celery"]).unreadable, timeout=5, what="found due")
+    assert client.llen(WAKE_LIST) == 0 and client.hexists(COPIES_KEY, "run-g")
+    assert float(client.zscore(DUE_KEY, "run-g") or 0) > client.time()[0] * 1000 + 50_000  # looked at again later
+
+
+def test_the_store_of_an_earlier_release_is_moved_sent_and_withdrawn(setup: Setup) -> None:
+    """During a rolling deploy, copies an earlier release stored whole, in its own keys, are sent
+    by this release's wake-ups, moved when due and forgotten as their runs start."""
+    app, client, store = setup.app, setup.client, setup.store
+    due_key, copies_key = EARLIER_KEYS[0], EARLIER_KEYS[1]
+    message = {"body": "W10=", "headers": {"id": "t-1", "task": "due_copies_test.work"}, "properties": {}}
+    now_ms = client.time()[0] * 1000
+    for run, due_in_ms in (("run-e1", 60_000), ("run-e2", 60_000), ("run-e3", -1)):
+        client.zadd(due_key, {run: now_ms + due_in_ms})
+        client.hset(copies_key, run, f"{WAKE_LIST}\n{dumps({**message, 'run': run})}")
+    assert store.run(["celery"]).moved == 1  # run-e3, due
+    assert send_stored(app, "run-e1")
+    assert [json.loads(sent)["run"] for sent in client.lrange(WAKE_LIST, 0, -1)] == ["run-e1", "run-e3"]
+    withdraw(app, "run-e2")
+    assert client.zrange(due_key, 0, -1) == [b"run-e1"] and client.hkeys(copies_key) == [b"run-e1"]
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@given(
+    headers=st.dictionaries(st.sampled_from(["id", "root_id", "task", "lang", "shadow", "csem_run", "x"]), _values),
+    body=st.text(),
+    reply_to=_values,
+)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_packed_message_is_put_back_together_to_the_same_message(
+    setup: Setup, headers: dict[str, Any], body: str, reply_to: Any
+) -> None:
+    """Whatever a message holds: packed, then put back together by Python and by Redis, it is
+    the same text, and it decodes to the message."""
+    message = {
+        "body": body,
+        "content-encoding": "utf-8",
+        "headers": {**headers, "csem_backstop": "run-h"},
+        "properties": {"reply_to": reply_to, "delivery_info": {"routing_key": WAKE_LIST}},
+    }
+    packed = pack(message)
+    if packed is None:  # a stencil value that reads as a hole: stored whole
+        assert '"\\u0000"' in dumps(message)
+        return
+    whole = unpack(f"{packed.digest}\x00{packed.fills}", packed.stencil)
+    assert json.loads(whole) == json.loads(dumps(message))
+    setup.client.delete(WAKE_LIST)
+    setup.store.stow("celery.semaphore-wake", "run-h", 0, packed)
+    assert setup.client.lpop(WAKE_LIST).decode() == whole
