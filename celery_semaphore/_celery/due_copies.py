@@ -7,15 +7,18 @@ there, unacknowledged, in its prefetch window until due: a long backlog under a 
 the broker into the workers' memory, ``worker_eta_task_limit`` stalled the wake-ups behind held
 copies, and each parked task came back every 30 s to be refused again.
 
-Here the copy is published, as kombu writes it, to ``<queue>.semaphore-backstop``, a list no
-worker consumes. ``move_due_copies.lua`` then *stows* it in a sorted set of the broker's Redis
-(due when its header says, by that server's clock, under the id of its wait's run: a newer copy
-of one wait replaces the older) and, once due, moves it to the wake queue of its queue, routed
-as that queue's message. The process that sent the copy stows it at once; each worker's main
-process runs the script on a timer of its own (as soon as the next copy is due, at least once a
-second), so whichever worker is alive moves what is due. Every step is one script in the
-broker's Redis: a process killed at any point leaves each copy in exactly one place (the list,
-the store or its queue), and the next run of any worker carries on from there. A copy is
+Here the process that sends the copy *stows* it at once, built by kombu's code and packed
+(``stowing.py``, ``packing.py``: the values of its own, with its stencil kept once per task and
+queue), into a sorted set of the broker's Redis (due when its header says, by that server's
+clock, under the id of its wait's run: a newer copy of one wait replaces the older); once due,
+``move_due_copies.lua`` moves it to the wake queue of its queue, put back together and routed as
+that queue's message. A copy that cannot be packed is published whole to
+``<queue>.semaphore-backstop``, a list no worker consumes, and stowed from there by the same
+script. Each worker's main process runs the script on a timer of its own (as soon as the next
+copy is due, at least once a second), so whichever worker is alive moves what is due. Every step
+is one script in the broker's Redis: a process killed at any point leaves each copy in exactly
+one place (the list, the store or its queue), and the next run of any worker carries on from
+there. A copy is
 *withdrawn* when its run no longer needs it (``withdraw``): no copy outlives its task. A parked
 task's wake-up sends the stored message to its queue (``send_stored``) and leaves it stored as
 the backstop: no second copy of a waiting task is kept anywhere.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from json.encoder import encode_basestring_ascii
 from typing import Any, NamedTuple
 
 from kombu.utils.json import dumps
@@ -61,7 +62,7 @@ def pack(message: dict[str, Any]) -> Packed | None:
     fills: list[str] = []
 
     def hole(value: Any) -> str:
-        text = dumps(value)  # type: ignore[no-untyped-call]
+        text = _json_of(value)
         fills.append(f"{REPEAT_MARK}{fills.index(text) + 1}" if text in fills else text)
         return HOLE
 
@@ -78,6 +79,16 @@ def pack(message: dict[str, Any]) -> Packed | None:
     stencil = text.replace(_HOLE_TEXT, HOLE)
     digest = hashlib.sha1(stencil.encode(), usedforsecurity=False).hexdigest()[:DIGEST_CHARS]
     return Packed(digest, stencil, HOLE.join(fills))
+
+
+def _json_of(value: Any) -> str:
+    """``value`` as kombu's JSON writes it: strings and integers (most fills) without its
+    encoder's call, which is most of what packing costs the sender."""
+    if type(value) is str:
+        return encode_basestring_ascii(value)
+    if type(value) is int:
+        return int.__repr__(value)
+    return dumps(value)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def _repeats(name: str, value: Any, names: frozenset[str]) -> bool:

@@ -1,17 +1,19 @@
-"""A copy due later reaches the broker's store in one round trip, not two.
+"""A copy due later reaches the broker's store in one round trip, not two, and packed.
 
-On the Redis broker a copy due later is published, as kombu writes it, to its backstop list, and
-``move_due_copies.lua`` stows it from there into the store (``due_copies.py``). The sender stows
-at once, so that a wake-up or a withdraw finds the copy: published through the app's producer and
-then stowed, that was two round trips to the broker's Redis, two of the five a task placed at send
-paid, and each one, on a busy host, a wait to be scheduled again.
+On the Redis broker a copy due later waits in the broker's store (``due_copies.py``). The
+sender stores it at once, so that a wake-up or a withdraw finds the copy: published through the
+app's producer to its backstop list and then stowed from there, that was two round trips to the
+broker's Redis, two of the five a task placed at send paid, and each one, on a busy host, a wait
+to be scheduled again.
 
 Here the copy is published through a kombu connection of this module's own, whose channel differs
 from kombu's in its last step only: where kombu's ``_put`` pushes the finished message to the list,
-this one sends the same push and the stowing script in one pipeline. The message is built by
-kombu's own code and is kombu's to the byte; a process killed between the two leaves it in the
-list, where any worker's mover stows it, as before. Anything unexpected (a transport whose channel
-does not look like kombu's Redis channel, ``internals.py``) publishes the copy the old way.
+this one packs the message (``packing.py``) and stores it with one script (``stow_copy.lua``). The
+message is built by kombu's own code; the store sends it on as the same text. A message that
+cannot be packed is pushed to the list and stowed from there in one pipeline, whole: a process
+killed between the two leaves it in the list, where any worker's mover stows it. Anything
+unexpected (a transport whose channel does not look like kombu's Redis channel, ``internals.py``)
+publishes the copy the old way.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class _Publisher:
 
 
 def _stowing_channel(base: type[Any], store: Any) -> type[Any]:
-    """kombu's Redis channel class ``base`` with a ``_put`` that stows what it pushes to a
-    backstop list in the same round trip."""
+    """kombu's Redis channel class ``base`` with a ``_put`` that stores what it would push to a
+    backstop list, in one round trip."""
 
     def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         if not queue.endswith(BACKSTOP_QUEUE_SUFFIX) or kwargs.get("_publish_batch") is not None:
@@ -73,9 +75,17 @@ def _stowing_channel(base: type[Any], store: Any) -> type[Any]:
         if packed is None:
             store.push_and_stow(self._q_for_pri(queue, priority), dumps(message), origin)  # type: ignore[no-untyped-call]
             return
-        store.stow(target, str(run), float(headers.get("csem_due_in") or headers.get("semaphore_due_in") or 0), packed)
+        store.stow(target, str(run), _due_in(headers), packed)
 
     return type(f"Stowing{base.__name__}", (base,), {"_put": _put})
+
+
+def _due_in(headers: dict[str, Any]) -> float:
+    """The seconds a copy is due in, as its header (or an earlier release's) says; 0 if unreadable."""
+    try:
+        return max(0.0, float(headers.get("csem_due_in") or headers.get("semaphore_due_in") or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _routed_to(message: dict[str, Any], queue: str, target: str) -> dict[str, Any]:
