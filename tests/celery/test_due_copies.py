@@ -171,25 +171,39 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert client.llen(WAKE_LIST) == 1
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["whole", "packed"])
 @pytest.mark.parametrize("killed", [False, True], ids=["two-racing", "one-sigkilled-mid-drain"])
-def test_the_move_is_atomic_whoever_runs_it(servers: tuple[RedisServer, RedisServer], killed: bool) -> None:
+def test_the_move_is_atomic_whoever_runs_it(
+    servers: tuple[RedisServer, RedisServer], killed: bool, packed: bool
+) -> None:
     """Two processes moving at once never move a copy twice or drop one; nor does a mover
     SIGKILLed in the middle of a drain (each script runs whole in Redis, whatever becomes of its
-    caller): 200 copies due now, stowed and moved one script at a time, arrive exactly once each
-    after another process finishes the drain."""
+    caller): 200 copies due now, stowed (whole, from the backstop list, or packed by their
+    sender) and moved one script at a time, arrive exactly once each after another process
+    finishes the drain."""
+    from celery_semaphore._celery.packing import pack
+
     broker, semaphore = servers
     app = _app(broker, semaphore)
     client = broker.client()
+    store = due_copies_for(app)
+    assert store is not None
     for index in range(200):
-        client.lpush(
-            BACKSTOP_LIST,
-            json.dumps(
-                {
-                    "body": "",
-                    "headers": {COPY_ID_HEADER: f"run-{index}", DUE_IN_HEADER: 0},
-                    "properties": {"delivery_info": {"exchange": "", "routing_key": BACKSTOP_LIST}},
-                }
-            ),
+        message = {
+            "body": "",
+            "headers": {COPY_ID_HEADER: f"run-{index}", DUE_IN_HEADER: 0},
+            "properties": {"delivery_info": {"exchange": "", "routing_key": BACKSTOP_LIST}},
+        }
+        packing = pack(message) if packed else None
+        if packing is None:
+            client.lpush(BACKSTOP_LIST, json.dumps(message))
+        else:  # due in a moment: one due now would be moved by its stow
+            store.stow(WAKE_LIST, f"run-{index}", 0.05, packing)
+    if packed:
+        wait_until(
+            lambda: client.zcount(DUE_KEY, 0, client.time()[0] * 1000 + client.time()[1] // 1000) == 200,
+            timeout=5,
+            what="every packed copy due",
         )
     code = f"""
 from celery import Celery
@@ -211,8 +225,6 @@ for _ in range({400 if killed else 50}):
     else:
         for mover in movers:
             assert mover.wait(timeout=60) == 0
-    store = due_copies_for(app)
-    assert store is not None
     while store.run(["celery"]).moved:
         pass
     moved = [json.loads(message)["headers"][COPY_ID_HEADER] for message in client.lrange(WAKE_LIST, 0, -1)]
