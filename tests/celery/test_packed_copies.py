@@ -7,24 +7,30 @@ import json
 from typing import Any
 
 import pytest
+from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kombu.utils.json import dumps
 
 import celery_semaphore._celery.due_copies as due_copies
+from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import (
     COPIES_KEY,
     DUE_KEY,
     EARLIER_KEYS,
     STENCILS_KEPT_KEY,
     STENCILS_KEY,
+    due_copies_for,
     send_copy,
     send_stored,
     withdraw,
 )
+from celery_semaphore._celery.internals import KOMBU_REDIS_SEPARATOR
 from celery_semaphore._celery.packing import PACKED_MARK, pack, unpack
+from celery_semaphore._celery.wake_queues import wake_aware
 from tests.celery import test_due_copies
 from tests.celery.test_due_copies import WAKE_LIST, Setup, _copy
+from tests.redis_server import RedisServer
 from tests.waiting import wait_until
 
 servers, setup = test_due_copies.servers, test_due_copies.setup  # its fixtures, shared
@@ -165,3 +171,26 @@ def test_a_packed_message_is_put_back_together_to_the_same_message(
     setup.client.delete(WAKE_LIST)
     setup.store.stow("celery.semaphore-wake", "run-h", 0, packed)
     assert setup.client.lpop(WAKE_LIST).decode() == whole
+
+
+def test_a_packed_copy_goes_to_the_list_kombu_names_for_its_prefix_and_priority(
+    servers: tuple[RedisServer, RedisServer],
+) -> None:
+    """With kombu's ``global_keyprefix`` and a priority, the copy is stored under the prefixed
+    keys and sent to the wake queue's list of its priority, named as kombu names it."""
+    broker, semaphore = servers
+    app = Celery("due_copies_test", broker=broker.url, set_as_current=False)
+    app.conf.broker_transport_options = {"global_keyprefix": "gk:"}
+    app.conf.semaphore_backend_url = semaphore.url
+    forget_config(app)
+    wake_aware(app)
+    store = due_copies_for(app)
+    assert store is not None
+    client = broker.client()
+    copy = _copy(app, "run-q", 0.2)
+    copy.options["priority"] = 3
+    send_copy(app, copy)
+    assert client.hexists(f"gk:{COPIES_KEY}", "run-q") and client.hlen(f"gk:{STENCILS_KEY}") == 1
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
+    (sent,) = client.lrange(f"gk:{WAKE_LIST}{KOMBU_REDIS_SEPARATOR}3", 0, -1)
+    assert json.loads(sent)["headers"]["argsrepr"] == "('run-q',)"
