@@ -18,10 +18,9 @@ script. Each worker's main process runs the script on a timer of its own (as soo
 copy is due, at least once a second), so whichever worker is alive moves what is due. Every step
 is one script in the broker's Redis: a process killed at any point leaves each copy in exactly
 one place (the list, the store or its queue), and the next run of any worker carries on from
-there. A copy is
-*withdrawn* when its run no longer needs it (``withdraw``): no copy outlives its task. A parked
-task's wake-up sends the stored message to its queue (``send_stored``) and leaves it stored as
-the backstop: no second copy of a waiting task is kept anywhere.
+there. A copy is *withdrawn* when its run no longer needs it (``withdraw``): no copy outlives
+its task. A parked task's wake-up sends the stored message to its queue (``send_stored``) and
+leaves it stored as the backstop: no second copy of a waiting task is kept anywhere.
 
 The script also watches the semaphore Redis's epoch (a random value it keeps under
 ``<prefix>:epoch``): one that came back empty (a restart without persistence) has a new one, and
