@@ -92,7 +92,11 @@ def _json_of(value: Any) -> str:
 
 
 def _repeats(name: str, value: Any, names: frozenset[str]) -> bool:
-    return name in names or value is None or isinstance(value, bool) or value in ("", [], {})
+    """Whether the stencil keeps ``value``. Only a type's own emptiness is asked: a value of
+    another type (one a custom serializer writes) is never compared, so never raises here."""
+    if name in names or value is None or isinstance(value, bool):
+        return True
+    return type(value) in (str, list, dict) and not value
 
 
 def unpack(packed: str, stencil: str) -> str:
