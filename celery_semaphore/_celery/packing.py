@@ -74,8 +74,8 @@ def pack(message: dict[str, Any]) -> Packed | None:
         else:
             shaped[key] = value if _repeats(key, value, STENCIL_FIELDS) else hole(value)
     text = dumps(shaped)  # type: ignore[no-untyped-call]
-    if HOLE in text or text.count(_HOLE_TEXT) != len(fills):
-        return None
+    if not fills or HOLE in text or text.count(_HOLE_TEXT) != len(fills):
+        return None  # (with no fill it is its stencil: stored whole, nothing to share)
     stencil = text.replace(_HOLE_TEXT, HOLE)
     digest = hashlib.sha1(stencil.encode(), usedforsecurity=False).hexdigest()[:DIGEST_CHARS]
     return Packed(digest, stencil, HOLE.join(fills))

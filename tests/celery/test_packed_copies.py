@@ -194,3 +194,9 @@ def test_a_packed_copy_goes_to_the_list_kombu_names_for_its_prefix_and_priority(
     wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
     (sent,) = client.lrange(f"gk:{WAKE_LIST}{KOMBU_REDIS_SEPARATOR}3", 0, -1)
     assert json.loads(sent)["headers"]["argsrepr"] == "('run-q',)"
+
+
+def test_a_message_with_no_value_of_its_own_is_stored_whole() -> None:
+    """Nothing to share: such a message is its stencil, so it is stored as it is."""
+    assert pack({"body": "", "content-type": "application/json", "headers": {"lang": "py"}, "properties": {}}) is None
+    assert pack({"body": "W10=", "headers": {"lang": "py"}}) is not None

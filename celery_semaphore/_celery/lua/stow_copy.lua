@@ -30,12 +30,15 @@ local due_at = now + math.max(0, math.floor(tonumber(ARGV[2])))
 redis.call('HSETNX', KEYS[6], ARGV[4], ARGV[5])
 redis.call('ZADD', KEYS[7], 'GT', due_at + tonumber(ARGV[7]), ARGV[4])  -- GT still adds a new member
 local stored = ARGV[3] .. '\n\1' .. ARGV[4] .. '\0' .. ARGV[6]
-if due_at > now then
+local target, message
+if due_at <= now then
+  target, message = stored_message(stored, KEYS[6])
+end
+if not message then  -- due later (or, never seen, one that does not read back: stored, as a move finds it)
   redis.call('ZADD', KEYS[1], due_at, id)
   redis.call('HSET', KEYS[2], id, stored)
   return 1
 end
-local target, message = stored_message(stored, KEYS[6])
 redis.call('ZREM', KEYS[1], id)
 redis.call('HDEL', KEYS[2], id)
 redis.call('LPUSH', target, message)
