@@ -48,6 +48,7 @@ from typing import Any
 
 from .._core import fork_locks
 from .._core.clients import client_for
+from .._core.storage import as_text
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
 from .packing import PACKED_MARK, Packed, digest_of, unpack
@@ -207,12 +208,12 @@ class DueCopies:
         stored = self.client.hget(self.keys[1], run)
         if stored is None:
             return None
-        message = _text(stored).partition("\n")[2]
+        message = as_text(stored).partition("\n")[2]
         if not message.startswith(PACKED_MARK):
             return message
         packed = message[len(PACKED_MARK) :]
         stencil = self.client.hget(self.stencil_keys[0], digest_of(packed))
-        return None if stencil is None else unpack(packed, _text(stencil))
+        return None if stencil is None else unpack(packed, as_text(stencil))
 
     def push_and_stow(self, backstop_list: str, message: str, origin: str) -> None:
         """Push ``message`` to ``backstop_list`` (the list of ``origin``'s backstop queue that
@@ -291,10 +292,6 @@ class DueCopies:
             for zset, hash_ in ((keys[0], keys[1]), (keys[4], keys[5])):
                 pipe.zrem(zset, run)
                 pipe.hdel(hash_, run)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 _lock = fork_locks.reset_in_child()
