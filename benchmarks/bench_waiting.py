@@ -27,7 +27,7 @@ first send, divided by N):
   growth / N for every key over 4 KB; the rest of the growth is what no key accounts for);
 * the size of one stored copy (a value of ``semaphore-backstops:packed:copies``: packed, its
   fills; and the stencils, once per task and queue), of one wake copy
-  (a value of ``semaphore:{parked-tasks}:copies``) and of the message Celery itself writes for
+  (a value of ``semaphore:{parked-tasks}:records``) and of the message Celery itself writes for
   the same call without the semaphore (``bench.backlog.plain`` sent to a queue nobody consumes:
   its list's one entry), read after the memory figures;
 * the messages held by workers (HLEN ``unacked``), the queue lists (the task queue, its wake and
@@ -291,7 +291,7 @@ def measure_waiting(
     line = next((k for k in keys["semaphore"] if k.endswith(f"{{bb:{r.key}}}:queue")), None)
     stored = one_value(broker, "semaphore-backstops:packed:copies")
     stencils = broker.hvals("semaphore-backstops:packed:stencils")
-    wake = one_value(semaphore, "semaphore:{parked-tasks}:copies")
+    wake = one_value(semaphore, "semaphore:{parked-tasks}:records")
     due = broker.zrange("semaphore-backstops:packed:due", 0, 0, withscores=True)
     seconds, micros = (float(part) for part in broker.time())
     rss, main = workers_rss_kb(group)

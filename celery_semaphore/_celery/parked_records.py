@@ -5,11 +5,11 @@ record and its line go by (``parking.py`` keeps and sweeps the records, with the
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .._core.multi import MultiSemaphore, home_of
 from .._core.semaphore import FairSemaphore
-from .._core.storage import RECORD_SEPARATOR
+from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK
 
 # What a record keeps in place of a wake copy on the Redis broker, where the task's backstop copy
 # waits in the broker's store of due copies (``due_copies.py``) under the wait's run: its wake-up
@@ -35,13 +35,41 @@ def without_ahead_mark(copy: bytes) -> bytes:
     return copy
 
 
-def parked_keys(prefix: str) -> list[bytes]:
-    """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one
-    slot for all, which the scripts on them need): the records due, their copies, the record of
-    each waiter (park.lua), the lines with parked waiters, and who ticks them this round
-    (lines_to_tick.lua)."""
+class ParkedKeys(NamedTuple):
+    """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one slot
+    for all, which the scripts on them need): the records due and the records (park.lua), those
+    of an earlier release (``OldParkedRecord``: swept and woken, never written), the lines with
+    parked waiters and who ticks them this round (lines_to_tick.lua)."""
+
+    due: bytes
+    records: bytes
+    old_due: bytes
+    old_copies: bytes
+    old_waiters: bytes
+    lines: bytes
+    tick_round: bytes
+
+    @property
+    def parking(self) -> list[bytes]:
+        """park.lua's keys."""
+        return [self.due, self.records, self.lines]
+
+    @property
+    def claims(self) -> list[bytes]:
+        """claim_parked.lua's and claim_parked_waiter.lua's keys: this release's records and the
+        earlier release's."""
+        return [self.due, self.records, self.old_due, self.old_copies, self.old_waiters]
+
+    @property
+    def ticks(self) -> list[bytes]:
+        """lines_to_tick.lua's keys."""
+        return [self.lines, self.tick_round]
+
+
+def parked_keys(prefix: str) -> ParkedKeys:
     base = f"{prefix}:{{parked-tasks}}"
-    return [f"{base}:{name}".encode() for name in ("due", "copies", "waiters", "lines", "tick-round")]
+    names = ("record-due", "records", "due", "copies", "waiters", "lines", "tick-round")
+    return ParkedKeys(*(f"{base}:{name}".encode() for name in names))
 
 
 def prefix_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
@@ -55,15 +83,94 @@ def line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
     return parked_line(home.keys.base, home.rules.arg)
 
 
-def record_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> str:
-    """A wait's record name: all a sweep needs to tell whether some copy of it asked."""
-    return ParkedRecord(semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name).text()
+def record_entry(base: str, waiter: str) -> str:
+    """A parked wait's record, as the records and their due times name it: its line's keys'
+    base and its waiter, which the scripts build the same way (a waiter has one place in a line,
+    so one record; the wait's run is in the record's header)."""
+    return f"{base}{RECORD_SEPARATOR}{waiter}"
+
+
+def entry_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str) -> str:
+    return record_entry(home_of(semaphore).keys.base, waiter)
+
+
+def record_header(waiter: str, run: str) -> bytes:
+    """What a record keeps in front of its copy: the wait's run, as JSON (which has no raw
+    newline, so the first newline of a record's value ends its header). A Celery task's run is
+    "<task id>#<retries>#...", and its waiter the task id: then only the run's tail is kept
+    (``["#0#9f.."]``), the waiter being what follows the entry's last newline. Any other wait
+    keeps both (``[waiter, run, 0]``), so that its entry splits into base and waiter whatever
+    either holds."""
+    if run.startswith(waiter) and RECORD_SEPARATOR not in waiter:
+        fields: list[Any] = [run[len(waiter) :]]
+    else:
+        fields = [waiter, run, 0]
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def record_value(waiter: str, run: str, kept: bytes) -> bytes:
+    """A record's value: its header, a newline, and its copy as kept (``kept_copy``)."""
+    return record_header(waiter, run) + RECORD_SEPARATOR.encode() + kept
+
+
+def kept_of(value: bytes) -> bytes:
+    """The copy a record's value keeps, as kept (marks in front), its header and taken mark off."""
+    return value.removeprefix(TAKEN_RECORD_MARK.encode()).partition(RECORD_SEPARATOR.encode())[2]
 
 
 class ParkedRecord(NamedTuple):
-    """A parked Celery task's record in Redis: everything a sweep needs to tell whether some copy
-    of the wait asked. park.lua and claim_parked.lua read fields 1 and 3 of its JSON (the
-    deadlines key and the waiter) to build the waiter's entry (``parked_waiter_entry``)."""
+    """A parked Celery task's record as a sweep or a wake-up took it: everything a sweep needs
+    to tell whether some copy of the wait asked, and the copy to send (``WOKEN_COPY_MARK`` in
+    front once a wake copy was sent; the ``AHEAD_COPY_MARK`` taken off)."""
+
+    base: str
+    waiter: str
+    run: str
+    name: str
+    copy: bytes
+
+    @property
+    def deadlines_key(self) -> str:
+        return f"{self.base}:deadlines"
+
+    @property
+    def runs_key(self) -> str:
+        return f"{self.base}:runs"
+
+    @property
+    def entry(self) -> str:
+        return record_entry(self.base, self.waiter)
+
+    @classmethod
+    def read(cls, entry: str, value: bytes, prefix: str) -> ParkedRecord:
+        """A record from its entry and its value as the scripts return them; ``prefix``: the
+        deployment's, to name the semaphore from its keys' base. ValueError if unreadable."""
+        value = value.removeprefix(TAKEN_RECORD_MARK.encode())
+        header, separator, copy = value.partition(RECORD_SEPARATOR.encode())
+        if not separator:
+            raise ValueError(f"a parked record with no header: {entry!r}")
+        fields = json.loads(header)
+        if len(fields) == 1:
+            waiter = entry.rpartition(RECORD_SEPARATOR)[2]
+            run = waiter + str(fields[0])
+        else:
+            waiter, run = str(fields[0]), str(fields[1])
+        suffix = RECORD_SEPARATOR + waiter
+        if not entry.endswith(suffix):
+            raise ValueError(f"a parked record whose entry does not name its waiter: {entry!r}")
+        base = entry[: -len(suffix)]
+        return cls(base, waiter, run, name_of_base(prefix, base), copy)
+
+
+def name_of_base(prefix: str, base: str) -> str:
+    """A semaphore's name from its keys' base, ``"<prefix>:{<name>}"`` (the base itself if it
+    is not one)."""
+    head = f"{prefix}:{{"
+    return base[len(head) : -1] if base.startswith(head) and base.endswith("}") else base
+
+
+class OldParkedRecord(NamedTuple):
+    """The record of an earlier release: its name is the JSON of these fields."""
 
     deadlines_key: str
     runs_key: str
@@ -71,18 +178,16 @@ class ParkedRecord(NamedTuple):
     run: str
     name: str
 
-    def text(self) -> str:
-        return json.dumps(list(self))
-
     @classmethod
-    def read(cls, text: str) -> ParkedRecord:
+    def read(cls, text: str) -> OldParkedRecord:
         deadlines_key, runs_key, waiter, run, name = json.loads(text)
         return cls(deadlines_key, runs_key, waiter, run, name)
 
-
-def parked_waiter_entry(deadlines_key: str, waiter: str) -> str:
-    """The field of the parked tasks' waiters hash that leads from a waiter to its record."""
-    return f"{deadlines_key}{RECORD_SEPARATOR}{waiter}"
+    def as_record(self, copy: bytes) -> ParkedRecord:
+        """The same wait as this release records it (ValueError if its keys are not a line's)."""
+        if not self.deadlines_key.endswith(":deadlines"):
+            raise ValueError(f"a parked record of no line: {self.deadlines_key!r}")
+        return ParkedRecord(self.deadlines_key[: -len(":deadlines")], self.waiter, self.run, self.name, copy)
 
 
 def parked_line(base: str, rules: bytes) -> str:

@@ -1,7 +1,7 @@
 """The scripts only the Celery glue runs on the semaphore's Redis: a parked task's record
-(``park``, ``claim_parked``, ``claim_parked_waiter``), the ticks of lines whose waiters are all
-parked (``lines_to_tick``, ``tick``) and the note of the wait a first delivery began
-(``remember_wait``).
+(``park``, ``claim_parked``, ``claim_parked_waiter``, which also take an earlier release's
+records), the ticks of lines whose waiters are all parked (``lines_to_tick``, ``tick``) and the
+note of the wait a first delivery began (``remember_wait``).
 
 They live in ``lua/`` here, not with the semaphore's own, because nothing but the glue runs
 them; they are built on the semaphore's library (``_core/lua/_lib.lua``: its key schema and
@@ -12,6 +12,7 @@ each ``.lua`` file and, once, in the typed methods below.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -21,11 +22,20 @@ from .._core.script_args import number
 from .._core.scripts import Script, SemaphoreKeys, built_script
 from .._core.scripts import preload as preload_the_semaphores
 from .._core.storage import WOKEN_COPY_MARK, as_text
-from .parked_records import without_ahead_mark
+from .parked_records import OldParkedRecord, ParkedKeys, ParkedRecord, without_ahead_mark
+
+logger = logging.getLogger("celery_semaphore")
 
 # The package whose lua/ folder holds these scripts.
 _PACKAGE = __name__.rpartition(".")[0]
-_NAMES = ("park", "claim_parked", "claim_parked_waiter", "lines_to_tick", "tick", "remember_wait")
+_NAMES = (
+    "park",
+    "claim_parked",
+    "claim_parked_waiter",
+    "lines_to_tick",
+    "tick",
+    "remember_wait",
+)
 
 
 class ParkedScripts:
@@ -36,50 +46,59 @@ class ParkedScripts:
 
     def park(
         self,
-        keys: list[bytes],
+        keys: ParkedKeys,
         *,
-        record: str,
+        entry: str,
         look_in_ms: int,
-        copy: bytes,
+        record: bytes,
         only_if_absent: bool = False,
         line: str = "",
     ) -> bool:
-        """Keep (or, with an empty ``copy``, forget) a parked task's record; ``keys`` are
-        ``parked_records.parked_keys``. With ``only_if_absent``, a record that exists is left as
-        it is (and False returned). ``line``: the member naming the waiter's line for the ticks."""
-        args: list[Any] = [record, look_in_ms, copy, b"nx" if only_if_absent else b"", line]
-        return bool(self._scripts["park"](keys=keys[:4], args=args))
+        """Keep a parked task's record (``parked_records.record_value``) under ``entry``;
+        ``keys`` are ``parked_records.parked_keys``. With ``only_if_absent``, a record that
+        exists is left as it is (and False returned). ``line``: the member naming the waiter's
+        line for the ticks."""
+        args: list[Any] = [entry, look_in_ms, record, b"nx" if only_if_absent else b"", line]
+        return bool(self._scripts["park"](keys=keys.parking, args=args))
+
+    def forget(self, keys: ParkedKeys, *, entry: str, header: bytes) -> None:
+        """Drop the record under ``entry`` if it is still the one of the wait ``header`` names
+        (``parked_records.record_header``): the wait was given up."""
+        self._scripts["park"](keys=keys.parking, args=[entry, 0, header, b"forget", b""])
 
     def park_run(
-        self, keys: list[bytes], record: str, look_in_ms: int, copy: bytes, line: str
+        self, keys: ParkedKeys, entry: str, look_in_ms: int, record: bytes, line: str
     ) -> tuple[Script, list[bytes], list[Any]]:
         """``park`` of a record to keep, as its script, keys and arguments: to run in one round
         trip with another script (``scripts.run_in_order``)."""
-        return self._scripts["park"], keys[:4], [record, look_in_ms, copy, b"", line]
+        return self._scripts["park"], keys.parking, [entry, look_in_ms, record, b"", line]
 
-    def claim_parked(self, keys: list[bytes], *, most: int) -> list[tuple[str, bytes]]:
-        """The parked-task records now due, (record, copy) each, taken by this caller alone."""
-        return records_claimed(self._scripts["claim_parked"](keys=keys[:3], args=[most]))
+    def claim_parked(self, keys: ParkedKeys, *, prefix: str, most: int) -> list[ParkedRecord | None]:
+        """The parked-task records now due (this release's and an earlier release's), taken by
+        this caller alone; None for one that cannot be read, or whose copy is gone. ``prefix``:
+        the deployment's."""
+        return records_claimed(self._scripts["claim_parked"](keys=keys.claims, args=[most]), prefix)
 
     def claim_parked_waiter(
-        self, keys: list[bytes], *, deadlines_key: str, waiter: str, lease_ms: int
-    ) -> tuple[str, bytes] | None:
-        """The parked-task record of ``waiter`` of the line with ``deadlines_key``, taken now by
-        this caller alone and leased for ``lease_ms`` (a sweep sends its copy again after that,
-        unless its run was granted); None when it has none (or another caller took it)."""
-        claimed = self.claim_parked_waiters(keys, deadlines_key=deadlines_key, waiters=[waiter], lease_ms=lease_ms)
+        self, keys: ParkedKeys, *, prefix: str, base: str, waiter: str, lease_ms: int
+    ) -> ParkedRecord | None:
+        """The parked-task record of ``waiter`` of the line whose keys start with ``base``,
+        taken now by this caller alone and leased for ``lease_ms`` (a sweep sends its copy
+        again after that, unless its run was granted); None when it has none (or another caller
+        took it)."""
+        claimed = self.claim_parked_waiters(keys, prefix=prefix, base=base, waiters=[waiter], lease_ms=lease_ms)
         return claimed[0] if claimed else None
 
     def claim_parked_waiters(
-        self, keys: list[bytes], *, deadlines_key: str, waiters: list[str], lease_ms: int
-    ) -> list[tuple[str, bytes]]:
+        self, keys: ParkedKeys, *, prefix: str, base: str, waiters: list[str], lease_ms: int
+    ) -> list[ParkedRecord]:
         """``claim_parked_waiter`` of each of ``waiters`` of one line, in one round trip: the
-        (record, copy) pairs taken."""
-        reply = self._scripts["claim_parked_waiter"](keys=keys[:3], args=[deadlines_key, number(lease_ms), *waiters])
-        return records_claimed(reply)
+        records taken."""
+        reply = self._scripts["claim_parked_waiter"](keys=keys.claims, args=[base, number(lease_ms), *waiters])
+        return [record for record in records_claimed(reply, prefix) if record is not None]
 
     def claim_offered_run(
-        self, keys: list[bytes], line: SemaphoreKeys, *, lease_ms: int, ahead: int, limit: int
+        self, keys: ParkedKeys, line: SemaphoreKeys, *, lease_ms: int, ahead: int, limit: int
     ) -> tuple[Script, list[bytes], list[Any]]:
         """``claim_parked_waiter`` of every parked waiter holding a live offer of ``line``, and
         of those among its first ``ahead`` present waiters whose slot should come, by the line's
@@ -87,13 +106,13 @@ class ParkedScripts:
         ahead), as its script, keys and arguments: to run right after a release of the line, in
         its round trip (a single Redis only: the line's keys and the records' are two hash
         tags). Its reply: ``records_claimed``."""
-        named = [*keys[:3], *(key.encode() for key in (line.holders, line.waiter_info, line.present, line.gate))]
-        args = [line.deadlines, number(lease_ms), number(ahead), number(limit)]
+        named = [*keys.claims, *(key.encode() for key in (line.holders, line.waiter_info, line.present, line.gate))]
+        args = [line.base, number(lease_ms), number(ahead), number(limit)]
         return self._scripts["claim_parked_waiter"], named, args
 
-    def lines_to_tick(self, keys: list[bytes], *, round_ms: int, most: int) -> list[str]:
+    def lines_to_tick(self, keys: ParkedKeys, *, round_ms: int, most: int) -> list[str]:
         """The lines with parked waiters to tick this round, or [] when another process has it."""
-        return [as_text(line) for line in self._scripts["lines_to_tick"](keys=keys[3:5], args=[round_ms, most])]
+        return [as_text(line) for line in self._scripts["lines_to_tick"](keys=keys.ticks, args=[round_ms, most])]
 
     def remember_wait(self, keys: SemaphoreKeys, *, first_delivery: str, wait_id: str, remember_ms: int) -> None:
         """Note the wait a first delivery began (lua/remember_wait.lua)."""
@@ -106,16 +125,36 @@ class ParkedScripts:
         return waiters_of(self._scripts["tick"](keys=keys.line_keys, args=[rules]))
 
 
-def records_claimed(reply: Any) -> list[tuple[str, bytes]]:
-    """The (record, copy) pairs a run of claim_parked_waiter.lua or claim_parked.lua took, each
-    copy as it was given (behind its woken mark, if any)."""
+def records_claimed(reply: Any, prefix: str) -> list[ParkedRecord | None]:
+    """The records a run of claim_parked_waiter.lua or claim_parked.lua took (this release's,
+    then an earlier release's), each copy as it was given (behind its woken mark, if any); None
+    for one that cannot be read (logged) or whose copy is gone."""
+    records: list[ParkedRecord | None] = []
+    ours, earlier = reply
+    for kind, pairs in ((ParkedRecord, ours), (OldParkedRecord, earlier)):
+        for i in range(0, len(pairs), 2):
+            name, value = as_text(pairs[i]), bytes(pairs[i + 1])
+            records.append(_read(kind, name, value, prefix) if value else None)
+    return [None if record is None else record._replace(copy=bare_copy(record.copy)) for record in records]
+
+
+def _read(kind: type[ParkedRecord | OldParkedRecord], name: str, value: bytes, prefix: str) -> ParkedRecord | None:
+    """One record a claim took: this release's (entry and value) or an earlier release's (its
+    JSON name and its copy)."""
+    try:
+        if kind is ParkedRecord:
+            return ParkedRecord.read(name, value, prefix)
+        return OldParkedRecord.read(name).as_record(value)
+    except (ValueError, TypeError, IndexError) as error:
+        logger.warning("could not read a parked task's record (%s): its backstop copy is its only way back", error)
+        return None
+
+
+def bare_copy(copy: bytes) -> bytes:
+    """A kept copy with its ``AHEAD_COPY_MARK`` off, its woken mark (if any) still in front."""
     woken = WOKEN_COPY_MARK.encode()
-    pairs = []
-    for i in range(0, len(reply), 2):
-        copy = bytes(reply[i + 1])
-        mark = woken if copy.startswith(woken) else b""
-        pairs.append((as_text(reply[i]), mark + without_ahead_mark(copy[len(mark) :])))
-    return pairs
+    mark = woken if copy.startswith(woken) else b""
+    return mark + without_ahead_mark(copy[len(mark) :])
 
 
 _registered: weakref.WeakKeyDictionary[Any, ParkedScripts] = weakref.WeakKeyDictionary()

@@ -10,7 +10,7 @@ from typing import Any
 from .._core.explain import WaitState, wait_states
 from .._core.storage import WOKEN_COPY_MARK
 from .due_copies import send_stored
-from .parked_records import STORED_COPY_MARK, ParkedRecord, parked_keys
+from .parked_records import STORED_COPY_MARK, ParkedRecord, parked_keys, record_value
 from .parked_scripts import parked_scripts_for
 from .wake_copies import deserialized
 
@@ -27,39 +27,36 @@ WOKEN_LEASE_S = 10.0
 
 def sweep_records(targets: list[Any]) -> None:
     """The parked-task records now due, anywhere in the deployments swept here: each wait
-    that no copy asked for is sent again, from here, whichever process parked it."""
+    that no copy asked for is sent again, from here, whichever process parked it (and those an
+    earlier release recorded, kept again, if need be, as this release records them)."""
     for target in targets:
+        scripts = parked_scripts_for(target.client)
         try:
-            claimed = parked_scripts_for(target.client).claim_parked(parked_keys(target.prefix), most=SWEEP_BATCH)
+            claimed = scripts.claim_parked(parked_keys(target.prefix), prefix=target.prefix, most=SWEEP_BATCH)
         except Exception as error:  # Redis down: the records wait for the next sweep
             logger.debug("could not sweep the parked tasks: %s", error)
             continue
         states = _states_of(target.client, claimed)
-        for (record, copy), state in zip(claimed, states, strict=True):
-            if state is None or state.granted:
+        for record, state in zip(claimed, states, strict=True):
+            if record is None or state is None or state.granted:
                 continue
             try:
-                _sweep_one(target, record, copy, state)
+                _sweep_one(target, record, state)
             except Exception as error:
                 logger.warning("could not sweep a parked task (%s): its backstop copy is its only way back", error)
 
 
-def _states_of(client: Any, claimed: list[tuple[str, bytes]]) -> list[WaitState | None]:
+def _states_of(client: Any, claimed: list[ParkedRecord | None]) -> list[WaitState | None]:
     """Where the wait of each record taken stands, read in one round trip; None for a record
-    with no copy left (nothing to send) or one that cannot be read."""
+    with no copy left (nothing to send) or one that could not be read."""
     waits: list[tuple[str, str, str, str]] = []
     places: list[int | None] = []
-    for record, copy in claimed:
-        try:
-            deadlines, runs, waiter, run, _ = ParkedRecord.read(record)
-        except Exception as error:
-            logger.warning("could not read a parked task's record (%s): its backstop copy is its only way back", error)
-            deadlines = ""
-        if not deadlines or not copy.removeprefix(WOKEN_COPY_MARK.encode()):
+    for record in claimed:
+        if record is None or not record.copy.removeprefix(WOKEN_COPY_MARK.encode()):
             places.append(None)
             continue
         places.append(len(waits))
-        waits.append((deadlines, runs, waiter, run))
+        waits.append((record.deadlines_key, record.runs_key, record.waiter, record.run))
     if not waits:
         return [None] * len(claimed)
     try:
@@ -72,11 +69,11 @@ def _states_of(client: Any, claimed: list[tuple[str, bytes]]) -> list[WaitState 
     return [None if place is None else states[place] for place in places]
 
 
-def _sweep_one(target: Any, record: str, copy: bytes, state: WaitState) -> None:
+def _sweep_one(target: Any, record: ParkedRecord, state: WaitState) -> None:
     """Send again the copy of a wait that no copy asked for, taken by a sweep with ``state``."""
-    _, _, _, run, name = ParkedRecord.read(record)
-    woken = copy.startswith(WOKEN_COPY_MARK.encode())
-    copy = copy.removeprefix(WOKEN_COPY_MARK.encode())
+    run, name = record.run, record.name
+    woken = record.copy.startswith(WOKEN_COPY_MARK.encode())
+    copy = record.copy.removeprefix(WOKEN_COPY_MARK.encode())
     if woken:
         # its wake copy was sent a lease ago and no copy was granted since: lost in flight
         # (popped by a worker that died), or still waiting for a pool process. Sent again,
@@ -86,24 +83,12 @@ def _sweep_one(target: Any, record: str, copy: bytes, state: WaitState) -> None:
         sent_again(name)
         if wake_copy is None and not send_stored_copy(target.app, run, name):
             return
-        parked_scripts_for(target.client).park(
-            parked_keys(target.prefix),
-            record=record,
-            copy=WOKEN_COPY_MARK.encode() + copy,
-            only_if_absent=True,
-            look_in_ms=round(WOKEN_LEASE_S * 1000),
-        )
+        keep_again(target, record, WOKEN_COPY_MARK.encode() + copy, look_in_ms=round(WOKEN_LEASE_S * 1000))
         if wake_copy is not None:
             send_wake_copy(wake_copy, name)
         return
     if state.left_ms is not None:  # still in line: look again once its place would lapse
-        parked_scripts_for(target.client).park(
-            parked_keys(target.prefix),
-            record=record,
-            copy=copy,
-            only_if_absent=True,
-            look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000),
-        )
+        keep_again(target, record, copy, look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000))
         return
     sent_again(name)
     if copy == STORED_COPY_MARK.encode():
@@ -112,21 +97,32 @@ def _sweep_one(target: Any, record: str, copy: bytes, state: WaitState) -> None:
     send_wake_copy(deserialized(copy, target.app), name)
 
 
-def send_claimed(app: Any, record: str, copy: bytes) -> str:
-    """Send the copy of a parked task whose record (and copy, as kept) this caller took to wake
-    it; its waiter. Its record's lease sends it again should this one fail (a stored copy not
-    stowed yet, a broker down)."""
-    parked = ParkedRecord.read(record)
-    if copy == STORED_COPY_MARK.encode():
-        send_stored_copy(app, parked.run, parked.name)
-        return parked.waiter
+def keep_again(target: Any, record: ParkedRecord, copy: bytes, *, look_in_ms: int) -> None:
+    """Put back a record a sweep took, with ``copy``, due in ``look_in_ms``: unless the task
+    parked again meanwhile (its newer record stays)."""
+    parked_scripts_for(target.client).park(
+        parked_keys(target.prefix),
+        entry=record.entry,
+        record=record_value(record.waiter, record.run, copy),
+        only_if_absent=True,
+        look_in_ms=look_in_ms,
+    )
+
+
+def send_claimed(app: Any, record: ParkedRecord) -> str:
+    """Send the copy of a parked task whose record this caller took to wake it; its waiter. Its
+    record's lease sends it again should this one fail (a stored copy not stowed yet, a broker
+    down)."""
+    if record.copy == STORED_COPY_MARK.encode():
+        send_stored_copy(app, record.run, record.name)
+        return record.waiter
     try:
-        wake_copy = deserialized(copy, app)
+        wake_copy = deserialized(record.copy, app)
     except Exception as error:
         logger.warning("could not wake a parked task (%s): its backstop copy is its way back", error)
-        return parked.waiter
-    send_wake_copy(wake_copy, parked.name)
-    return parked.waiter
+        return record.waiter
+    send_wake_copy(wake_copy, record.name)
+    return record.waiter
 
 
 def send_stored_copy(app: Any, run: str, name: str) -> bool:

@@ -58,7 +58,17 @@ from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore
 from .._core.wakeups import WakeHandle, wake_ups_for
 from . import parked_sends
-from .parked_records import STORED_COPY_MARK, kept_copy, line_of, parked_keys, prefix_of, read_parked_line, record_of
+from .parked_records import (
+    STORED_COPY_MARK,
+    entry_of,
+    kept_copy,
+    line_of,
+    parked_keys,
+    prefix_of,
+    read_parked_line,
+    record_header,
+    record_value,
+)
 from .parked_scripts import parked_scripts_for, records_claimed
 from .parked_sends import send_claimed, send_stored_copy, send_wake_copy, sent_again, sweep_records
 from .pausing import members
@@ -187,8 +197,8 @@ class Parking:
         if parked is not None:
             parked.handle.close()
         try:
-            parked_scripts_for(semaphore.client).park(
-                parked_keys(prefix_of(semaphore)), record=record_of(semaphore, waiter, run), look_in_ms=0, copy=b""
+            parked_scripts_for(semaphore.client).forget(
+                parked_keys(prefix_of(semaphore)), entry=entry_of(semaphore, waiter), header=record_header(waiter, run)
             )
         except Exception as error:  # Redis down, as it likely was for the send that failed
             logger.warning(
@@ -238,9 +248,9 @@ class Parking:
             return None
         return parked_scripts_for(semaphore.client).park_run(
             parked_keys(prefix_of(semaphore)),
-            record_of(semaphore, waiter, run),
+            entry_of(semaphore, waiter),
             round(away_for * 1000),
-            kept_copy(copy, stands_by_ms),
+            record_value(waiter, run, kept_copy(copy, stands_by_ms)),
             line_of(semaphore),
         )
 
@@ -316,7 +326,7 @@ class Parking:
                     logger.debug("could not tick a line with parked waiters (%s): %s", line, error)
                     continue
                 if to_wake:
-                    self._wake(target.client, target.prefix, [keys.deadlines], to_wake, target.app)
+                    self._wake(target.client, target.prefix, [keys.base], to_wake, target.app)
 
     def wake_offered(
         self, semaphore: FairSemaphore | MultiSemaphore, waiters: tuple[str, ...], *, later: bool = False
@@ -341,8 +351,7 @@ class Parking:
         first = home_of(semaphore)
         target = self._target_for(first.client, first.prefix)
         if target is not None:
-            deadlines_keys = [line.keys.deadlines for line in lines]
-            self._wake(first.client, first.prefix, deadlines_keys, waiters, target.app)
+            self._wake(first.client, first.prefix, [line.keys.base for line in lines], waiters, target.app)
 
     def _target_for(self, client: Any, prefix: str) -> _SweepTarget | None:
         """The deployment at ``client`` and ``prefix`` as this process sweeps or wakes it, if it does."""
@@ -350,25 +359,25 @@ class Parking:
             key = (id(client), prefix)
             return self._sweep_targets.get(key) or self._wake_targets.get(key)
 
-    def _wake(self, client: Any, prefix: str, deadlines_keys: list[str], waiters: tuple[str, ...], app: Any) -> None:
-        """Send the wake copies of ``waiters`` parked in the lines of ``deadlines_keys``. A script
-        over several semaphores reports the waiters of all of their lines, each parked under the
-        first line of its own task (a task with one of those keys, or with them in another
-        order): each line is looked in until one holds the waiter's record."""
+    def _wake(self, client: Any, prefix: str, bases: list[str], waiters: tuple[str, ...], app: Any) -> None:
+        """Send the wake copies of ``waiters`` parked in the lines whose keys start with
+        ``bases``. A script over several semaphores reports the waiters of all of their lines,
+        each parked under the first line of its own task (a task with one of those keys, or with
+        them in another order): each line is looked in until one holds the waiter's record."""
         scripts, lease_ms = parked_scripts_for(client), round(parked_sends.WOKEN_LEASE_S * 1000)
         left = list(waiters)
-        for deadlines_key in deadlines_keys:  # one round trip per line, for all its waiters
+        for base in bases:  # one round trip per line, for all its waiters
             if not left:
                 break
             claimed = scripts.claim_parked_waiters(
-                parked_keys(prefix), deadlines_key=deadlines_key, waiters=left, lease_ms=lease_ms
+                parked_keys(prefix), prefix=prefix, base=base, waiters=left, lease_ms=lease_ms
             )
-            woken = {send_claimed(app, record, copy) for record, copy in claimed}
+            woken = {send_claimed(app, record) for record in claimed}
             left = [waiter for waiter in left if waiter not in woken]
         for waiter in left:
             # parked here only (its copy cannot be serialized), or not a parked task at all (a
             # blocked caller asks again by itself), or another process took it
-            self._send_parked_here(deadlines_keys, waiter)
+            self._send_parked_here(bases, waiter)
 
     def release_follower(self, semaphore: Any) -> ReleaseFollower | None:
         """For a release of ``semaphore`` from this process, where it can send wake copies (see
@@ -391,16 +400,16 @@ class Parking:
         def woke(reply: Any) -> list[str]:
             if isinstance(reply, Exception):
                 raise reply
-            return [send_claimed(app, record, copy) for record, copy in records_claimed(reply)]
+            return [send_claimed(app, record) for record in records_claimed(reply, semaphore.prefix) if record]
 
         return ReleaseFollower(run, woke)
 
-    def _send_parked_here(self, deadlines_keys: list[str], waiter: str) -> None:
+    def _send_parked_here(self, bases: list[str], waiter: str) -> None:
         with self._lock:
             found = [
                 (key, parked)
                 for key, parked in self._parked.items()
-                if parked.waiter == waiter and parked.semaphore.keys.deadlines in deadlines_keys
+                if parked.waiter == waiter and parked.semaphore.keys.base in bases
             ]
             for key, _ in found:
                 del self._parked[key]
@@ -452,7 +461,8 @@ class Parking:
         try:
             taken = parked_scripts_for(semaphore.client).claim_parked_waiter(
                 parked_keys(prefix_of(semaphore)),
-                deadlines_key=semaphore.keys.deadlines,
+                prefix=prefix_of(semaphore),
+                base=home_of(semaphore).keys.base,
                 waiter=parked.waiter,
                 lease_ms=round(parked_sends.WOKEN_LEASE_S * 1000),
             )

@@ -34,7 +34,7 @@ from .._core.status import LONG_PAUSE_MS
 from .._core.storage import RECORD_SEPARATOR, as_text, token_prefix_pattern, weighted_waiter
 from .catalogue import Catalogue, semaphore_for_call
 from .options import is_semaphore_task, key_option, weight_option
-from .parked_records import ParkedRecord, parked_keys, parked_waiter_entry
+from .parked_records import OldParkedRecord, ParkedRecord, name_of_base, parked_keys, record_entry
 from .pausing import members
 from .tokens import task_key
 from .wait_runs import AWAY_SLACK
@@ -52,7 +52,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if not record then
   return {now, false, false}
 end
-return {now, record, redis.call('ZSCORE', KEYS[2], record) or false}
+return {now, record, redis.call('ZSCORE', KEYS[2], ARGV[1]) or false}
 """
 
 
@@ -202,24 +202,27 @@ def _looks(
 
 def _parked_looks(catalogue: Catalogue, task_id: str) -> list[Look]:
     """The keys whose lines hold ``task_id`` parked, read from the parked-task records (one scan
-    of their waiters' index, for a task found nowhere else): a task placed as it was sent is
-    parked before the result backend has anything of it, and a key built from its arguments
-    (``"crawl:{host}"``) is named by its record alone."""
+    of them, and of an earlier release's waiters' index, for a task found nowhere else): a task
+    placed as it was sent is parked before the result backend has anything of it, and a key
+    built from its arguments (``"crawl:{host}"``) is named by its record alone."""
     key_of_task = task_key(task_id)
-    waiters = parked_keys(catalogue.config.prefix)[2]
+    keys, prefix = parked_keys(catalogue.config.prefix), catalogue.config.prefix
     pattern = "*" + RECORD_SEPARATOR + "".join(f"\\{char}" if char in "*?[]\\" else char for char in key_of_task)
     tokens = token_prefix_pattern(f"{key_of_task}:")
     looks: list[Look] = []
+    names: list[str] = []
     try:
-        records = [value for _, value in catalogue.client.hscan_iter(waiters, match=pattern, count=1000)]
+        for entry, _ in catalogue.client.hscan_iter(keys.records, match=pattern, count=1000):
+            names.append(name_of_base(prefix, as_text(entry)[: -len(RECORD_SEPARATOR + key_of_task)]))
+        for _, record in catalogue.client.hscan_iter(keys.old_waiters, match=pattern, count=1000):
+            names.append(OldParkedRecord.read(as_text(record)).name)
     except Exception as error:  # the answer stays "unknown", with the keys it looked at
         logger.debug("could not read the parked records of %s: %s", task_id, error)
         return looks
-    for record in records:
+    for name in dict.fromkeys(names):
         try:
-            name = ParkedRecord.read(as_text(record)).name
             semaphore = catalogue.semaphore(name, placeholder_limit=True)
-        except Exception as error:  # a record of another release, or a key no longer known
+        except Exception as error:  # a key no longer known
             logger.debug("could not read a parked record of %s: %s", task_id, error)
             continue
         waiter = _waiter_of(catalogue.task_for(name), key_of_task, None, None)
@@ -283,16 +286,15 @@ def _parked(catalogue: Catalogue, view: KeyView, looks: list[Look]) -> dict[str,
         "backstop_due_in": round(max(0.0, place.must_ask_within - AWAY_SLACK), 3),
         "record_due_in": None,
     }
-    due, _, waiters = parked_keys(catalogue.config.prefix)[:3]
+    keys, prefix = parked_keys(catalogue.config.prefix), catalogue.config.prefix
+    entry = record_entry(item.keys.base, item.waiter)
     try:
-        now, record, due_at = catalogue.client.eval(
-            _PARKED_RECORD, 2, waiters, due, parked_waiter_entry(item.keys.deadlines, item.waiter)
-        )
+        now, record, due_at = catalogue.client.eval(_PARKED_RECORD, 2, keys.records, keys.due, entry)
     except Exception as error:
         logger.debug("could not read the parked record of %s: %s", item.waiter, error)
         return answer
     if record:
         answer["record_due_in"] = round((int(float(due_at)) - int(now)) / 1000, 3) if due_at else None
-        with contextlib.suppress(ValueError, TypeError):
-            answer["run"] = ParkedRecord.read(as_text(record)).run
+        with contextlib.suppress(ValueError, TypeError, IndexError):
+            answer["run"] = ParkedRecord.read(entry, bytes(record), prefix).run
     return answer

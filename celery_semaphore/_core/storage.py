@@ -56,12 +56,15 @@ HELD_FIELD = "held:"  # holder_info: "held:<tenant>" -> a JSON list of its slots
 PARKED_MARK = ">"  # waiter_info: "<first ask ms>|><wake address>" is a parked waiter's
 HOLD_FIELD = "hold"  # waiter_info: the moving average of hold times (ms)
 INFO_SEPARATOR = "|"  # between the parts of a holder_info or waiter_info value
-RECORD_SEPARATOR = "\n"  # the parked tasks' waiters hash: "<deadlines key>\n<waiter>" -> record
+RECORD_SEPARATOR = "\n"  # the parked tasks' records: "<line base>\n<waiter>" -> "<header>\n<copy>"
 # (the parked tasks' keys are the Celery glue's, _celery/parked_records.py; their marks are here
 # because the glue's scripts are built on lua/_lib.lua and read them from its block)
 # copies: "woken\n<copy>" is the copy of a wait whose wake copy was sent (claim_parked_waiter):
 # leased, not dropped, so that a sweep sends it again if that copy is lost before it is granted
 WOKEN_COPY_MARK = "woken\n"
+# records: a record whose copy a wake-up took (claim_parked_waiter) has this in front, so that no
+# second wake-up takes it; a sweep or a new park of the wait makes it takeable again
+TAKEN_RECORD_MARK = "~"
 # A wake address is "<base>:wake:<listener id>". A mark in front of the listener id tells the
 # scripts how to publish on it (lua/_lib.lua, notify; in Lua the marks live inside patterns).
 SHARDED_MARK = "s."  # a sharded listener (SSUBSCRIBE): the scripts SPUBLISH, to one shard only

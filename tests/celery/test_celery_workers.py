@@ -192,8 +192,9 @@ def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
         with pytest.raises(SemaphoreUnavailable):
             result.get(timeout=60)
         assert result.state == "FAILURE"
-        records = impatient.client.zrange(parked_keys(impatient.prefix)[0], 0, -1)
-        assert not [record for record in records if result.id.encode() in record]
+        keys = parked_keys(impatient.prefix)
+        assert not [entry for entry in impatient.client.zrange(keys.due, 0, -1) if result.id.encode() in entry]
+        assert not [entry for entry in impatient.client.hkeys(keys.records) if result.id.encode() in entry]
         # nor may a copy of its wait come back to fail it again (after a semaphore Redis restart,
         # a kept moved copy is sent again): none is stored or kept, and its run is remembered over
         store = due_copies_for(proj.app)

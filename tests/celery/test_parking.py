@@ -24,8 +24,10 @@ import redis
 from celery import Celery
 
 from celery_semaphore import FairSemaphore, Waiting
+from celery_semaphore._celery.parked_records import kept_of
 from celery_semaphore._celery.parking import Parking, parked_keys
 from celery_semaphore._core.attempts import Ask
+from celery_semaphore._core.storage import TAKEN_RECORD_MARK, WOKEN_COPY_MARK
 
 from ..redis_server import RedisServer
 from ..waiting import wait_until
@@ -146,7 +148,10 @@ def test_the_release_takes_the_parked_record_in_its_own_round_trip(
         wait_until(
             lambda: _queued(redis_server, "q-one-trip.semaphore-wake") == 1, timeout=10, what="the wake copy sent"
         )
-        assert redis_client.hlen(parked_keys(prefix)[2]) == 0, "the record taken"
+        taken = [
+            value.startswith(TAKEN_RECORD_MARK.encode()) for value in redis_client.hvals(parked_keys(prefix).records)
+        ]
+        assert taken == [True], "the record taken"
     finally:
         releasing._sweep_targets.pop((id(redis_client), prefix), None)
 
@@ -366,15 +371,16 @@ def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Red
     from celery_semaphore._celery.parked_scripts import parked_scripts_for
 
     scripts, keys = parked_scripts_for(redis_client), parked_keys("nx")
-    assert scripts.park(keys, record="w", look_in_ms=60_000, copy=b"newer")
-    assert not scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
-    assert redis_client.hget(keys[1], "w") == b"newer"
-    due_in_ms = float(redis_client.zscore(keys[0], "w") or 0) - redis_client.time()[0] * 1000
+    entry = "nx:{x}\nw"
+    assert scripts.park(keys, entry=entry, look_in_ms=60_000, record=b"[]\nnewer")
+    assert not scripts.park(keys, entry=entry, look_in_ms=1_000, record=b"[]\nolder", only_if_absent=True)
+    assert redis_client.hget(keys.records, entry) == b"[]\nnewer"
+    due_in_ms = float(redis_client.zscore(keys.due, entry) or 0) - redis_client.time()[0] * 1000
     assert due_in_ms > 50_000
     redis_client.delete(*keys)
-    assert scripts.park(keys, record="w", look_in_ms=1_000, copy=b"older", only_if_absent=True)
-    assert redis_client.hget(keys[1], "w") == b"older"
-    assert redis_client.pttl(keys[0]) > 0, "the put-back record's keys expire"
+    assert scripts.park(keys, entry=entry, look_in_ms=1_000, record=b"[]\nolder", only_if_absent=True)
+    assert redis_client.hget(keys.records, entry) == b"[]\nolder"
+    assert redis_client.pttl(keys.due) > 0, "the put-back record's keys expire"
 
 
 def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
@@ -445,7 +451,7 @@ def test_a_sweep_reads_where_its_records_stand_in_one_round_trip(
     (sent again). The grants are written as the acquire script records one (run -> token)."""
     import redis.connection
 
-    from celery_semaphore._celery.parked_records import record_of
+    from celery_semaphore._celery.parked_records import entry_of, record_value
     from celery_semaphore._celery.parked_scripts import parked_scripts_for
     from celery_semaphore._celery.parked_sends import sweep_records
     from celery_semaphore._celery.parking import _SweepTarget
@@ -461,8 +467,8 @@ def test_a_sweep_reads_where_its_records_stand_in_one_round_trip(
         assert isinstance(semaphore.try_acquire(token=f"{waiter}:a", waiter=waiter), Waiting)
         copy = serialized(app.signature("parking.job", queue=f"q-batch-{i}.semaphore-wake"))
         assert copy is not None
-        record = record_of(semaphore, waiter, f"{waiter}#0")
-        assert scripts.park(parked_keys(prefix), record=record, look_in_ms=1, copy=copy)
+        record = record_value(waiter, f"{waiter}#0", copy)
+        assert scripts.park(parked_keys(prefix), entry=entry_of(semaphore, waiter), record=record, look_in_ms=1)
         assert semaphore._leave(waiter, 0.2, "") is not None
         if i % 2:
             redis_client.hset(semaphore.keys.runs, f"{waiter}#0", f"{waiter}:b")
@@ -540,8 +546,76 @@ def test_a_release_wakes_the_next_parked_waiters_ahead_of_their_offer(
         # 2 s and go on to the next waiter: not what is measured here)
         assert _sent(redis_server, name) == [1] * woken + [0] * (4 - woken)
         copies = parked_keys(f"{PREFIX}-{name}")[1]
-        marked = [bytes(copy).startswith(WOKEN_COPY_MARK.encode()) for copy in redis_client.hvals(copies)]
+        kept = [kept_of(value) for value in redis_client.hvals(copies)]
+        marked = [copy.startswith(WOKEN_COPY_MARK.encode()) for copy in kept]
         assert sorted(marked) == [False] * (4 - woken) + [True] * woken, "the woken ones leased, not dropped"
     finally:
         parking()._sweep_targets.pop((id(redis_client), f"{PREFIX}-{name}"), None)
+        semaphore._release_holders_with_prefix("")
+
+
+def _old_record(
+    client: redis.Redis, prefix: str, semaphore: FairSemaphore, waiter: str, copy: bytes, due_in_ms: int
+) -> str:
+    """Keep a record as the earlier release's park.lua did: named by the JSON of its fields, in
+    its due set, its copies and its waiters' index (parked_records.OldParkedRecord)."""
+    keys = parked_keys(prefix)
+    record = json.dumps([semaphore.keys.deadlines, semaphore.keys.runs, waiter, f"{waiter}#0", semaphore.name])
+    now_ms = int(_server_time(client) * 1000)
+    client.zadd(keys.old_due, {record: now_ms + due_in_ms})
+    client.hset(keys.old_copies, record, copy)
+    client.hset(keys.old_waiters, f"{semaphore.keys.deadlines}\n{waiter}", record)
+    return record
+
+
+def test_the_records_an_earlier_release_kept_are_woken_and_swept(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A rolling deploy: the records that workers of the earlier release kept (named by their
+    JSON, under the old keys) are still this release's to wake and to sweep. An offer to such a
+    waiter sends its copy from the old record, leased as woken there; a due record of a wait
+    whose place lapsed is sent again by a sweep; one whose place is alive is kept again, as this
+    release keeps records. Nothing is written under the old keys but the lease."""
+    from celery_semaphore._celery.parked_sends import sweep_records
+    from celery_semaphore._celery.parking import _SweepTarget, parking
+    from celery_semaphore._celery.wake_copies import serialized
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-old"
+    keys = parked_keys(prefix)
+    semaphore = FairSemaphore(redis_client, "park-old", 1, prefix=prefix)
+    holder = semaphore.acquire(timeout=5)
+    parking().sweep(app, redis_client, prefix)  # this process's, as a worker's: it wakes what it offers
+    try:
+        copies = {}
+        for waiter in ("offered", "lapsed", "alive"):
+            assert isinstance(semaphore.try_acquire(token=f"{waiter}:a", waiter=waiter), Waiting)
+            copy = serialized(app.signature("parking.job", queue=f"q-old-{waiter}.semaphore-wake"))
+            assert copy is not None
+            copies[waiter] = copy
+        # "offered" is parked at the head of the line; its offer comes with the release
+        record = _old_record(redis_client, prefix, semaphore, "offered", copies["offered"], 60_000)
+        assert semaphore._leave("offered", 60, semaphore.keys.wake_address("gone")) is not None
+        holder.release()
+        wait_until(lambda: _queued(redis_server, "q-old-offered.semaphore-wake") == 1, what="the old record woken")
+        assert redis_client.hget(keys.old_copies, record) == WOKEN_COPY_MARK.encode() + copies["offered"]
+        assert not redis_client.hexists(keys.old_waiters, f"{semaphore.keys.deadlines}\noffered"), "taken once"
+        assert redis_client.hlen(keys.records) == 0
+
+        # "lapsed" steps away for a moment and never asks again; "alive" keeps its place a minute
+        _old_record(redis_client, prefix, semaphore, "lapsed", copies["lapsed"], 1)
+        _old_record(redis_client, prefix, semaphore, "alive", copies["alive"], 1)
+        assert semaphore._leave("lapsed", 0.2, "") is not None
+        assert semaphore._leave("alive", 60, "") is not None
+        lapse = float(redis_client.zscore(semaphore.keys.deadlines, "lapsed") or 0)
+        wait_until(lambda: _server_time(redis_client) * 1000 > lapse, what="the place lapsed")
+        sweep_records([_SweepTarget(redis_client, prefix, app)])
+        assert _queued(redis_server, "q-old-lapsed.semaphore-wake") == 1, "sent again by the sweep"
+        assert _queued(redis_server, "q-old-alive.semaphore-wake") == 0
+        kept = redis_client.hget(keys.records, f"{semaphore.keys.base}\nalive")
+        assert kept is not None and kept_of(kept) == copies["alive"], "kept again as this release keeps it"
+        assert redis_client.zscore(keys.due, f"{semaphore.keys.base}\nalive") is not None
+        assert redis_client.zcard(keys.old_due) == 1, "only the woken one's lease is left there"
+    finally:
+        parking()._sweep_targets.pop((id(redis_client), prefix), None)
         semaphore._release_holders_with_prefix("")

@@ -24,7 +24,7 @@ import pytest
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import due_copies_for
-from celery_semaphore._celery.parked_records import STORED_COPY_MARK, parked_keys, without_ahead_mark
+from celery_semaphore._celery.parked_records import STORED_COPY_MARK, kept_of, parked_keys, without_ahead_mark
 from celery_semaphore._celery.tokens import task_key
 
 from ..celery_stack import CeleryStack
@@ -146,9 +146,9 @@ def same_but_its_tag(sent: bytes, stored: bytes) -> bool:
 def parked_copies(proj: Any, semaphore: Any, task_id: str) -> list[bytes]:
     """What the parked records of ``task_id`` keep in place of a wake copy (behind the mark of
     a task that may be woken ahead, taken off)."""
-    _, copies, *_ = parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore"))
-    found = semaphore.client.hgetall(copies)
-    return [without_ahead_mark(copy) for record, copy in found.items() if task_id.encode() in record]
+    records = parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore")).records
+    found = semaphore.client.hgetall(records)
+    return [without_ahead_mark(kept_of(value)) for entry, value in found.items() if task_id.encode() in entry]
 
 
 def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends_it(proj: Any) -> None:

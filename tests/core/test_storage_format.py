@@ -255,18 +255,43 @@ def test_a_wake_address_is_published_on_as_its_mark_says() -> None:
         assert lua_match("CLUSTER_ADDRESS_PATTERN", address) is None
 
 
-def test_a_parked_record_round_trip_and_its_waiter_entry() -> None:
-    """park.lua and claim_parked.lua build a waiter's entry from fields 1 and 3 of the record's
-    JSON; Python builds the same entry from the deadlines key and the waiter."""
-    record = parked_records.ParkedRecord("semaphore:{x}:deadlines", "semaphore:{x}:runs", "task-1", "task-1#0#ab", "x")
-    text = record.text()
-    assert json.loads(text) == list(record)
-    assert parked_records.ParkedRecord.read(text) == record
-    fields = json.loads(text)
-    lua_entry = fields[0] + BLOCK["RECORD_SEPARATOR"][0] + fields[2]  # fields[1] .. SEP .. fields[3]
-    assert parked_records.parked_waiter_entry(record.deadlines_key, record.waiter) == lua_entry
-    for script in ("park", "claim_parked"):
-        assert "(fields[1] .. RECORD_SEPARATOR .. fields[3])" in SCRIPTS[script], script
+@pytest.mark.parametrize(
+    ("waiter", "run", "header"),
+    [
+        ("task-1", "task-1#0#ab", b'["#0#ab"]'),  # a Celery task's run starts with its waiter
+        ("*2*task-1", "task-1#0#ab", b'["*2*task-1","task-1#0#ab",0]'),  # a weighted waiter
+        ("odd\nid", "odd\nid#0", b'["odd\\nid","odd\\nid#0",0]'),  # a newline in the waiter
+    ],
+)
+def test_a_parked_record_round_trip(waiter: str, run: str, header: bytes) -> None:
+    """A record is kept under "<line base>\n<waiter>", which the scripts build from the line's
+    base and the waiter the same way; its value is the header (the run, and the waiter when the
+    entry's last newline cannot tell it), a newline, and its copy: the scripts find the copy
+    after the first newline, which JSON never writes raw. Read back, taken or not, it gives the
+    same wait, and the semaphore's name from its base."""
+    base = "semaphore:{x:y}"
+    entry = parked_records.record_entry(base, waiter)
+    assert entry == base + BLOCK["RECORD_SEPARATOR"][0] + waiter
+    assert parked_records.record_header(waiter, run) == header
+    value = parked_records.record_value(waiter, run, b"woken\nthe copy\n")
+    assert value == header + b"\n" + b"woken\nthe copy\n"
+    for kept in (value, storage.TAKEN_RECORD_MARK.encode() + value):
+        record = parked_records.ParkedRecord.read(entry, kept, "semaphore")
+        assert record == parked_records.ParkedRecord(base, waiter, run, "x:y", b"woken\nthe copy\n")
+        assert parked_records.kept_of(kept) == b"woken\nthe copy\n"
+    assert (record.deadlines_key, record.runs_key) == (f"{base}:deadlines", f"{base}:runs")
+    assert "base .. RECORD_SEPARATOR .. waiter" in SCRIPTS["claim_parked_waiter"]
+
+
+def test_an_earlier_releases_record_reads_as_this_releases() -> None:
+    """An earlier release named a record by the JSON of its fields; a sweep or a wake-up of
+    this release reads it as its own (and keeps it again, if need be, as its own)."""
+    text = json.dumps(["semaphore:{x}:deadlines", "semaphore:{x}:runs", "task-1", "task-1#0#ab", "x"])
+    record = parked_records.OldParkedRecord.read(text).as_record(b"copy")
+    assert record == parked_records.ParkedRecord("semaphore:{x}", "task-1", "task-1#0#ab", "x", b"copy")
+    with pytest.raises(ValueError, match="of no line"):
+        parked_records.OldParkedRecord.read(json.dumps(["k", "r", "w", "w#0", "x"])).as_record(b"copy")
+    assert "(fields[1] .. RECORD_SEPARATOR .. fields[3])" in SCRIPTS["claim_parked"]
 
 
 def test_a_parked_line_round_trip() -> None:

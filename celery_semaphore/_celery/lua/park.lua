@@ -1,56 +1,55 @@
--- park: keep a parked Celery task's wake copy in Redis, so that a sweep in any worker process
--- can send it again when no copy of its wait asked in time: its backstop copy was lost with the
--- worker that parked it (see _celery/parking.py). One record per wait; parking again moves it on.
---   KEYS[1] due      ZSET  record -> when a sweep looks at it (server ms)
---   KEYS[2] copies   HASH  record -> the wake copy, serialized as the task's messages are
---   KEYS[3] waiters  HASH  "<deadlines key>\n<waiter>" -> record: how a process that offered
---                          the waiter a slot nobody heard finds its copy (claim_parked_waiter)
---   KEYS[4] lines    ZSET  "[<line base>, <limit>]" -> until when it has parked waiters: the
+-- park: keep a parked Celery task's record in Redis, so that a sweep in any worker process can
+-- send its copy again when no copy of its wait asked in time: its backstop copy was lost with the
+-- worker that parked it (see _celery/parking.py). One record per waiter of a line, named by the
+-- two (a waiter has one place in a line); parking again moves it on.
+--   KEYS[1] due      ZSET  entry -> when a sweep looks at it (server ms)
+--   KEYS[2] records  HASH  entry -> "<header>\n<copy>": the header a JSON list of the waiter
+--                          and the wait's run (parked_records.record_header: no raw newline),
+--                          then the wake copy, serialized as the task's messages are, or its mark
+--                          (the copy waits in the broker). TAKEN_RECORD_MARK in front: a wake-up
+--                          took it (claim_parked_waiter)
+--   KEYS[3] lines    ZSET  "[<line base>, <limit>]" -> until when it has parked waiters: the
 --                          lines a tick looks at (tick.lua), since no script may run on a line
 --                          whose waiters are all parked
---   ARGV[1] record  the wait, as _celery/parking.py names it: JSON [deadlines key, runs key, waiter,
---                   run, name]
+--   ARGV[1] entry   "<line base>\n<waiter>" (parked_records.record_entry)
 --   ARGV[2] look_in_ms
---   ARGV[3] copy    "" to forget the record (the wait was given up)
---   ARGV[4] mode    "" (or left out): keep the record, moved on if it exists; "nx": keep it only
---                   if it does not exist (a sweep putting back a record it took, due later,
---                   never overwrites the newer copy of a task that parked again meanwhile)
---   ARGV[5] line    "" (or left out) or the line's member of KEYS[4]
--- Returns 1, or 0 when "nx" found the record there. The keys expire once the last record is due
+--   ARGV[3] value   the record to keep; with "forget", its header alone
+--   ARGV[4] mode    "": keep the record, moved on if it exists; "nx": keep it only if none is
+--                   kept (a sweep putting back a record it took, due later, never overwrites the
+--                   newer record of a task that parked again meanwhile); "forget": drop the record
+--                   if it is still that wait's (the wait was given up)
+--   ARGV[5] line    "" (or left out) or the line's member of KEYS[3]
+-- Returns 1, or 0 when "nx" found a record there. The keys expire once the last record is due
 -- (plus a grace), unless swept before.
 
-local record, copy = ARGV[1], ARGV[3]
-local ok, fields = pcall(cjson.decode, record)
-local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3]
-  and (fields[1] .. RECORD_SEPARATOR .. fields[3])
-if copy == '' then
-  redis.call('ZREM', KEYS[1], record)
-  redis.call('HDEL', KEYS[2], record)
-  if by_waiter and redis.call('HGET', KEYS[3], by_waiter) == record then
-    redis.call('HDEL', KEYS[3], by_waiter)
+local entry, value, mode = ARGV[1], ARGV[3], ARGV[4]
+if mode == 'forget' then
+  local kept = redis.call('HGET', KEYS[2], entry)
+  if kept and string.sub(kept, 1, #TAKEN_RECORD_MARK) == TAKEN_RECORD_MARK then
+    kept = string.sub(kept, #TAKEN_RECORD_MARK + 1)
+  end
+  if kept and string.sub(kept, 1, #value + 1) == value .. RECORD_SEPARATOR then
+    redis.call('ZREM', KEYS[1], entry)
+    redis.call('HDEL', KEYS[2], entry)
   end
   return 1
 end
 local now = now_ms()
 local due_at = now + tonumber(ARGV[2])
 local ttl_ms = tonumber(ARGV[2]) + SWEEP_GRACE_MS
-if ARGV[4] == 'nx' then
-  if redis.call('ZADD', KEYS[1], 'NX', due_at, record) == 0 then
+if mode == 'nx' then
+  if redis.call('ZADD', KEYS[1], 'NX', due_at, entry) == 0 then
     return 0
   end
 else
-  redis.call('ZADD', KEYS[1], due_at, record)
+  redis.call('ZADD', KEYS[1], due_at, entry)
 end
-redis.call('HSET', KEYS[2], record, copy)
-if by_waiter then
-  redis.call('HSET', KEYS[3], by_waiter, record)
-end
+redis.call('HSET', KEYS[2], entry, value)
 extend_exactly(KEYS[1], ttl_ms)
 extend_exactly(KEYS[2], ttl_ms)
-extend_exactly(KEYS[3], ttl_ms)
 local line = ARGV[5] or ''
 if line ~= '' then
-  redis.call('ZADD', KEYS[4], 'GT', due_at, line)  -- GT still adds a new member
-  extend_exactly(KEYS[4], ttl_ms)
+  redis.call('ZADD', KEYS[3], 'GT', due_at, line)  -- GT still adds a new member
+  extend_exactly(KEYS[3], ttl_ms)
 end
 return 1

@@ -95,6 +95,7 @@ local INFO_SEPARATOR = '|'
 local PARKED_MARK = '>'
 local RECORD_SEPARATOR = '\n'
 local WOKEN_COPY_MARK = 'woken\n'
+local TAKEN_RECORD_MARK = '~'
 -- the weight of a waiter "*<w>*<id>" and of a token "<token>*<w>"; a wake address of a sharded
 -- listener, and one of a cluster listener without sharded pub/sub (see notify)
 local WEIGHTED_WAITER_PATTERN = '^%*(%d+)%*'
