@@ -204,7 +204,8 @@ class DueCopies:
         return bool(int(self._stow(keys=keys, args=args)))
 
     def stored_message(self, run: str) -> str | None:
-        """The message stored for ``run``, as it goes to its queue (None: none stored)."""
+        """The message stored for ``run``, as it goes to its queue (None: none stored), but for
+        the delivery tag of a marked copy, which each send makes anew (``packing.unpack``)."""
         stored = self.client.hget(self.keys[1], run)
         if stored is None:
             return None
@@ -213,7 +214,7 @@ class DueCopies:
             return message
         packed = message[len(PACKED_MARK) :]
         stencil = self.client.hget(self.stencil_keys[0], digest_of(packed))
-        return None if stencil is None else unpack(packed, as_text(stencil))
+        return None if stencil is None else unpack(packed, as_text(stencil), run)
 
     def push_and_stow(self, backstop_list: str, message: str, origin: str) -> None:
         """Push ``message`` to ``backstop_list`` (the list of ``origin``'s backstop queue that

@@ -71,7 +71,7 @@ def _stowing_channel(base: type[Any], store: Any) -> type[Any]:
         target = self._q_for_pri(wake_queue(origin), priority)
         headers = message.get("headers") or {}
         run = headers.get("csem_backstop") or headers.get("semaphore_backstop") or f"?{uuid.uuid4().hex}"
-        packed = pack(_routed_to(message, queue, wake_queue(origin)))
+        packed = pack(_routed_to(message, queue, wake_queue(origin)), copy_id=str(run))
         if packed is None:
             store.push_and_stow(self._q_for_pri(queue, priority), dumps(message), origin)  # type: ignore[no-untyped-call]
             return

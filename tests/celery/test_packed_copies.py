@@ -4,6 +4,7 @@ put back together in Redis as the message kombu wrote (celery_semaphore/_celery/
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from celery_semaphore._celery.internals import KOMBU_REDIS_SEPARATOR
 from celery_semaphore._celery.packing import PACKED_MARK, pack, unpack
 from celery_semaphore._celery.wake_queues import wake_aware
 from tests.celery import test_due_copies
-from tests.celery.test_due_copies import WAKE_LIST, Setup, _copy
+from tests.celery.test_due_copies import WAKE_LIST, Setup, _copy, untagged
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
 
@@ -51,7 +52,10 @@ def test_a_copy_is_stored_packed_in_under_half_its_message_and_sent_as_kombu_wro
     assert len(value) < 0.5 * len(message), (len(value), len(message))
     wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
     (sent,) = client.lrange(WAKE_LIST, 0, -1)
-    assert sent.decode() == message  # Redis put it together as the reader in Python does
+    # Redis put it together as the reader in Python does, with a delivery tag made as it sent it
+    assert untagged(sent) == untagged(message)
+    assert json.loads(message)["properties"]["delivery_tag"] == "run-p:0"
+    assert re.fullmatch(r"run-p:\d+\.\d+", json.loads(sent)["properties"]["delivery_tag"])
     payload = json.loads(sent)
     assert payload["headers"]["argsrepr"] == "('run-p',)"
     assert payload["headers"]["root_id"] == payload["headers"]["id"] == payload["properties"]["correlation_id"]
@@ -200,3 +204,53 @@ def test_a_message_with_no_value_of_its_own_is_stored_whole() -> None:
     """Nothing to share: such a message is its stencil, so it is stored as it is."""
     assert pack({"body": "", "content-type": "application/json", "headers": {"lang": "py"}, "properties": {}}) is None
     assert pack({"body": "W10=", "headers": {"lang": "py"}}) is not None
+
+
+def test_a_copy_keeps_neither_its_run_id_nor_a_delivery_tag_and_each_send_makes_its_own(setup: Setup) -> None:
+    """The store keeps a copy under its run's id, and that id is also its ``csem_backstop``
+    header; its delivery tag had better be new at each send. So neither is kept with the copy: a
+    mark stands in for each, and Redis writes them as it sends the copy. Two sends (a wake-up,
+    then the move when due) give one message under two tags of their own."""
+    from celery_semaphore._celery.packing import COPY_ID_MARK, HOLE, MARKED, OWN_TAG_MARK
+
+    app, client, store = setup.app, setup.client, setup.store
+    run = "7f1d5a9e-2b4c-4e8a-9d6f-0a1b2c3d4e5f#0#9f8e7d6c5b4a3f2e"
+    send_copy(app, _copy(app, run, 0.5))
+    value = _stored_value(setup, run).decode()
+    fills = value.partition("\n")[2].split(HOLE)
+    assert f'"{run}"' not in fills, "the run's id is not kept with the copy (its arguments name it too)"
+    assert fills[-1] == MARKED and COPY_ID_MARK in fills and OWN_TAG_MARK in fills
+    assert send_stored(app, run)  # a wake-up: sent now, still stored
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
+    woken, moved = (json.loads(message) for message in reversed(client.lrange(WAKE_LIST, 0, -1)))
+    for sent in (woken, moved):
+        assert sent["headers"]["csem_backstop"] == run
+        assert sent["properties"]["delivery_tag"].startswith(f"{run}:")
+    assert woken["properties"]["delivery_tag"] != moved["properties"]["delivery_tag"]
+    assert untagged(json.dumps(woken)) == untagged(json.dumps(moved))
+
+
+def test_a_marked_copy_is_one_fill_longer_than_its_stencil_for_an_earlier_reader() -> None:
+    """A reader of an earlier release puts a copy together only when its fills are as many as
+    its stencil's holes, and otherwise leaves it stored, unread: a marked copy has one more (its
+    ``MARKED`` end), so no earlier release sends a mark as it is. A copy with no id to stand for
+    (or one JSON would have to escape) is packed as before, without marks."""
+    from celery_semaphore._celery.packing import HOLE, MARKED
+
+    message = {
+        "body": "W10=",
+        "headers": {"id": "t1", "csem_backstop": "t1#0#ab"},
+        "properties": {"delivery_tag": "9d3c", "correlation_id": "t1", "delivery_info": {"routing_key": "q"}},
+    }
+    marked = pack(message, copy_id="t1#0#ab")
+    assert marked is not None
+    fills = marked.fills.split(HOLE)
+    assert fills[-1] == MARKED and len(fills) == marked.stencil.count(HOLE) + 1
+    for copy_id in (None, 'a"quote', "é"):
+        plain = pack(message, copy_id=copy_id)
+        assert plain is not None and plain.fills.split(HOLE)[-1] != MARKED
+        assert len(plain.fills.split(HOLE)) == plain.stencil.count(HOLE)
+    whole = unpack(f"{marked.digest}\x00{marked.fills}", marked.stencil, "t1#0#ab", "12.5")
+    expected = json.loads(dumps(message))
+    expected["properties"]["delivery_tag"] = "t1#0#ab:12.5"
+    assert json.loads(whole) == expected

@@ -136,11 +136,14 @@ def stored_message(proj: Any, run: bytes) -> bytes:
 
 def same_but_its_tag(sent: bytes, stored: bytes) -> bool:
     """Whether ``sent`` is the ``stored`` message under a delivery tag of its own (kombu's Redis
-    transport keys its unacknowledged messages by the tag: two deliveries may not share one)."""
+    transport keys its unacknowledged messages by the tag: two deliveries may not share one). A
+    copy packed with its id makes its tag as it is sent, "<run>:<server time>" (the reader in
+    Python writes "<run>:0"); any other keeps kombu's and is sent under "<tag>:w<time>"."""
     sent_fields, stored_fields = json.loads(sent), json.loads(stored)
     sent_tag = sent_fields["properties"].pop("delivery_tag")
     stored_tag = stored_fields["properties"].pop("delivery_tag")
-    return bool(sent_fields == stored_fields and sent_tag != stored_tag and sent_tag.startswith(stored_tag))
+    own = stored_tag.removesuffix(":0")
+    return bool(sent_fields == stored_fields and sent_tag != stored_tag and sent_tag.startswith(own))
 
 
 def parked_copies(proj: Any, semaphore: Any, task_id: str) -> list[bytes]:

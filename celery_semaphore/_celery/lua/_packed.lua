@@ -1,8 +1,9 @@
 -- _packed: the message a stored copy holds, put together from its stencil when it is packed
 -- (_celery/packing.py: "\1<stencil digest>\0<fill>\0<fill>...", a fill "\2<n>" repeating fill
--- n). A copy stored whole (a message as kombu wrote it) is returned as it is. Returns the list
--- the copy goes to, its message (nil when its stencil is not kept) and its stencil's digest (nil
--- for a copy stored whole).
+-- n; "\3" and "\4" standing for the copy's id and a delivery tag of its own, see below). A copy
+-- stored whole (a message as kombu wrote it) is returned as it is. Returns the list the copy goes
+-- to, its message (nil when its stencil is not kept) and its stencil's digest (nil for a copy
+-- stored whole).
 local function split_at_nul(text, from)
   local pieces = {}
   while true do
@@ -16,13 +17,21 @@ local function split_at_nul(text, from)
   end
 end
 
-local function stored_message(stored, stencils_key)
+-- A copy packed with marks (its last fill "\5") names its own id with "\3" and a delivery tag
+-- of its own with "\4": written here as "<id>" and "<id>:<stamp>" (stamp: the server's time, so
+-- that each send has a tag of its own). A reader of an earlier release counts one fill more than
+-- the stencil's holes, and leaves such a copy stored rather than send the marks.
+local function stored_message(stored, stencils_key, id, stamp)
   local cut = string.find(stored, '\n', 1, true)
   local target = string.sub(stored, 1, cut - 1)
   if string.byte(stored, cut + 1) ~= 1 then
     return target, string.sub(stored, cut + 1)
   end
   local fills = split_at_nul(stored, cut + 2)  -- fills[1]: the stencil's digest
+  local marked = fills[#fills] == '\5'
+  if marked then
+    fills[#fills] = nil
+  end
   local stencil = redis.call('HGET', stencils_key, fills[1])
   if not stencil then
     return target, nil
@@ -37,6 +46,11 @@ local function stored_message(stored, stencils_key)
     if string.byte(fill, 1) == 2 then
       fill = fills[tonumber(string.sub(fill, 2)) + 1]
     end
+    if marked and fill == '\3' then
+      fill = '"' .. id .. '"'
+    elseif marked and fill == '\4' then
+      fill = '"' .. id .. ':' .. stamp .. '"'
+    end
     if not fill then
       return target, nil
     end
@@ -45,4 +59,3 @@ local function stored_message(stored, stencils_key)
   end
   return target, table.concat(whole), fills[1]
 end
-

@@ -28,6 +28,7 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local stamp = t[1] .. '.' .. t[2]  -- in the delivery tag of each copy sent (_packed.lua)
 local most = tonumber(ARGV[1])
 
 -- 0. A moved copy kept longer than keep_ms is forgotten: it was dropped as its run had finished
@@ -110,7 +111,7 @@ for _, id in ipairs(due) do
   local stored = redis.call('HGET', KEYS[2], id)
   local target, message, digest
   if stored then
-    target, message, digest = stored_message(stored, KEYS[7])
+    target, message, digest = stored_message(stored, KEYS[7], id, stamp)
   end
   if stored and not message then
     unreadable = unreadable + 1

@@ -27,7 +27,8 @@ end
 if not stored then
   return 0
 end
-local target, message = stored_message(stored, KEYS[3])
+local t = redis.call('TIME')
+local target, message = stored_message(stored, KEYS[3], ARGV[1], t[1] .. '.' .. t[2])
 if not message then
   return -1
 end
@@ -40,7 +41,6 @@ if tag_at then
   local from = tag_at + string.len('"delivery_tag": "')
   local to = string.find(message, '"', from, true)
   if to then
-    local t = redis.call('TIME')
     local own = ':w' .. t[1] .. '.' .. t[2]
     message = string.sub(message, 1, to - 1) .. own .. string.sub(message, to)
   end

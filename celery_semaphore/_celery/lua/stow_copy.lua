@@ -32,7 +32,7 @@ redis.call('ZADD', KEYS[7], 'GT', due_at + tonumber(ARGV[7]), ARGV[4])  -- GT st
 local stored = ARGV[3] .. '\n\1' .. ARGV[4] .. '\0' .. ARGV[6]
 local target, message
 if due_at <= now then
-  target, message = stored_message(stored, KEYS[6])
+  target, message = stored_message(stored, KEYS[6], id, t[1] .. '.' .. t[2])
 end
 if not message then  -- due later (or, never seen, one that does not read back: stored, as a move finds it)
   redis.call('ZADD', KEYS[1], due_at, id)
