@@ -172,6 +172,19 @@ def name_of_base(prefix: str, base: str) -> str:
 class OldParkedRecord(NamedTuple):
     """The record of an earlier release: its name is the JSON of these fields."""
 
+    @classmethod
+    def of(cls, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> OldParkedRecord:
+        """The record an earlier release kept of this wait (if it parked it)."""
+        return cls(semaphore.keys.deadlines, semaphore.keys.runs, waiter, run, semaphore.name)
+
+    def text(self) -> str:
+        """Its name, as that release wrote it."""
+        return json.dumps(list(self))
+
+    def waiter_entry(self) -> str:
+        """Its waiter's entry in that release's waiters index."""
+        return f"{self.deadlines_key}{RECORD_SEPARATOR}{self.waiter}"
+
     deadlines_key: str
     runs_key: str
     waiter: str

@@ -61,10 +61,12 @@ class ParkedScripts:
         args: list[Any] = [entry, look_in_ms, record, b"nx" if only_if_absent else b"", line]
         return bool(self._scripts["park"](keys=keys.parking, args=args))
 
-    def forget(self, keys: ParkedKeys, *, entry: str, header: bytes) -> None:
+    def forget(self, keys: ParkedKeys, *, entry: str, header: bytes, old: tuple[str, str]) -> None:
         """Drop the record under ``entry`` if it is still the one of the wait ``header`` names
-        (``parked_records.record_header``): the wait was given up."""
-        self._scripts["park"](keys=keys.parking, args=[entry, 0, header, b"forget", b""])
+        (``parked_records.record_header``): the wait was given up. ``old``: the name an earlier
+        release gave the same wait's record, and its waiter's entry there, dropped too."""
+        keys_used = [*keys.parking, keys.old_due, keys.old_copies, keys.old_waiters]
+        self._scripts["park"](keys=keys_used, args=[entry, 0, header, b"forget", b"", *old])
 
     def park_run(
         self, keys: ParkedKeys, entry: str, look_in_ms: int, record: bytes, line: str

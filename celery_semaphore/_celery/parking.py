@@ -60,6 +60,7 @@ from .._core.wakeups import WakeHandle, wake_ups_for
 from . import parked_sends
 from .parked_records import (
     STORED_COPY_MARK,
+    OldParkedRecord,
     entry_of,
     kept_copy,
     line_of,
@@ -197,8 +198,12 @@ class Parking:
         if parked is not None:
             parked.handle.close()
         try:
+            earlier = OldParkedRecord.of(semaphore, waiter, run)
             parked_scripts_for(semaphore.client).forget(
-                parked_keys(prefix_of(semaphore)), entry=entry_of(semaphore, waiter), header=record_header(waiter, run)
+                parked_keys(prefix_of(semaphore)),
+                entry=entry_of(semaphore, waiter),
+                header=record_header(waiter, run),
+                old=(earlier.text(), earlier.waiter_entry()),
             )
         except Exception as error:  # Redis down, as it likely was for the send that failed
             logger.warning(

@@ -575,7 +575,8 @@ def test_the_records_an_earlier_release_kept_are_woken_and_swept(
     JSON, under the old keys) are still this release's to wake and to sweep. An offer to such a
     waiter sends its copy from the old record, leased as woken there; a due record of a wait
     whose place lapsed is sent again by a sweep; one whose place is alive is kept again, as this
-    release keeps records. Nothing is written under the old keys but the lease."""
+    release keeps records; one given up is forgotten there too. Nothing is written under the old
+    keys but the lease."""
     from celery_semaphore._celery.parked_sends import sweep_records
     from celery_semaphore._celery.parking import _SweepTarget, parking
     from celery_semaphore._celery.wake_copies import serialized
@@ -616,6 +617,14 @@ def test_the_records_an_earlier_release_kept_are_woken_and_swept(
         assert kept is not None and kept_of(kept) == copies["alive"], "kept again as this release keeps it"
         assert redis_client.zscore(keys.due, f"{semaphore.keys.base}\nalive") is not None
         assert redis_client.zcard(keys.old_due) == 1, "only the woken one's lease is left there"
+
+        # a wait the earlier release parked that a worker of this release gives up is forgotten
+        # there too: no sweep may send it again
+        given_up = _old_record(redis_client, prefix, semaphore, "given-up", copies["alive"], 60_000)
+        parking().unpark(semaphore, "given-up", "given-up#0")
+        assert redis_client.zscore(keys.old_due, given_up) is None
+        assert not redis_client.hexists(keys.old_copies, given_up)
+        assert not redis_client.hexists(keys.old_waiters, f"{semaphore.keys.deadlines}\ngiven-up")
     finally:
         parking()._sweep_targets.pop((id(redis_client), prefix), None)
         semaphore._release_holders_with_prefix("")

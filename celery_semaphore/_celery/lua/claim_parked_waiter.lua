@@ -6,7 +6,7 @@
 -- sends the copy again should the one sent now be lost in flight before its run is granted.
 --   KEYS[1] due      ZSET  (see park.lua)
 --   KEYS[2] records  HASH
---   KEYS[3] old due, KEYS[7] old copies, KEYS[5] old waiters: an earlier release's records
+--   KEYS[3] old due, KEYS[4] old copies, KEYS[5] old waiters: an earlier release's records
 --           (see claim_parked.lua), looked in for a waiter this release has no record of
 --   KEYS[6] holders, KEYS[7] waiter_info, KEYS[8] present, KEYS[9] gate: the line's own keys
 --           (see _lib.lua), given only on a single Redis (two hash tags), right after a release

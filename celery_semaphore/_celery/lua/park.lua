@@ -19,6 +19,10 @@
 --                   newer record of a task that parked again meanwhile); "forget": drop the record
 --                   if it is still that wait's (the wait was given up)
 --   ARGV[5] line    "" (or left out) or the line's member of KEYS[3]
+--   with "forget": KEYS[4] old due, KEYS[5] old copies, KEYS[6] old waiters (an earlier
+--   release's records, see claim_parked.lua), ARGV[6] the name that release gave the wait's
+--   record and ARGV[7] its waiter's entry there: forgotten too (a wait it parked that a worker
+--   of this release gave up)
 -- Returns 1, or 0 when "nx" found a record there. The keys expire once the last record is due
 -- (plus a grace), unless swept before.
 
@@ -31,6 +35,14 @@ if mode == 'forget' then
   if kept and string.sub(kept, 1, #value + 1) == value .. RECORD_SEPARATOR then
     redis.call('ZREM', KEYS[1], entry)
     redis.call('HDEL', KEYS[2], entry)
+  end
+  local old_record, old_entry = ARGV[6], ARGV[7]
+  if KEYS[6] and old_record then
+    redis.call('ZREM', KEYS[4], old_record)
+    redis.call('HDEL', KEYS[5], old_record)
+    if redis.call('HGET', KEYS[6], old_entry) == old_record then
+      redis.call('HDEL', KEYS[6], old_entry)
+    end
   end
   return 1
 end
