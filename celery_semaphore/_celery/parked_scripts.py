@@ -17,12 +17,25 @@ import weakref
 from typing import Any
 
 from .._core import fork_locks
+from .._core.multi import MultiSemaphore
 from .._core.replies import waiters_of
 from .._core.script_args import number
 from .._core.scripts import Script, SemaphoreKeys, built_script
 from .._core.scripts import preload as preload_the_semaphores
+from .._core.semaphore import FairSemaphore
 from .._core.storage import WOKEN_COPY_MARK, as_text
-from .parked_records import OldParkedRecord, ParkedKeys, ParkedRecord, without_ahead_mark
+from .parked_records import (
+    OldParkedRecord,
+    ParkedKeys,
+    ParkedRecord,
+    entry_of,
+    line_of,
+    parked_keys,
+    prefix_of,
+    record_header,
+    record_value,
+    without_ahead_mark,
+)
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -69,11 +82,24 @@ class ParkedScripts:
         self._scripts["park"](keys=keys_used, args=[entry, 0, header, b"forget", b"", *old])
 
     def park_run(
-        self, keys: ParkedKeys, entry: str, look_in_ms: int, record: bytes, line: str
+        self, semaphore: FairSemaphore | MultiSemaphore, *, waiter: str, run: str, kept: bytes, look_in_ms: int
     ) -> tuple[Script, list[bytes], list[Any]]:
-        """``park`` of a record to keep, as its script, keys and arguments: to run in one round
-        trip with another script (``scripts.run_in_order``)."""
-        return self._scripts["park"], keys.parking, [entry, look_in_ms, record, b"", line]
+        """``park`` of the record of ``waiter``'s wait under ``run`` in its line of ``semaphore``,
+        keeping ``kept`` (``parked_records.kept_copy``), as its script, keys and arguments: to run
+        in one round trip with another script (``scripts.run_in_order``)."""
+        args = [entry_of(semaphore, waiter), look_in_ms, record_value(waiter, run, kept), b"", line_of(semaphore)]
+        return self._scripts["park"], parked_keys(prefix_of(semaphore)).parking, args
+
+    def forget_wait(self, semaphore: FairSemaphore | MultiSemaphore, *, waiter: str, run: str) -> None:
+        """``forget`` the record of ``waiter``'s wait under ``run`` in its line of ``semaphore``,
+        and the record an earlier release kept of it."""
+        earlier = OldParkedRecord.of(semaphore, waiter, run)
+        self.forget(
+            parked_keys(prefix_of(semaphore)),
+            entry=entry_of(semaphore, waiter),
+            header=record_header(waiter, run),
+            old=(earlier.text(), earlier.waiter_entry()),
+        )
 
     def claim_parked(self, keys: ParkedKeys, *, prefix: str, most: int) -> list[ParkedRecord | None]:
         """The parked-task records now due (this release's and an earlier release's), taken by

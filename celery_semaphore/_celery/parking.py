@@ -58,18 +58,7 @@ from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore
 from .._core.wakeups import WakeHandle, wake_ups_for
 from . import parked_sends
-from .parked_records import (
-    STORED_COPY_MARK,
-    OldParkedRecord,
-    entry_of,
-    kept_copy,
-    line_of,
-    parked_keys,
-    prefix_of,
-    read_parked_line,
-    record_header,
-    record_value,
-)
+from .parked_records import STORED_COPY_MARK, kept_copy, parked_keys, prefix_of, read_parked_line
 from .parked_scripts import parked_scripts_for, records_claimed
 from .parked_sends import send_claimed, send_stored_copy, send_wake_copy, sent_again, sweep_records
 from .pausing import members
@@ -198,13 +187,7 @@ class Parking:
         if parked is not None:
             parked.handle.close()
         try:
-            earlier = OldParkedRecord.of(semaphore, waiter, run)
-            parked_scripts_for(semaphore.client).forget(
-                parked_keys(prefix_of(semaphore)),
-                entry=entry_of(semaphore, waiter),
-                header=record_header(waiter, run),
-                old=(earlier.text(), earlier.waiter_entry()),
-            )
+            parked_scripts_for(semaphore.client).forget_wait(semaphore, waiter=waiter, run=run)
         except Exception as error:  # Redis down, as it likely was for the send that failed
             logger.warning(
                 "could not forget the parked record of a task that gave up waiting for %r (a sweep "
@@ -251,12 +234,9 @@ class Parking:
         copy = STORED_COPY_MARK.encode() if stored_in_broker else serialized(wake_copy)
         if copy is None:
             return None
+        kept, look_in_ms = kept_copy(copy, stands_by_ms), round(away_for * 1000)
         return parked_scripts_for(semaphore.client).park_run(
-            parked_keys(prefix_of(semaphore)),
-            entry_of(semaphore, waiter),
-            round(away_for * 1000),
-            record_value(waiter, run, kept_copy(copy, stands_by_ms)),
-            line_of(semaphore),
+            semaphore, waiter=waiter, run=run, kept=kept, look_in_ms=look_in_ms
         )
 
     def sweep_from_here(self, semaphore: FairSemaphore | MultiSemaphore, app: Any) -> None:

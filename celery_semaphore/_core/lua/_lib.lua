@@ -119,8 +119,7 @@ local PURGE_STEP = 100
 -- the ticket counter only breaks ties within one millisecond: it may vanish quickly
 local TICKET_TTL_MS = 1000
 
--- PEXPIRE ... GT exists from Redis 7.0, which is also where REDIS_VERSION_NUM appears (and
--- SPUBLISH, see notify)
+-- PEXPIRE ... GT exists from Redis 7.0, as do REDIS_VERSION_NUM and SPUBLISH (see notify)
 local HAS_GT = redis.REDIS_VERSION_NUM ~= nil
 
 local function now_ms()
