@@ -8,6 +8,7 @@ import json
 from typing import Any, NamedTuple
 
 from .._core.multi import MultiSemaphore, home_of
+from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore
 from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK
 
@@ -21,6 +22,8 @@ STORED_COPY_MARK = "stored-in-broker"
 # offer (claim_parked_waiter.lua, which spells it the same). A task that would not wait there
 # (``semaphore_inline_wait = 0``) is never woken ahead: it would only park again.
 AHEAD_COPY_MARK = "ahead:{}\n"
+# What a line's deadlines key adds to its keys' base (an earlier release named records by it).
+_DEADLINES_SUFFIX = SemaphoreKeys.of_base("").deadlines
 
 
 def kept_copy(copy: bytes, stands_by_ms: int) -> bytes:
@@ -131,11 +134,11 @@ class ParkedRecord(NamedTuple):
 
     @property
     def deadlines_key(self) -> str:
-        return f"{self.base}:deadlines"
+        return SemaphoreKeys.of_base(self.base).deadlines
 
     @property
     def runs_key(self) -> str:
-        return f"{self.base}:runs"
+        return SemaphoreKeys.of_base(self.base).runs
 
     @property
     def entry(self) -> str:
@@ -172,6 +175,12 @@ def name_of_base(prefix: str, base: str) -> str:
 class OldParkedRecord(NamedTuple):
     """The record of an earlier release: its name is the JSON of these fields."""
 
+    deadlines_key: str
+    runs_key: str
+    waiter: str
+    run: str
+    name: str
+
     @classmethod
     def of(cls, semaphore: FairSemaphore | MultiSemaphore, waiter: str, run: str) -> OldParkedRecord:
         """The record an earlier release kept of this wait (if it parked it)."""
@@ -182,14 +191,9 @@ class OldParkedRecord(NamedTuple):
         return json.dumps(list(self))
 
     def waiter_entry(self) -> str:
-        """Its waiter's entry in that release's waiters index."""
-        return f"{self.deadlines_key}{RECORD_SEPARATOR}{self.waiter}"
-
-    deadlines_key: str
-    runs_key: str
-    waiter: str
-    run: str
-    name: str
+        """Its waiter's entry in that release's waiters index: named as this release names a
+        record, with the line's deadlines key for its base."""
+        return record_entry(self.deadlines_key, self.waiter)
 
     @classmethod
     def read(cls, text: str) -> OldParkedRecord:
@@ -198,9 +202,9 @@ class OldParkedRecord(NamedTuple):
 
     def as_record(self, copy: bytes) -> ParkedRecord:
         """The same wait as this release records it (ValueError if its keys are not a line's)."""
-        if not self.deadlines_key.endswith(":deadlines"):
+        if not self.deadlines_key.endswith(_DEADLINES_SUFFIX):
             raise ValueError(f"a parked record of no line: {self.deadlines_key!r}")
-        return ParkedRecord(self.deadlines_key[: -len(":deadlines")], self.waiter, self.run, self.name, copy)
+        return ParkedRecord(self.deadlines_key[: -len(_DEADLINES_SUFFIX)], self.waiter, self.run, self.name, copy)
 
 
 def parked_line(base: str, rules: bytes) -> str:
