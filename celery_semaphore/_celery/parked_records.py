@@ -16,7 +16,10 @@ from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK
 # waits in the broker's store of due copies (``due_copies.py``) under the wait's run: its wake-up
 # sends that stored message (``send_stored_copy.lua``), so no second copy waits in this Redis.
 # The scripts keep it as they keep a copy (``WOKEN_COPY_MARK`` goes in front when it is woken).
-STORED_COPY_MARK = "stored-in-broker"
+# Short, as every parked task's record holds it (no serialized copy starts with "@"); records
+# kept before it was shortened hold ``_LONGER_STORED_COPY_MARK``, read the same.
+STORED_COPY_MARK = "@broker"
+_LONGER_STORED_COPY_MARK = b"stored-in-broker"
 # In front of a kept copy (or its mark) whose task waits for its offer in its pool process when a
 # slot should reach it within <ms> (``policy.stands_by``): a release may wake it ahead of its
 # offer (claim_parked_waiter.lua, which spells it the same). A task that would not wait there
@@ -24,6 +27,11 @@ STORED_COPY_MARK = "stored-in-broker"
 AHEAD_COPY_MARK = "ahead:{}\n"
 # What a line's deadlines key adds to its keys' base (an earlier release named records by it).
 _DEADLINES_SUFFIX = SemaphoreKeys.of_base("").deadlines
+
+
+def is_stored_mark(copy: bytes) -> bool:
+    """Whether a record's copy (its marks off) is the mark of a copy stored in the broker."""
+    return copy in (STORED_COPY_MARK.encode(), _LONGER_STORED_COPY_MARK)
 
 
 def kept_copy(copy: bytes, stands_by_ms: int) -> bytes:
@@ -86,15 +94,33 @@ def line_of(semaphore: FairSemaphore | MultiSemaphore) -> str:
     return parked_line(home.keys.base, home.rules.arg)
 
 
-def record_entry(base: str, waiter: str) -> str:
-    """A parked wait's record, as the records and their due times name it: its line's keys'
-    base and its waiter, which the scripts build the same way (a waiter has one place in a line,
-    so one record; the wait's run is in the record's header)."""
-    return f"{base}{RECORD_SEPARATOR}{waiter}"
+def record_entry(prefix: str, base: str, waiter: str) -> str:
+    """A parked wait's record, as the records and their due times name it: its line and its
+    waiter (``record_line``), which claim_parked_waiter.lua builds the same way (a waiter has one
+    place in a line, so one record; the wait's run is in the record's header)."""
+    return f"{record_line(prefix, base)}{RECORD_SEPARATOR}{waiter}"
+
+
+def record_line(prefix: str, base: str) -> str:
+    """A line as its records name it: the semaphore's name where its keys' base is
+    ``"<prefix>:{<name>}"`` (every record of a long line repeats it twice, its entry and its due
+    entry: 12 B fewer each for the default prefix), else its base, which starts with
+    ``"<prefix>:{"`` (``SemaphoreKeys.of``; a family's ``"<prefix>:{<tag>}:<name>"``). A name
+    that starts so is written as its base too, so that ``base_of_line`` reads either back."""
+    head = f"{prefix}:{{"
+    name = base[len(head) : -1]
+    return name if base.startswith(head) and base.endswith("}") and not name.startswith(head) else base
+
+
+def base_of_line(prefix: str, line: str) -> str:
+    """The keys' base of a line a record names (``record_line``)."""
+    head = f"{prefix}:{{"
+    return line if line.startswith(head) else f"{head}{line}}}"
 
 
 def entry_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str) -> str:
-    return record_entry(home_of(semaphore).keys.base, waiter)
+    home = home_of(semaphore)
+    return record_entry(home.prefix, home.keys.base, waiter)
 
 
 def record_header(waiter: str, run: str) -> bytes:
@@ -131,6 +157,7 @@ class ParkedRecord(NamedTuple):
     run: str
     name: str
     copy: bytes
+    line: str  # the line as its entry names it (record_line)
 
     @property
     def deadlines_key(self) -> str:
@@ -142,7 +169,7 @@ class ParkedRecord(NamedTuple):
 
     @property
     def entry(self) -> str:
-        return record_entry(self.base, self.waiter)
+        return f"{self.line}{RECORD_SEPARATOR}{self.waiter}"
 
     @classmethod
     def read(cls, entry: str, value: bytes, prefix: str) -> ParkedRecord:
@@ -161,8 +188,9 @@ class ParkedRecord(NamedTuple):
         suffix = RECORD_SEPARATOR + waiter
         if not entry.endswith(suffix):
             raise ValueError(f"a parked record whose entry does not name its waiter: {entry!r}")
-        base = entry[: -len(suffix)]
-        return cls(base, waiter, run, name_of_base(prefix, base), copy)
+        line = entry[: -len(suffix)]
+        base = base_of_line(prefix, line)
+        return cls(base, waiter, run, name_of_base(prefix, base), copy, line)
 
 
 def name_of_base(prefix: str, base: str) -> str:
@@ -191,20 +219,21 @@ class OldParkedRecord(NamedTuple):
         return json.dumps(list(self))
 
     def waiter_entry(self) -> str:
-        """Its waiter's entry in that release's waiters index: named as this release names a
-        record, with the line's deadlines key for its base."""
-        return record_entry(self.deadlines_key, self.waiter)
+        """Its waiter's entry in that release's waiters index: the line's deadlines key, a
+        newline and the waiter."""
+        return f"{self.deadlines_key}{RECORD_SEPARATOR}{self.waiter}"
 
     @classmethod
     def read(cls, text: str) -> OldParkedRecord:
         deadlines_key, runs_key, waiter, run, name = json.loads(text)
         return cls(deadlines_key, runs_key, waiter, run, name)
 
-    def as_record(self, copy: bytes) -> ParkedRecord:
+    def as_record(self, copy: bytes, prefix: str) -> ParkedRecord:
         """The same wait as this release records it (ValueError if its keys are not a line's)."""
         if not self.deadlines_key.endswith(_DEADLINES_SUFFIX):
             raise ValueError(f"a parked record of no line: {self.deadlines_key!r}")
-        return ParkedRecord(self.deadlines_key[: -len(_DEADLINES_SUFFIX)], self.waiter, self.run, self.name, copy)
+        base = self.deadlines_key[: -len(_DEADLINES_SUFFIX)]
+        return ParkedRecord(base, self.waiter, self.run, self.name, copy, record_line(prefix, base))
 
 
 def parked_line(base: str, rules: bytes) -> str:

@@ -172,7 +172,7 @@ def _read(kind: type[ParkedRecord | OldParkedRecord], name: str, value: bytes, p
     try:
         if kind is ParkedRecord:
             return ParkedRecord.read(name, value, prefix)
-        return OldParkedRecord.read(name).as_record(value)
+        return OldParkedRecord.read(name).as_record(value, prefix)
     except (ValueError, TypeError, IndexError) as error:
         logger.warning("could not read a parked task's record (%s): its backstop copy is its only way back", error)
         return None

@@ -10,7 +10,7 @@ from typing import Any
 from .._core.explain import WaitState, wait_states
 from .._core.storage import WOKEN_COPY_MARK
 from .due_copies import send_stored
-from .parked_records import STORED_COPY_MARK, ParkedRecord, parked_keys, record_value
+from .parked_records import ParkedRecord, is_stored_mark, parked_keys, record_value
 from .parked_scripts import parked_scripts_for
 from .wake_copies import deserialized
 
@@ -79,7 +79,7 @@ def _sweep_one(target: Any, record: ParkedRecord, state: WaitState) -> None:
         # (popped by a worker that died), or still waiting for a pool process. Sent again,
         # leased again; a second copy that arrives is dropped by its run. A stored copy the
         # broker no longer keeps ends it
-        wake_copy = None if copy == STORED_COPY_MARK.encode() else deserialized(copy, target.app)
+        wake_copy = None if is_stored_mark(copy) else deserialized(copy, target.app)
         sent_again(name)
         if wake_copy is None and not send_stored_copy(target.app, run, name):
             return
@@ -91,7 +91,7 @@ def _sweep_one(target: Any, record: ParkedRecord, state: WaitState) -> None:
         keep_again(target, record, copy, look_in_ms=state.left_ms + round(LOOK_AGAIN_SLACK_S * 1000))
         return
     sent_again(name)
-    if copy == STORED_COPY_MARK.encode():
+    if is_stored_mark(copy):
         send_stored_copy(target.app, run, name)
         return
     send_wake_copy(deserialized(copy, target.app), name)
@@ -113,7 +113,7 @@ def send_claimed(app: Any, record: ParkedRecord) -> str:
     """Send the copy of a parked task whose record this caller took to wake it; its waiter. Its
     record's lease sends it again should this one fail (a stored copy not stowed yet, a broker
     down)."""
-    if record.copy == STORED_COPY_MARK.encode():
+    if is_stored_mark(record.copy):
         send_stored_copy(app, record.run, record.name)
         return record.waiter
     try:

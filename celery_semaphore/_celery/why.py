@@ -34,7 +34,7 @@ from .._core.status import LONG_PAUSE_MS
 from .._core.storage import RECORD_SEPARATOR, as_text, token_prefix_pattern, weighted_waiter
 from .catalogue import Catalogue, semaphore_for_call
 from .options import is_semaphore_task, key_option, weight_option
-from .parked_records import OldParkedRecord, ParkedRecord, name_of_base, parked_keys, record_entry
+from .parked_records import OldParkedRecord, ParkedRecord, base_of_line, name_of_base, parked_keys, record_entry
 from .pausing import members
 from .tokens import task_key
 from .wait_runs import AWAY_SLACK
@@ -213,7 +213,8 @@ def _parked_looks(catalogue: Catalogue, task_id: str) -> list[Look]:
     names: list[str] = []
     try:
         for entry, _ in catalogue.client.hscan_iter(keys.records, match=pattern, count=1000):
-            names.append(name_of_base(prefix, as_text(entry)[: -len(RECORD_SEPARATOR + key_of_task)]))
+            line = as_text(entry)[: -len(RECORD_SEPARATOR + key_of_task)]
+            names.append(name_of_base(prefix, base_of_line(prefix, line)))
         for _, record in catalogue.client.hscan_iter(keys.old_waiters, match=pattern, count=1000):
             names.append(OldParkedRecord.read(as_text(record)).name)
     except Exception as error:  # the answer stays "unknown", with the keys it looked at
@@ -287,7 +288,7 @@ def _parked(catalogue: Catalogue, view: KeyView, looks: list[Look]) -> dict[str,
         "record_due_in": None,
     }
     keys, prefix = parked_keys(catalogue.config.prefix), catalogue.config.prefix
-    entry = record_entry(item.keys.base, item.waiter)
+    entry = record_entry(prefix, item.keys.base, item.waiter)
     try:
         now, record, due_at = catalogue.client.eval(_PARKED_RECORD, 2, keys.records, keys.due, entry)
     except Exception as error:

@@ -56,7 +56,7 @@ HELD_FIELD = "held:"  # holder_info: "held:<tenant>" -> a JSON list of its slots
 PARKED_MARK = ">"  # waiter_info: "<first ask ms>|><wake address>" is a parked waiter's
 HOLD_FIELD = "hold"  # waiter_info: the moving average of hold times (ms)
 INFO_SEPARATOR = "|"  # between the parts of a holder_info or waiter_info value
-RECORD_SEPARATOR = "\n"  # the parked tasks' records: "<line base>\n<waiter>" -> "<header>\n<copy>"
+RECORD_SEPARATOR = "\n"  # the parked tasks' records: "<line>\n<waiter>" -> "<header>\n<copy>"
 # (the parked tasks' keys are the Celery glue's, _celery/parked_records.py; their marks are here
 # because the glue's scripts are built on lua/_lib.lua and read them from its block)
 # copies: "woken\n<copy>" is the copy of a wait whose wake copy was sent (claim_parked_waiter):

@@ -613,9 +613,9 @@ def test_the_records_an_earlier_release_kept_are_woken_and_swept(
         sweep_records([_SweepTarget(redis_client, prefix, app)])
         assert _queued(redis_server, "q-old-lapsed.semaphore-wake") == 1, "sent again by the sweep"
         assert _queued(redis_server, "q-old-alive.semaphore-wake") == 0
-        kept = redis_client.hget(keys.records, f"{semaphore.keys.base}\nalive")
+        kept = redis_client.hget(keys.records, "park-old\nalive")  # named by its semaphore's name
         assert kept is not None and kept_of(kept) == copies["alive"], "kept again as this release keeps it"
-        assert redis_client.zscore(keys.due, f"{semaphore.keys.base}\nalive") is not None
+        assert redis_client.zscore(keys.due, "park-old\nalive") is not None
         assert redis_client.zcard(keys.old_due) == 1, "only the woken one's lease is left there"
 
         # a wait the earlier release parked that a worker of this release gives up is forgotten
@@ -628,3 +628,25 @@ def test_the_records_an_earlier_release_kept_are_woken_and_swept(
     finally:
         parking()._sweep_targets.pop((id(redis_client), prefix), None)
         semaphore._release_holders_with_prefix("")
+
+
+@pytest.mark.parametrize("hash_tag", [None, "family"])
+def test_a_wake_up_finds_the_record_under_the_name_python_gave_it(
+    redis_client: redis.Redis, hash_tag: str | None
+) -> None:
+    """A record is named by its semaphore's name (a family's key, in a hash tag of its own, by
+    its keys' base), which Python writes and claim_parked_waiter.lua builds from the base on its
+    own: both must name it alike, or a wake-up finds no record and the task waits for its
+    backstop. Parked as a worker parks it, then taken as a release takes it."""
+    from celery_semaphore._celery.parked_records import entry_of, record_value
+    from celery_semaphore._celery.parked_scripts import parked_scripts_for
+
+    prefix = f"{PREFIX}-named"
+    semaphore = FairSemaphore(redis_client, "crawl:{host}.example", 1, prefix=prefix, hash_tag=hash_tag)
+    scripts, keys = parked_scripts_for(redis_client), parked_keys(prefix)
+    entry = entry_of(semaphore, "t-1")
+    assert entry.startswith("crawl:{host}.example\n" if hash_tag is None else f"{semaphore.keys.base}\n")
+    assert scripts.park(keys, entry=entry, record=record_value("t-1", "t-1#0#ab", b"@broker"), look_in_ms=60_000)
+    record = scripts.claim_parked_waiter(keys, prefix=prefix, base=semaphore.keys.base, waiter="t-1", lease_ms=5000)
+    assert record is not None, "the wake-up found no record under the name Python gave it"
+    assert (record.entry, record.base, record.run, record.copy) == (entry, semaphore.keys.base, "t-1#0#ab", b"@broker")

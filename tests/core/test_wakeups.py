@@ -638,3 +638,50 @@ def test_a_present_waiter_that_hears_its_offer_is_not_reported_to_the_caller(red
     finally:
         hand_offs.on_to_wake(handler)
         semaphore._release_holders_with_prefix("")
+
+
+def test_a_wake_address_is_kept_relative_to_its_line_and_a_whole_one_still_reaches_its_waiter(
+    redis_client: redis.Redis,
+) -> None:
+    """waiter_info keeps an address of the line's own base as ":wake:<listener id>" (every
+    waiter of a long line would repeat the base, 40-odd bytes each), and the scripts publish
+    on the whole address: the offer reaches the waiter. An address another key's base starts
+    (a MultiSemaphore's, its first key's) and one an earlier release stored whole are kept and
+    read as they are."""
+    semaphore = FairSemaphore(redis_client, "relative", 1, patience=30)
+    other = FairSemaphore(redis_client, "relative-home", 1, patience=30)
+    holder = semaphore.acquire(timeout=0)
+    wake_ups = wake_ups_for(redis_client)
+    channel = semaphore.keys.wake_address(wake_ups.listener_id)
+    for waiter in ("kept-relative", "kept-whole", "elsewhere"):
+        assert isinstance(semaphore.try_acquire(waiter=waiter), Waiting)
+    assert semaphore._leave("kept-relative", 30, channel) is True
+    assert semaphore._leave("elsewhere", 30, other.keys.wake_address("x")) is True
+    info = {k.decode(): v.decode() for k, v in redis_client.hgetall(semaphore.keys.waiter_info).items()}
+    assert info["w:kept-relative"].endswith(f"|>:wake:{wake_ups.listener_id}"), info
+    assert info["w:elsewhere"].endswith(f"|>{other.keys.wake_address('x')}"), info
+    # as an earlier release wrote it: the whole address
+    first = info["w:kept-whole"].partition("|")[0]
+    redis_client.hset(semaphore.keys.waiter_info, "w:kept-whole", f"{first}|{channel}")
+    heard: list[str] = []
+    done = threading.Event()
+
+    def woken(waiter: str) -> Any:
+        def tell() -> None:
+            heard.append(waiter)
+            done.set()
+
+        return tell
+
+    for waiter in ("kept-relative", "kept-whole"):
+        with wake_ups.on_wake(channel, waiter, woken(waiter)) as handle:
+            assert handle.subscribe(5)
+            done.clear()
+            holder.release()  # offered to the head of the line, told on its whole address
+            assert done.wait(5), f"{waiter} was not told of its offer"
+            claimed = semaphore.try_acquire(waiter=waiter)
+            assert isinstance(claimed, Granted)
+            holder = claimed.lease
+    assert heard == ["kept-relative", "kept-whole"]
+    holder.release()
+    semaphore.reset()

@@ -17,10 +17,29 @@ local function split_at_nul(text, from)
   end
 end
 
+local BASE64 = {}
+for i = 1, 64 do
+  BASE64[i - 1] = string.sub('ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/', i, i)
+end
+
+-- text in standard base64 with padding, as kombu writes a body
+local function base64(text)
+  local out, n = {}, #text
+  for i = 1, n, 3 do
+    local a, b, c = string.byte(text, i, i + 2)
+    local v = a * 65536 + (b or 0) * 256 + (c or 0)
+    out[#out + 1] = BASE64[math.floor(v / 262144)] .. BASE64[math.floor(v / 4096) % 64]
+      .. (b and BASE64[math.floor(v / 64) % 64] or '=') .. (c and BASE64[v % 64] or '=')
+  end
+  return table.concat(out)
+end
+
 -- A copy packed with marks (its last fill "\5") names its own id with "\3" and a delivery tag
 -- of its own with "\4": written here as "<id>" and "<id>:<stamp>" (stamp: the server's time, so
 -- that each send has a tag of its own). A reader of an earlier release counts one fill more than
--- the stencil's holes, and leaves such a copy stored rather than send the marks.
+-- the stencil's holes, and leaves such a copy stored rather than send the marks. A last fill
+-- "\5\6" says the same of a copy whose body its stencil keeps as JSON text between two "\6":
+-- that text, filled, is written base64 (a reader that knows only "\5" leaves it stored too).
 local function stored_message(stored, stencils_key, id, stamp)
   local cut = string.find(stored, '\n', 1, true)
   local target = string.sub(stored, 1, cut - 1)
@@ -28,7 +47,8 @@ local function stored_message(stored, stencils_key, id, stamp)
     return target, string.sub(stored, cut + 1)
   end
   local fills = split_at_nul(stored, cut + 2)  -- fills[1]: the stencil's digest
-  local marked = fills[#fills] == '\5'
+  local marked = fills[#fills] == '\5' or fills[#fills] == '\5\6'
+  local body = fills[#fills] == '\5\6'
   if marked then
     fills[#fills] = nil
   end
@@ -57,5 +77,15 @@ local function stored_message(stored, stencils_key, id, stamp)
     whole[#whole + 1] = fill
     whole[#whole + 1] = parts[i]
   end
-  return target, table.concat(whole), fills[1]
+  local message = table.concat(whole)
+  if body then
+    local open = string.find(message, '\6', 1, true)
+    local close = open and string.find(message, '\6', open + 1, true)
+    if not close then
+      return target, nil
+    end
+    message = string.sub(message, 1, open - 1) .. base64(string.sub(message, open + 1, close - 1))
+      .. string.sub(message, close + 1)
+  end
+  return target, message, fills[1]
 end

@@ -19,7 +19,7 @@
 --           arrival), while no rate, spacing or pause is stored: they arrive and wait in a pool
 --           process for their offer, which then takes a publish, not a trip through the broker
 --           (measured: about 9 ms a hand-off)
---   ARGV[1] the line's keys' base
+--   ARGV[1] the line's keys' base (its records are named by its line, see below)
 --   ARGV[2] lease_ms
 --   ARGV[3..] waiters; with KEYS[6..9]: ARGV[3] how many to wake ahead, ARGV[4] the limit
 -- Returns {entry, record, entry, record, ...} of the records taken, each record's copy as it
@@ -28,6 +28,18 @@
 
 local base, lease_ms = ARGV[1], tonumber(ARGV[2])
 local now = now_ms()
+
+-- the line as its records name it (parked_records.record_line): the semaphore's name where the
+-- base is "<prefix>:{<name>}" (the prefix is the records key's, "<prefix>:{parked-tasks}:..."),
+-- unless that name starts with "<prefix>:{" too; else the base
+local head = string.sub(KEYS[2], 1, -#'{parked-tasks}:records' - 1) .. '{'
+local line = base
+if #base > #head and string.sub(base, 1, #head) == head and string.sub(base, -1) == '}' then
+  local name = string.sub(base, #head + 1, -2)
+  if string.sub(name, 1, #head) ~= head then
+    line = name
+  end
+end
 
 -- a record not taken yet, split: its header and its copy as kept; nil for one taken or none,
 -- and then whether one is kept at all
@@ -59,7 +71,7 @@ if KEYS[6] then
   local hold = ahead > 0 and tonumber(redis.call('HGET', KEYS[7], HOLD_FIELD))
   if hold and redis.call('EXISTS', KEYS[9]) == 0 then
     for turn, waiter in ipairs(redis.call('ZRANGE', KEYS[8], 0, ahead - 1)) do
-      local _, copy = takeable(base .. RECORD_SEPARATOR .. waiter)
+      local _, copy = takeable(line .. RECORD_SEPARATOR .. waiter)
       local within = copy and tonumber(string.match(copy, '^ahead:(%d+)\n'))
       if within and math.ceil(turn / limit) * hold <= within then
         add_if_parked(waiter)
@@ -96,7 +108,7 @@ local function claim_old(waiter)
   old_claimed[#old_claimed + 1] = copy
 end
 for _, waiter in ipairs(waiters) do
-  local entry = base .. RECORD_SEPARATOR .. waiter
+  local entry = line .. RECORD_SEPARATOR .. waiter
   local header, copy, kept = takeable(entry)
   if header then
     if not redis.call('ZSCORE', KEYS[1], entry) then

@@ -11,7 +11,7 @@
 --   KEYS[3] lines    ZSET  "[<line base>, <limit>]" -> until when it has parked waiters: the
 --                          lines a tick looks at (tick.lua), since no script may run on a line
 --                          whose waiters are all parked
---   ARGV[1] entry   "<line base>\n<waiter>" (parked_records.record_entry)
+--   ARGV[1] entry   "<line>\n<waiter>" (parked_records.record_entry: the line by its name)
 --   ARGV[2] look_in_ms
 --   ARGV[3] value   the record to keep; with "forget", its header alone
 --   ARGV[4] mode    "": keep the record, moved on if it exists; "nx": keep it only if none is

@@ -1,9 +1,8 @@
--- Shared helpers. scripts.py puts this text in front of every script, so each script still
--- runs as one EVALSHA: one round trip, atomic, no lock around it. Nothing here runs by itself:
--- it only defines locals. It comes in two parts: what the uncontended paths use, then (from the
--- "@rest-of-lib" line on) the rest, which a script may place after its fast path instead, so an
--- uncontended acquire or release does not pay for making a dozen closures it never calls
--- (measured: about 1 us of Redis time per script run).
+-- Shared helpers. scripts.py puts this text in front of every script, so each script still runs
+-- as one EVALSHA: one round trip, atomic, no lock. It only defines locals, in two parts: what the
+-- uncontended paths use, then (from the "@rest-of-lib" line on) the rest, which a script may put
+-- after its fast path, so that an uncontended acquire or release does not pay for a dozen
+-- closures it never calls (measured: about 1 us of Redis time per script run).
 --
 -- Key schema (the same KEYS positions in every script; KEYS[11] and KEYS[12] are passed only to
 -- the scripts that touch them: acquire, release and renew with a run id, and reset. All keys of
@@ -16,14 +15,13 @@
 --                               and everything lapsed lies in [-now, now].
 --   KEYS[2] holder_info  HASH   "h:<token>" -> "<granted ms>|<label>"
 --   KEYS[3] queue        ZSET   waiter id -> ticket; rank = place in line, everyone waiting
---   KEYS[4] present      ZSET   waiter id -> ticket, for waiters asking now; slots are offered
---                               to these only (a waiter away on a Celery countdown keeps its
---                               place in KEYS[3] but is offered nothing until it is back)
---   KEYS[5] deadlines    ZSET   waiter id -> must-ask-by (server ms); a waiter that does not
---                               ask again by then loses its place
---   KEYS[6] waiter_info  HASH   "w:<waiter>" -> "<first ask ms>|<wake address>" (a channel;
---                               one ending in ":wake:s.<id>" is sharded, see notify),
---                               "hold" -> moving average of hold times (ms)
+--   KEYS[4] present      ZSET   waiter id -> ticket, for waiters asking now (or parked with an
+--                               address): slots are offered to these only
+--   KEYS[5] deadlines    ZSET   waiter id -> must-ask-by (server ms), or it loses its place
+--   KEYS[6] waiter_info  HASH   "w:<waiter>" -> "<first ask ms>|<wake address>" (a channel, kept
+--                               relative to the line, see stored_address; one ending in
+--                               ":wake:s.<id>" is sharded, see notify), "hold" -> moving average
+--                               of hold times (ms)
 --   KEYS[7] ticket       STRING counter for tickets taken in the same millisecond (INCR)
 --   KEYS[8] limit        STRING runtime limit override, if any (no expiry unless set with one)
 --   KEYS[9] starts       LIST   when the latest starts were granted (server ms), newest first,
@@ -109,15 +107,9 @@ local GRACE_MS = 1000
 -- the parked-task records outlive their last due time by this much: a sweep that comes late (a
 -- busy process sweeps only when its sender thread idles) still finds them
 local SWEEP_GRACE_MS = 60000
-
--- how long an offered waiter has to claim its slot before the slot goes on to the next one
-local CLAIM_MS = 2000
-
--- most entries one purge step removes: a purge never grows with the length of the line
-local PURGE_STEP = 100
-
--- the ticket counter only breaks ties within one millisecond: it may vanish quickly
-local TICKET_TTL_MS = 1000
+local CLAIM_MS = 2000  -- how long an offered waiter has to claim its slot before it goes on
+local PURGE_STEP = 100  -- most entries one purge step removes: never growing with the line
+local TICKET_TTL_MS = 1000  -- the ticket counter only breaks ties within one millisecond
 
 -- PEXPIRE ... GT exists from Redis 7.0, as do REDIS_VERSION_NUM and SPUBLISH (see notify)
 local HAS_GT = redis.REDIS_VERSION_NUM ~= nil
@@ -380,18 +372,15 @@ end
 -- to the one shard owning the slot instead of over the whole cluster bus; any other address with
 -- PUBLISH. A server before 7 has no SPUBLISH: there it PUBLISHes (nobody hears it; the waiter's
 -- own asks every patience/3 cover it) rather than fail the script.
--- A waiter nobody heard (no subscriber: its process is gone, a pool child recycled by
--- max_tasks_per_child say, or its listener is reconnecting) is added to "to_wake", the waiters
--- the scripts that hand slots on return: their caller sends a parked task's wake copy itself
--- (_parking.wake_offered), so the offer is claimed in milliseconds instead of lapsing. PUBLISH
--- on a cluster counts only this node's subscribers: an address marked "c." (a cluster listener
--- without sharded pub/sub, _wakeups.CLUSTER_MARK) is never judged unheard. ("to_wake" itself is
--- declared before "@rest-of-lib": a script's fast path may report it.)
--- A parked waiter (its address stored behind PARKED_MARK, see leave.lua) is added whether heard
--- or not: the caller, which just freed the slot and is running, sends the wake copy at once,
--- while the parked task's own process may be busy for tens of ms with another task before its
--- listener's wake-up turns into a send (measured under load: 15-60 ms). That process is told
--- too; whichever of the two takes the parked record first sends (claim_parked_waiter.lua).
+-- A waiter nobody heard (its process gone, a pool child recycled, its listener reconnecting) is
+-- added to "to_wake", which the scripts that hand slots on return: their caller sends a parked
+-- task's wake copy itself (_parking.wake_offered), so the offer is claimed in milliseconds, not
+-- lapsing. PUBLISH on a cluster counts one node's subscribers only: an address marked "c." (a
+-- cluster listener without sharded pub/sub) is never judged unheard. ("to_wake" is declared
+-- before "@rest-of-lib": a script's fast path may report it.) A parked waiter (PARKED_MARK in
+-- front, see leave.lua) is added heard or not: the caller, running, sends the wake copy at once,
+-- while the task's own process may be busy with another task for tens of ms (15-60 ms measured
+-- under load). Both are told; whichever takes the record first sends (claim_parked_waiter.lua).
 local function is_parked(address)
   return address ~= nil and string.sub(address, 1, 1) == PARKED_MARK
 end
@@ -417,13 +406,22 @@ local function notify(address, waiter)
   end
 end
 
--- A waiter's wake address as stored: a parked waiter's behind PARKED_MARK (see notify).
+-- waiter_info keeps an address of the line's own base, "<base>:wake:<id>", as ":wake:<id>": the
+-- base once per line, not per waiter (40-odd bytes each in a long line); any other one whole.
+local function line_base()  -- (K_WAITER_INFO is "<base>:waiter_info")
+  return string.sub(K_WAITER_INFO, 1, -13)
+end
+local function stored_address(address)
+  local head = line_base() .. ':wake:'
+  return string.sub(address, 1, #head) == head and string.sub(address, #head - 5) or address
+end
+
+-- A waiter's wake address, whole: a parked waiter's behind PARKED_MARK (see notify).
 local function wake_address(waiter)
-  local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter)
-  if info then
-    return string.match(info, '^%d*|(.*)$')
-  end
-  return nil
+  local address = string.match(redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or '', '^%d*|(.*)$')
+  local mark = is_parked(address) and PARKED_MARK or ''
+  local rest = address and string.sub(address, #mark + 1)
+  return rest and string.sub(rest, 1, 6) == ':wake:' and mark .. line_base() .. rest or address
 end
 
 -- Each of "items" behind "prefix" (then each behind "second", if given).

@@ -411,8 +411,8 @@ if ticket then
   if wake ~= '' then
     local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
     local first, address = string.match(info, '^(%d*)|(.*)$')
-    if address ~= wake then
-      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, (first or now) .. INFO_SEPARATOR .. wake)
+    if address ~= stored_address(wake) then
+      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, (first or now) .. INFO_SEPARATOR .. stored_address(wake))
     end
   end
 else
@@ -436,7 +436,7 @@ else
     ticket = returning_to_org(tenant_arg, ticket)
   end
   redis.call('ZADD', K_QUEUE, ticket, waiter)
-  redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
+  redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. stored_address(wake))
   if r.per_tenant > 0 and tenant_arg ~= '' and ticket % 1 == 0 then  -- a two-level one has it
     redis.call('HSET', K_WAITER_INFO, TENANT_FIELD .. waiter, tenant_named(tenant_arg))
   end

@@ -183,14 +183,14 @@ for i = 1, n do
   if enqueue then
     if not redis.call('ZSCORE', K_QUEUE, waiter) then
       redis.call('ZADD', K_QUEUE, ticket, waiter)
-      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. wake)
+      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, now .. INFO_SEPARATOR .. stored_address(wake))
     elseif wake ~= '' then
       -- another process (a re-sent copy) may ask now: tell it, not the one that asked before
       local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
       local first, address = string.match(info, '^(%d*)|(.*)$')
-      if address ~= wake then
+      if address ~= stored_address(wake) then
         redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
-                   (first ~= '' and first or now) .. INFO_SEPARATOR .. wake)
+                   (first ~= '' and first or now) .. INFO_SEPARATOR .. stored_address(wake))
       end
     end
     redis.call('ZADD', K_PRESENT, ticket, waiter)

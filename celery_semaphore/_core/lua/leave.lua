@@ -22,7 +22,7 @@ if away_ms and in_line and wake ~= '' then
   now = now_ms()
   local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
   redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
-             (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. PARKED_MARK .. wake)
+             (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. PARKED_MARK .. stored_address(wake))
   redis.call('ZADD', K_DEADLINES, now + away_ms, waiter)
   local offered = redis.call('ZSCORE', K_HOLDERS, OFFER_MARK .. waiter)
   if offered then

@@ -26,7 +26,7 @@ for i = 1, n do
     if wake ~= '' then
       local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
       redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
-                 (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. PARKED_MARK .. wake)
+                 (string.match(info, '^(%d+)') or now) .. INFO_SEPARATOR .. PARKED_MARK .. stored_address(wake))
       redis.call('ZADD', K_PRESENT, ticket, waiter)
     else
       redis.call('ZREM', K_PRESENT, waiter)
