@@ -56,9 +56,19 @@ REPEAT_MARK = "\x02"
 COPY_ID_MARK = "\x03"
 OWN_TAG_MARK = "\x04"
 MARKED = "\x05"
-# Around a body kept as its JSON text (in the stencil), and after MARKED in a copy that has one:
-# the scripts write what is between the two marks base64. No JSON text holds a raw one.
+# Around a body kept as its JSON text (in the stencil): the scripts write what is between the two
+# marks base64. No JSON text holds a raw one.
 BODY_MARK = "\x06"
+# The fills a Celery copy's id, "<task id>#<retries>#<run part>" (``WaitHeaders.run_id``), stands
+# in for too: its task id (the message's id, root id and correlation id) and its run part (the
+# ``csem_run`` header): 53 B of a small task's copy.
+TASK_ID_MARK = "\x07"
+RUN_PART_MARK = "\x08"
+_RUN_ID = re.compile(r"(.+)#[0-9]+#([^#]+)", re.DOTALL)
+# The last fill of a copy with marks the release before this one does not know (a body kept as
+# its text, TASK_ID_MARK, RUN_PART_MARK): that release takes only MARKED for its own, so it
+# counts a fill more than the stencil's holes and leaves the copy stored, unread.
+MORE_MARKED = MARKED + BODY_MARK
 _HOLE_TEXT = json.dumps(HOLE)
 _BODY_TEXT = json.dumps(BODY_MARK)
 # An id the scripts may write between quotes as it is: printable ASCII that JSON needs no escape for.
@@ -97,11 +107,14 @@ def pack(message: dict[str, Any], copy_id: str | None = None, *, split_body: boo
     with holes (``_body_parts``) unless ``split_body`` is false."""
     fills: list[str] = []
     id_text = _json_of(copy_id) if copy_id is not None and _PLAIN_ID.fullmatch(copy_id) else None
+    stand_ins = _stand_ins(copy_id) if id_text is not None and copy_id is not None else {}
 
-    def hole(value: Any, *, tag: bool = False, text: str | None = None) -> str:
+    def hole(value: Any, *, tag: bool = False, text: str | None = None, marks: bool = True) -> str:
         text = _json_of(value) if text is None else text
-        if id_text is not None and (text == id_text or (tag and type(value) is str)):
-            fills.append(COPY_ID_MARK if text == id_text else OWN_TAG_MARK)
+        if marks and tag and id_text is not None and type(value) is str:
+            fills.append(OWN_TAG_MARK)
+        elif marks and text in stand_ins:
+            fills.append(stand_ins[text])
         else:
             fills.append(f"{REPEAT_MARK}{fills.index(text) + 1}" if text in fills else text)
         return HOLE
@@ -116,7 +129,7 @@ def pack(message: dict[str, Any], copy_id: str | None = None, *, split_body: boo
             first = len(fills)
             # the parts are what json.loads read: its own dumps writes them as kombu's does
             body_stencil = json.dumps(
-                [part if kept else hole(part, text=json.dumps(part)) for part, kept in body_parts]
+                [part if kept else hole(part, text=json.dumps(part), marks=False) for part, kept in body_parts]
             )
             if _filled(body_stencil, fills, first) != body_text:  # never a body that reads otherwise
                 return pack(message, copy_id, split_body=False)
@@ -137,11 +150,22 @@ def pack(message: dict[str, Any], copy_id: str | None = None, *, split_body: boo
         return None  # (with no fill it is its stencil: stored whole, nothing to share)
     stencil = text.replace(_HOLE_TEXT, HOLE)
     digest = hashlib.sha1(stencil.encode(), usedforsecurity=False).hexdigest()[:DIGEST_CHARS]
-    if body_parts is not None:
-        fills.append(MARKED + BODY_MARK)
+    if body_parts is not None or TASK_ID_MARK in fills or RUN_PART_MARK in fills:
+        fills.append(MORE_MARKED)
     elif COPY_ID_MARK in fills or OWN_TAG_MARK in fills:
         fills.append(MARKED)
     return Packed(digest, stencil, HOLE.join(fills))
+
+
+def _stand_ins(copy_id: str) -> dict[str, str]:
+    """The JSON texts of the copy's id and of its parts (a Celery run id's task id and run
+    part), each with the mark the scripts write it for."""
+    texts = {_json_of(copy_id): COPY_ID_MARK}
+    parts = _RUN_ID.fullmatch(copy_id)
+    if parts is not None:
+        texts.setdefault(_json_of(parts[1]), TASK_ID_MARK)
+        texts.setdefault(_json_of(parts[2]), RUN_PART_MARK)
+    return texts
 
 
 def _body_parts(message: dict[str, Any]) -> tuple[str, list[tuple[Any, bool]] | None]:
@@ -213,17 +237,19 @@ def unpack(packed: str, stencil: str, copy_id: str = "", stamp: str = "0") -> st
     ``copy_id`` and its delivery tag ``"<copy_id>:<stamp>"`` (Redis writes its own time there);
     a body kept as its text is written base64, as kombu wrote it."""
     fills = packed.split(HOLE)[1:]
-    marked = fills[-1:] in ([MARKED], [MARKED + BODY_MARK])
-    body = marked and fills.pop() == MARKED + BODY_MARK
+    marked = fills[-1:] in ([MARKED], [MORE_MARKED])
+    more = marked and fills.pop() == MORE_MARKED
     parts = stencil.split(HOLE)
     if len(parts) != len(fills) + 1:
         raise ValueError(f"a stencil of {len(parts) - 1} holes for {len(fills)} fills")
-    stand_ins = {COPY_ID_MARK: json.dumps(copy_id), OWN_TAG_MARK: json.dumps(f"{copy_id}:{stamp}")} if marked else {}
+    stand_ins = {mark: text for text, mark in _stand_ins(copy_id).items()} if marked else {}
+    if marked:
+        stand_ins[OWN_TAG_MARK] = json.dumps(f"{copy_id}:{stamp}")
     whole = [parts[0]]
     for fill, part in zip(fills, parts[1:], strict=True):
         text = fills[int(fill[1:]) - 1] if fill.startswith(REPEAT_MARK) else fill
         whole += [stand_ins.get(text, text), part]
-    if not body:
+    if not more or BODY_MARK not in stencil:
         return "".join(whole)
     head, body_text, tail = "".join(whole).split(BODY_MARK)
     return head + base64.b64encode(body_text.encode()).decode() + tail

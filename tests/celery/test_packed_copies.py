@@ -185,48 +185,57 @@ _celery_bodies = st.tuples(
 )
 
 
-@given(parts=_celery_bodies, task_id=st.sampled_from(["t-1", "run-b", 'a"q']))
+@given(parts=_celery_bodies, task_id=st.sampled_from(["t-1", "run-b#2", 'a"q']))
 @example(parts=([1], {}, {}), task_id="t-1")  # bodies of 13, 14 and 15 bytes: each padding
 @example(parts=([12], {}, {}), task_id="t-1")
 @example(parts=([123], {}, {}), task_id="t-1")
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_a_celery_body_is_kept_as_its_arguments_and_sent_base64_as_kombu_wrote_it(
+def test_a_celery_copy_keeps_its_arguments_not_its_ids_and_is_sent_as_kombu_wrote_it(
     setup: Setup, parts: tuple[list[Any], dict[str, Any], dict[str, Any]], task_id: str
 ) -> None:
     """A JSON body (kombu writes it base64) is kept as its text with holes, only the arguments
-    as fills; put back together by Python and by Redis (which writes the base64), it is the text
-    kombu wrote, byte for byte, whatever the arguments hold and whatever their length (each of
-    the three base64 paddings)."""
-    from celery_semaphore._celery.packing import BODY_MARK, HOLE, MARKED
+    as fills, and the ids its copy's id "<task id>#<retries>#<run part>" holds (the task id as
+    id, root id and correlation id; the run part) as marks. Put back together by Python and by
+    Redis (which writes the ids and the base64), it is the text kombu wrote, byte for byte,
+    whatever the arguments hold and whatever their length (each of the three base64 paddings);
+    an id JSON would escape is kept as a fill, its body still split."""
+    from celery_semaphore._celery.packing import HOLE, MORE_MARKED, RUN_PART_MARK, TASK_ID_MARK
 
     body = base64.b64encode(dumps(list(parts)).encode()).decode()
+    run = f"{task_id}#0#ab12"
     message = {
         "body": body,
         "content-encoding": "utf-8",
         "content-type": "application/json",
-        "headers": {"id": task_id, "csem_backstop": "run-b", "task": "due_copies_test.work"},
+        "headers": {"id": task_id, "root_id": task_id, "csem_run": "ab12", "csem_backstop": run, "task": "t.work"},
         "properties": {"correlation_id": task_id, "body_encoding": "base64", "delivery_tag": "tag-1"},
     }
-    packed = pack(message, copy_id="run-b")
+    packed = pack(message, copy_id=run)
     assert packed is not None
     fills = packed.fills.split(HOLE)
-    assert fills[-1] == MARKED + BODY_MARK and body not in packed.fills and f'"{body}"' not in packed.stencil
+    assert fills[-1] == MORE_MARKED and body not in packed.fills and f'"{body}"' not in packed.stencil
+    plain = '"' not in task_id
+    if plain:  # neither id is kept: marks stand in for them
+        assert TASK_ID_MARK in fills and RUN_PART_MARK in fills
+        assert json.dumps(task_id) not in fills and '"ab12"' not in fills
+    else:
+        assert json.dumps(task_id) in fills and TASK_ID_MARK not in fills
     if all(value is None for value in parts[2].values()):
         assert dumps(parts[2]) in packed.stencil  # the options every call shares are the stencil's
-    whole = unpack(f"{packed.digest}\x00{packed.fills}", packed.stencil, "run-b", "7.5")
-    expected = {**message, "properties": {**message["properties"], "delivery_tag": "run-b:7.5"}}
-    assert whole == dumps(expected)
+    whole = unpack(f"{packed.digest}\x00{packed.fills}", packed.stencil, run, "7.5")
+    tag = f"{run}:7.5" if plain else "tag-1"
+    assert whole == dumps({**message, "properties": {**message["properties"], "delivery_tag": tag}})
     setup.client.delete(WAKE_LIST)
-    setup.store.stow("celery.semaphore-wake", "run-b", 0, packed)
+    setup.store.stow("celery.semaphore-wake", run, 0, packed)
     sent = setup.client.lpop(WAKE_LIST).decode()
     assert untagged(sent) == untagged(whole) and json.loads(sent)["body"] == body
 
 
 def test_a_body_split_copy_is_left_stored_by_a_reader_that_knows_only_the_marks() -> None:
-    """Its last fill is ``MARKED`` and ``BODY_MARK``: a reader of the release before, which
+    """Its last fill is ``MORE_MARKED``: a reader of the release before, which
     takes only a last fill of ``MARKED`` for its own, counts one fill more than the stencil's
     holes and leaves the copy stored, never sends the body's JSON text as it is."""
-    from celery_semaphore._celery.packing import BODY_MARK, HOLE, MARKED
+    from celery_semaphore._celery.packing import HOLE, MARKED, MORE_MARKED
 
     body = base64.b64encode(dumps([[1, "x"], {}, {"callbacks": None}]).encode()).decode()
     message = {
@@ -239,7 +248,7 @@ def test_a_body_split_copy_is_left_stored_by_a_reader_that_knows_only_the_marks(
     packed = pack(message)
     assert packed is not None
     fills = packed.fills.split(HOLE)
-    assert fills == ['[1, "x"]', '"t1"', MARKED + BODY_MARK]
+    assert fills == ['[1, "x"]', '"t1"', MORE_MARKED]
     assert len(fills) == packed.stencil.count(HOLE) + 1 and fills[-1] != MARKED
     # anything else than a JSON list of three that reads back to its own text is one fill
     for other in ([1, 2], {"a": 1}, [[], {}, {}, 4]):
@@ -309,7 +318,7 @@ def test_a_marked_copy_is_one_fill_longer_than_its_stencil_for_an_earlier_reader
     its stencil's holes, and otherwise leaves it stored, unread: a marked copy has one more (its
     ``MARKED`` end), so no earlier release sends a mark as it is. A copy with no id to stand for
     (or one JSON would have to escape) is packed as before, without marks."""
-    from celery_semaphore._celery.packing import HOLE, MARKED
+    from celery_semaphore._celery.packing import HOLE, MARKED, MORE_MARKED
 
     message = {
         "body": "W10=",
@@ -319,10 +328,12 @@ def test_a_marked_copy_is_one_fill_longer_than_its_stencil_for_an_earlier_reader
     marked = pack(message, copy_id="t1#0#ab")
     assert marked is not None
     fills = marked.fills.split(HOLE)
-    assert fills[-1] == MARKED and len(fills) == marked.stencil.count(HOLE) + 1
+    assert fills[-1] == MORE_MARKED and len(fills) == marked.stencil.count(HOLE) + 1  # "t1": its task id
+    only_own = pack({**message, "headers": {"csem_backstop": "copy-7"}}, copy_id="copy-7")
+    assert only_own is not None and only_own.fills.split(HOLE)[-1] == MARKED  # the marks that reader knows
     for copy_id in (None, 'a"quote', "é"):
         plain = pack(message, copy_id=copy_id)
-        assert plain is not None and plain.fills.split(HOLE)[-1] != MARKED
+        assert plain is not None and plain.fills.split(HOLE)[-1] not in (MARKED, MORE_MARKED)
         assert len(plain.fills.split(HOLE)) == plain.stencil.count(HOLE)
     whole = unpack(f"{marked.digest}\x00{marked.fills}", marked.stencil, "t1#0#ab", "12.5")
     expected = json.loads(dumps(message))

@@ -38,8 +38,10 @@ end
 -- of its own with "\4": written here as "<id>" and "<id>:<stamp>" (stamp: the server's time, so
 -- that each send has a tag of its own). A reader of an earlier release counts one fill more than
 -- the stencil's holes, and leaves such a copy stored rather than send the marks. A last fill
--- "\5\6" says the same of a copy whose body its stencil keeps as JSON text between two "\6":
--- that text, filled, is written base64 (a reader that knows only "\5" leaves it stored too).
+-- "\5\6" says the same of a copy with marks that reader does not know (it leaves it stored
+-- too): "\7" and "\8", the task id and the run part of a Celery copy's id "<task id>#<retries>#
+-- <run part>", and a body its stencil keeps as JSON text between two "\6": that text, filled, is
+-- written base64.
 local function stored_message(stored, stencils_key, id, stamp)
   local cut = string.find(stored, '\n', 1, true)
   local target = string.sub(stored, 1, cut - 1)
@@ -47,11 +49,12 @@ local function stored_message(stored, stencils_key, id, stamp)
     return target, string.sub(stored, cut + 1)
   end
   local fills = split_at_nul(stored, cut + 2)  -- fills[1]: the stencil's digest
-  local marked = fills[#fills] == '\5' or fills[#fills] == '\5\6'
-  local body = fills[#fills] == '\5\6'
+  local more = fills[#fills] == '\5\6'
+  local marked = more or fills[#fills] == '\5'
   if marked then
     fills[#fills] = nil
   end
+  local task_id, run_part = string.match(id, '^(.+)#%d+#([^#]+)$')
   local stencil = redis.call('HGET', stencils_key, fills[1])
   if not stencil then
     return target, nil
@@ -70,6 +73,10 @@ local function stored_message(stored, stencils_key, id, stamp)
       fill = '"' .. id .. '"'
     elseif marked and fill == '\4' then
       fill = '"' .. id .. ':' .. stamp .. '"'
+    elseif more and fill == '\7' then
+      fill = task_id and '"' .. task_id .. '"'
+    elseif more and fill == '\8' then
+      fill = run_part and '"' .. run_part .. '"'
     end
     if not fill then
       return target, nil
@@ -78,7 +85,7 @@ local function stored_message(stored, stencils_key, id, stamp)
     whole[#whole + 1] = parts[i]
   end
   local message = table.concat(whole)
-  if body then
+  if more and string.find(stencil, '\6', 1, true) then
     local open = string.find(message, '\6', 1, true)
     local close = open and string.find(message, '\6', open + 1, true)
     if not close then
