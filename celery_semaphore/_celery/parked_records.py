@@ -107,9 +107,8 @@ def record_line(prefix: str, base: str) -> str:
     entry: 12 B fewer each for the default prefix), else its base, which starts with
     ``"<prefix>:{"`` (``SemaphoreKeys.of``; a family's ``"<prefix>:{<tag>}:<name>"``). A name
     that starts so is written as its base too, so that ``base_of_line`` reads either back."""
-    head = f"{prefix}:{{"
-    name = base[len(head) : -1]
-    return name if base.startswith(head) and base.endswith("}") and not name.startswith(head) else base
+    name = name_of_base(prefix, base)
+    return name if name != base and not name.startswith(f"{prefix}:{{") else base
 
 
 def base_of_line(prefix: str, line: str) -> str:

@@ -54,7 +54,10 @@ local function stored_message(stored, stencils_key, id, stamp)
   if marked then
     fills[#fills] = nil
   end
-  local task_id, run_part = string.match(id, '^(.+)#%d+#([^#]+)$')
+  local task_id, run_part
+  if more then
+    task_id, run_part = string.match(id, '^(.+)#%d+#([^#]+)$')
+  end
   local stencil = redis.call('HGET', stencils_key, fills[1])
   if not stencil then
     return target, nil

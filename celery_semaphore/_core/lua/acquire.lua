@@ -411,8 +411,9 @@ if ticket then
   if wake ~= '' then
     local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
     local first, address = string.match(info, '^(%d*)|(.*)$')
-    if address ~= stored_address(wake) then
-      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, (first or now) .. INFO_SEPARATOR .. stored_address(wake))
+    local kept = stored_address(wake)
+    if address ~= kept then
+      redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, (first or now) .. INFO_SEPARATOR .. kept)
     end
   end
 else

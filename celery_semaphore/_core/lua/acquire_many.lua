@@ -188,9 +188,9 @@ for i = 1, n do
       -- another process (a re-sent copy) may ask now: tell it, not the one that asked before
       local info = redis.call('HGET', K_WAITER_INFO, WAITER_FIELD .. waiter) or ''
       local first, address = string.match(info, '^(%d*)|(.*)$')
-      if address ~= stored_address(wake) then
-        redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter,
-                   (first ~= '' and first or now) .. INFO_SEPARATOR .. stored_address(wake))
+      local kept = stored_address(wake)
+      if address ~= kept then
+        redis.call('HSET', K_WAITER_INFO, WAITER_FIELD .. waiter, (first ~= '' and first or now) .. INFO_SEPARATOR .. kept)
       end
     end
     redis.call('ZADD', K_PRESENT, ticket, waiter)
