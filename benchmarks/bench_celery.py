@@ -34,13 +34,17 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   (``semaphore_inline_wait = 0``: a refused task is re-sent with a countdown), across workers.
   Several chains run side by side, each on its own key with limit 1: a task is sent to one
   worker's queue, and the moment its body starts the next one is sent to the other worker's
-  queue, where it is refused and leaves the worker; when the holder's ``__call__`` returns (right
-  after its release) a timestamp is taken, and the sample is the time from there to the
-  waiter's body start. A waiter that first asked only after the release is not a hand-off and is
-  not counted. Figures: p50 / p90 / p99 / max ms over all rounds' samples, and per round; the
-  links not waiting, deliveries per waiter, the longest time from sending a link to its first
-  ask (a link held long before any pool child ran it asks after the release: no sample, but
-  seen here) and the round's seconds.
+  queue, where it is refused and leaves the worker; the sample is the time from the holder's
+  release (stamped as it begins, in ``task_postrun``, after Celery stored the holder's result)
+  to the waiter's body start. A waiter that first asked only after the release is not a
+  hand-off and is not counted. Figures: p50 / p90 / p99 / max ms over all rounds' samples, and
+  per round; the links not waiting, deliveries per waiter, the longest time from sending a link
+  to its first ask (a link held long before any pool child ran it asks after the release: no
+  sample, but seen here) and the round's seconds. Then where that time goes, pooled (``HOPS``):
+  the holder's ``__call__`` end to its release (the result store, through which the slot is
+  held), the release to the waiter's copy sent to its wake queue, to its worker receiving it, to
+  a pool process running it, to its claim granted, to its body start; or, for a waiter woken ahead (its copy received
+  before the release, waiting in a pool process for its offer), the release to its start.
 * ``handoff-amqp`` and ``handoff-quorum``: the same hand-off on RabbitMQ, with classic queues
   and with quorum queues (``task_default_queue_type = "quorum"``, as Celery 5.5+ documents). For
   quorum queues both sides declare every queue the same way: the workers' app and the sending app
@@ -547,6 +551,59 @@ def fairness_round(lab: Lab, spec: Fairness, case: str, round_no: int, broker_ur
     }
 
 
+# The hops of a hand-off (``hops_of``), in the order the time passes.
+HOPS = {
+    "store": "holder's __call__ end -> its release (the result stored, the slot still held)",
+    "send": "release -> the waiter's copy sent to its wake queue",
+    "deliver": "copy sent -> received by the waiter's worker (task_received)",
+    "dispatch": "received -> run in a pool process (task_prerun)",
+    "claim": "task_prerun -> granted (the claim of the offer)",
+    "checks": "granted -> body start (the run's checks in the broker and the result backend)",
+    "ahead": "release -> body start, the waiter's copy received before the release (woken ahead)",
+}
+
+
+def _moments(client: redis.Redis, name: str) -> dict[str, list[float]]:
+    """A list of ``"<id> <time>"`` records: each task's moments, in order."""
+    found: dict[str, list[float]] = {}
+    for raw in client.lrange(name, 0, -1):
+        task, at = _text(raw).split()[:2]
+        found.setdefault(task, []).append(float(at))
+    return {task: sorted(times) for task, times in found.items()}
+
+
+def hops_of(
+    call_end: float, release: float, start: float, waiter: str, moments: dict[str, dict[str, list[float]]]
+) -> dict[str, float]:
+    """Where one hand-off's time went, ms per hop (``HOPS``): the waiter's delivery that started
+    is the last one its worker received before the start, and the copy sent for it the last sent
+    before that; received before the release, it was woken ahead and waited for its offer in a
+    pool process (one hop, release to start). A hop whose stamps are missing is left out."""
+
+    def last(name: str, until: float) -> float | None:
+        before = [at for at in moments[name].get(waiter, []) if at <= until]
+        return before[-1] if before else None
+
+    found = {"store": (release - call_end) * 1000}
+    received = last("received_at", start)
+    if received is None:
+        return found
+    if received < release:
+        found["ahead"] = (start - release) * 1000
+        return found
+    sent, prerun = last("sent", received), last("prerun_at", start)
+    if sent is not None and sent >= release:
+        found["send"] = (sent - release) * 1000
+        found["deliver"] = (received - sent) * 1000
+    if prerun is not None and prerun >= received:
+        found["dispatch"] = (prerun - received) * 1000
+        granted = last("granted_at", start)
+        if granted is not None and granted >= prerun:
+            found["claim"] = (granted - prerun) * 1000
+            found["checks"] = (start - granted) * 1000
+    return found
+
+
 def handoff_round(lab: Lab, spec: Handoff, round_no: int, broker_url: str) -> dict[str, Any]:
     """Chains of limit-1 keys: each link is sent to the other worker the moment the previous
     link's body starts, so it is refused and waits outside the worker while its predecessor
@@ -592,12 +649,17 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int, broker_url: str) -> di
             lab.wait_for(ids, "bench:ends", group, timeout=120)
             runs = lab.counts("bench:runs", ids)
             released = _first_by_task(_events(lab.probe, "bench:released"))
+            call_ends = _first_by_task(_events(lab.probe, "bench:call_ends"))
             starts = _first_by_task(_events(lab.probe, "bench:starts"))
             asks = _first_by_task(_events(lab.probe, "bench:asks"))
+            stamped = ("sent", "received_at", "prerun_at", "granted_at")
+            moments = {name: _moments(lab.probe, f"bench:{name}") for name in stamped}
     finally:
         for queue in queues:
             lab.delete_amqp_queue(broker_url, queue)
     samples: list[float] = []
+    from_call_end: list[float] = []
+    hops: dict[str, list[float]] = {name: [] for name in HOPS}
     cross = not_waiting = 0
     for links in chains:
         for holder, waiter in itertools.pairwise(links):
@@ -606,6 +668,10 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int, broker_url: str) -> di
                 not_waiting += 1  # it first asked after the release: no hand-off to time
                 continue
             samples.append((start.at - release.at) * 1000)
+            call_end = call_ends.get(holder, release).at
+            from_call_end.append((start.at - call_end) * 1000)
+            for name, ms in hops_of(call_end, release.at, start.at, waiter, moments).items():
+                hops[name].append(ms)
             cross += release.worker != start.worker
     waiter_runs = [count for links in chains for count in lab.counts("bench:runs", links[1:])] or [0]
     # a link that reached no pool child for long (held behind a full prefetch, say) asks only
@@ -620,6 +686,8 @@ def handoff_round(lab: Lab, spec: Handoff, round_no: int, broker_url: str) -> di
         "p90_ms": percentile(samples, 90),
         "p99_ms": percentile(samples, 99),
         "max_ms": max(samples, default=float("nan")),
+        "from_call_end_ms": from_call_end,
+        "hops_ms": hops,
         "runs_per_waiter": statistics.fmean(waiter_runs),
         "runs_per_task": statistics.fmean(runs),
         "max_send_to_ask_ms": max(send_to_ask, default=float("nan")),
@@ -1086,6 +1154,8 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
         out.append(f"  SKIPPED: {outcome.skipped}")
     elif len(rows) > 1:
         out.append(table(rows))
+    if isinstance(spec, Handoff) and outcome.rounds.get("semaphore") and not outcome.skipped:
+        out.append(hops_table(outcome.rounds["semaphore"]))
     if isinstance(spec, Rolling) and slow:
         out.append(
             "starts more than 50 ms after a release, by the queue they came from and their earlier "
@@ -1094,6 +1164,23 @@ def report_scenario(outcome: Outcome, rounds: int) -> str:
     for error in outcome.errors:
         out.append(f"  FAILED {error.splitlines()[0]}")
     return "\n".join(out)
+
+
+def hops_table(results: Sequence[dict[str, Any]]) -> str:
+    """Where the hand-offs' time went, pooled over the rounds: each hop's samples, p50 and p90."""
+    rows = [["hop", "samples", "p50 ms", "p90 ms"]]
+    pooled_end = [ms for r in results for ms in r["from_call_end_ms"]]
+    rows.append(
+        [
+            "holder's __call__ end -> waiter body start (the hand-off with the result store)",
+            str(len(pooled_end)),
+            *(f"{percentile(pooled_end, q):.1f}" for q in (50, 90)),
+        ]
+    )
+    for name, title in HOPS.items():
+        pooled = [ms for r in results for ms in r["hops_ms"][name]]
+        rows.append([title, str(len(pooled)), *(f"{percentile(pooled, q):.1f}" for q in (50, 90))])
+    return "where the hand-off's time goes, all rounds pooled:\n" + table(rows)
 
 
 @dataclass(frozen=True)

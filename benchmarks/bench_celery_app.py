@@ -26,8 +26,18 @@ probe database (db 3 of the broker's Redis), keyed by task id:
   number of bodies running at once per key;
 * ``bench:released`` (list of ``"<id> <time> <worker> <key>"``): the moment the task's release
   began (stamped as the library's ``_release`` is entered), the start of a hand-off. Stamped
-  there, not once ``SemaphoreTask.__call__`` returns: the release also sends the next waiter's
-  wake copy from this process, and a stamp after it would leave that time out of the hand-off;
+  there, not once the release returns: the release also sends the next waiter's wake copy from
+  this process, and a stamp after it would leave that time out of the hand-off. A waited task
+  releases in ``task_postrun``, after Celery stored its result: ``bench:call_ends`` (the same
+  shape) is when its ``__call__`` returned, so that the hold through the store is seen apart;
+* ``bench:received_at`` and ``bench:prerun_at`` (lists of ``"<id> <time>"``): every delivery's
+  ``task_received`` (the worker's main process) and every run's ``task_prerun`` (a pool child),
+  in the same round trip as the counts above; and ``bench:sent`` (the same shape): each wake-up's
+  copy sent to a wake queue (the stored copy on the Redis broker, the wake copy on RabbitMQ),
+  stamped after the send, in the process that sent it; ``bench:granted_at`` (the same shape): when
+  a try of a key's semaphore (``FairSemaphore._try``, a claim of an offer among them) returned a
+  grant, pushed with the body's start. With them the hand-off is split into its hops
+  (``bench_celery``'s ``handoff`` breakdown);
 * ``bench:durations`` (list of ``"<id> <ms>"``): ``task_prerun`` to ``task_postrun`` per run, the
   per-task cost with and without the semaphore;
 * ``bench:failures`` (list): any task that failed, so that the benchmark stops instead of
@@ -55,7 +65,9 @@ from typing import Any
 import redis
 from celery import Celery, Task, signals
 
-from celery_semaphore import FairSemaphore, MultiSemaphore, SemaphoreTask
+from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, SemaphoreTask
+from celery_semaphore._celery import parked_sends, parking
+from celery_semaphore._celery.due_copies import DueCopies
 from tests.concurrency_probe import ConcurrencyProbe
 
 app = Celery(
@@ -110,6 +122,10 @@ def _hold(task: Task, seconds: float, key: str) -> None:
         came = str((task.request.delivery_info or {}).get("routing_key") or "?")
         waits = getattr(task.request, "csem_waits", None) or 0
         pipe.rpush("bench:starts", f"{task.request.id} {started} {_worker(task)} {key} {came} {waits}")
+        granted_at = getattr(_granted, "at", None)
+        if granted_at is not None:
+            pipe.rpush("bench:granted_at", f"{task.request.id} {granted_at}")
+            _granted.at = None
         pipe.rpush(f"bench:start:{task.request.id}", started)
         pipe.expire(f"bench:start:{task.request.id}", 3600)
         pipe.execute()
@@ -154,6 +170,21 @@ def _stamped(release: Any) -> Any:
     return stamped_release
 
 
+# The moment this thread's latest try was granted (see bench:granted_at).
+_granted = threading.local()
+
+
+def _stamped_try(attempt_of: Any) -> Any:
+    def stamped_try(self: Any, *args: Any, **kwargs: Any) -> Any:
+        attempt = attempt_of(self, *args, **kwargs)
+        if isinstance(attempt, Granted):
+            _granted.at = time.time()
+        return attempt
+
+    return stamped_try
+
+
+FairSemaphore._try = _stamped_try(FairSemaphore._try)  # type: ignore[method-assign]
 FairSemaphore._release = _stamped(FairSemaphore._release)  # type: ignore[method-assign]
 MultiSemaphore._release = _stamped(MultiSemaphore._release)  # type: ignore[method-assign]
 
@@ -161,9 +192,13 @@ MultiSemaphore._release = _stamped(MultiSemaphore._release)  # type: ignore[meth
 class TimedSemaphoreTask(AskStamped, SemaphoreTask):
     """SemaphoreTask that notes the moment its slot was given back (and stamps its first ask).
 
-    ``SemaphoreTask.__call__`` releases in its ``finally``: the moment that release began is the
-    start of the hand-off that the benchmark times to the next waiter's body start. A refused
-    call (no body ran) released nothing and records nothing."""
+    A task whose run is marked finished gives its slot back in ``task_postrun``, after Celery has
+    stored its result (``giving_back.py``), not as ``__call__`` returns: the moment that release
+    began is the start of the hand-off that the benchmark times to the next waiter's body start,
+    and the end of ``__call__`` is noted beside it (``bench:call_ends``), so that the time the
+    slot is held through the result store is seen apart. Both are pushed in this app's
+    ``task_postrun`` handler, which runs after the library's. A refused call (no body ran)
+    released nothing and records nothing."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.request.bench_key = None
@@ -171,10 +206,55 @@ class TimedSemaphoreTask(AskStamped, SemaphoreTask):
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            key = getattr(self.request, "bench_key", None)
-            if key is not None:
-                released = getattr(_release_began, "at", None) or time.time()
-                probe_client().rpush("bench:released", f"{self.request.id} {released} {_worker(self)} {key}")
+            self.request.bench_call_end = time.time()
+
+
+def _record_release(task: Any) -> None:
+    """``bench:released`` and ``bench:call_ends`` of a task whose body ran (see TimedSemaphoreTask)."""
+    request = task.request
+    key = getattr(request, "bench_key", None)
+    if key is None:
+        return
+    call_end = getattr(request, "bench_call_end", None) or time.time()
+    released = getattr(_release_began, "at", None) or call_end
+    _release_began.at = None
+    with probe_client().pipeline(transaction=False) as pipe:
+        pipe.rpush("bench:released", f"{request.id} {released} {_worker(task)} {key}")
+        pipe.rpush("bench:call_ends", f"{request.id} {call_end} {_worker(task)} {key}")
+        pipe.execute()
+
+
+def _stamp_sent(task_id: str) -> None:
+    """A wake-up's copy of ``task_id`` is on its way to a wake queue (``bench:sent``), from
+    whichever process sent it: after the send returned, so nothing is added before it."""
+    if _all_records():
+        probe_client().rpush("bench:sent", f"{task_id} {time.time()}")
+
+
+def _stamped_send_now(send_now: Any) -> Any:
+    def stamped(self: Any, run: str) -> int:
+        sent = int(send_now(self, run))
+        if sent > 0:
+            _stamp_sent(run.split("#", 1)[0])
+        return sent
+
+    return stamped
+
+
+def _stamped_wake_copy(send: Any) -> Any:
+    def stamped(wake_copy: Any, name: str) -> None:
+        send(wake_copy, name)
+        task_id = (getattr(wake_copy, "options", None) or {}).get("task_id")
+        if task_id:
+            _stamp_sent(str(task_id))
+
+    return stamped
+
+
+DueCopies.send_now = _stamped_send_now(DueCopies.send_now)  # type: ignore[method-assign]
+# the wake copy as a message of its own (RabbitMQ): called by name from both modules
+parked_sends.send_wake_copy = _stamped_wake_copy(parked_sends.send_wake_copy)
+parking.send_wake_copy = _stamped_wake_copy(parking.send_wake_copy)  # type: ignore[attr-defined]
 
 
 @app.task(base=TimedSemaphoreTask, semaphore_key="bc:{key}", bind=True, name="bench.fair")
@@ -265,7 +345,11 @@ def _all_records() -> bool:
 @signals.task_received.connect
 def _on_received(request: Any = None, **_: Any) -> None:
     if request is not None and str(getattr(request, "name", "")).startswith("bench.") and _all_records():
-        probe_client().hincrby("bench:received", request.id, 1)
+        now = time.time()
+        with probe_client().pipeline(transaction=False) as pipe:
+            pipe.hincrby("bench:received", request.id, 1)
+            pipe.rpush("bench:received_at", f"{request.id} {now}")
+            pipe.execute()
 
 
 @signals.task_prerun.connect
@@ -273,7 +357,11 @@ def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     if task_id is None or not _ours(task) or not _all_records():
         return
     now = time.time()
-    if probe_client().hincrby("bench:runs", task_id, 1) == 1:
+    with probe_client().pipeline(transaction=False) as pipe:
+        pipe.hincrby("bench:runs", task_id, 1)
+        pipe.rpush("bench:prerun_at", f"{task_id} {now}")
+        runs, _ = pipe.execute()
+    if runs == 1:
         probe_client().rpush("bench:asks", f"{task_id} {now}")
         _first_runs.add(task_id)
     # timed from here, so that the bookkeeping above is not counted as the task's cost
@@ -284,6 +372,7 @@ def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
 def _on_postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     if task_id is None or not _ours(task):
         return
+    _record_release(task)
     started = _prerun_at.pop(task_id, None)
     if started is not None:
         probe_client().rpush("bench:durations", f"{task_id} {(time.perf_counter() - started) * 1000:.4f}")
