@@ -372,10 +372,10 @@ def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
 def _on_postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     if task_id is None or not _ours(task):
         return
-    _record_release(task)
     started = _prerun_at.pop(task_id, None)
     if started is not None:
         probe_client().rpush("bench:durations", f"{task_id} {(time.perf_counter() - started) * 1000:.4f}")
+    _record_release(task)  # after the duration is read: its round trip is the benchmark's own
 
 
 @signals.task_failure.connect

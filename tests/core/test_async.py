@@ -585,7 +585,12 @@ def test_a_claim_sent_with_a_release_that_offered_another_keeps_the_order(redis_
         await holder.release()
         assert batches.sent[0] == ["release", "acquire"]  # the guess was sent ...
         await until(lambda: _holder_count(sem, 1), what="the blocking caller holding")
-        assert order == ["blocking"] and not waiter.done()  # ... refused: the coroutine waits
+
+        async def noted() -> bool:  # its thread notes the grant once acquire has returned
+            return order == ["blocking"]
+
+        await until(noted, what="the blocking caller's grant noted by its thread")
+        assert not waiter.done()  # ... refused: the coroutine waits
         go_on.set()
         lease = await asyncio.wait_for(waiter, 5)
         order.append("coroutine")
