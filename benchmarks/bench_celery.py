@@ -43,8 +43,9 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   sample, but seen here) and the round's seconds. Then where that time goes, pooled (``HOPS``):
   the holder's ``__call__`` end to its release (the result store, through which the slot is
   held), the release to the waiter's copy sent to its wake queue, to its worker receiving it, to
-  a pool process running it, to its claim granted, to its body start; or, for a waiter woken ahead (its copy received
-  before the release, waiting in a pool process for its offer), the release to its start.
+  a pool process running it, to its claim granted, to its body start; or, for a waiter woken
+  ahead (its copy received before the release, waiting in a pool process for its offer), the
+  release to its start.
 * ``handoff-amqp`` and ``handoff-quorum``: the same hand-off on RabbitMQ, with classic queues
   and with quorum queues (``task_default_queue_type = "quorum"``, as Celery 5.5+ documents). For
   quorum queues both sides declare every queue the same way: the workers' app and the sending app
@@ -564,11 +565,10 @@ HOPS = {
 
 
 def _moments(client: redis.Redis, name: str) -> dict[str, list[float]]:
-    """A list of ``"<id> <time>"`` records: each task's moments, in order."""
+    """A list of ``"<id> <time>"`` records (``_events``): each task's moments, in order."""
     found: dict[str, list[float]] = {}
-    for raw in client.lrange(name, 0, -1):
-        task, at = _text(raw).split()[:2]
-        found.setdefault(task, []).append(float(at))
+    for event in _events(client, name):
+        found.setdefault(event.task, []).append(event.at)
     return {task: sorted(times) for task, times in found.items()}
 
 
