@@ -17,10 +17,9 @@ probe database (db 3 of the broker's Redis), keyed by task id:
   order the tasks by their first ask for a slot, whatever the semaphore believes;
 * ``bench:calls`` (list of ``"<id> <time>"``): the same first run, stamped as the task's ``__call__``
   begins, the moment before the library (or the naive code) asks: the other way, and the closer
-  one. ``task_prerun`` comes before this benchmark's own bookkeeping of the run (two round trips
-  to the probe database), so two tasks asking a millisecond apart in two pool children may be
-  stamped in one order at prerun and reach the semaphore in the other. The record is pushed
-  after the call returns, so it adds nothing between the stamp and the ask;
+  one. Two tasks asking a millisecond apart in two pool children may be stamped in one order at
+  prerun and reach the semaphore in the other. Both are pushed in ``task_postrun``, once the run's
+  count has said it was the first, so they add nothing between the stamps and the ask;
 * ``bench:starts`` / ``bench:ends`` (lists of ``"<id> <time> <worker> <key>"``): the body of the
   limited work, start and end; with the concurrency probe (``probe:<key>``) around it, the true
   number of bodies running at once per key;
@@ -32,7 +31,7 @@ probe database (db 3 of the broker's Redis), keyed by task id:
   shape) is when its ``__call__`` returned, so that the hold through the store is seen apart;
 * ``bench:received_at`` and ``bench:prerun_at`` (lists of ``"<id> <time>"``): every delivery's
   ``task_received`` (the worker's main process) and every run's ``task_prerun`` (a pool child),
-  in the same round trip as the counts above; and ``bench:sent`` (the same shape): each wake-up's
+  sent with the counts above; and ``bench:sent`` (the same shape): each wake-up's
   copy sent to a wake queue (the stored copy on the Redis broker, the wake copy on RabbitMQ),
   stamped after the send, in the process that sent it; ``bench:granted_at`` (the same shape): when
   a try of a key's semaphore (``FairSemaphore._try``, a claim of an offer among them) returned a
@@ -43,11 +42,14 @@ probe database (db 3 of the broker's Redis), keyed by task id:
 * ``bench:failures`` (list): any task that failed, so that the benchmark stops instead of
   waiting for it.
 
-Each record is a round trip to the probe database, and on a 2-core machine under a backlog
-they are a fair share of the work: ``bench:received`` costs the worker's main process one per
-message before it dispatches the task. A scenario that reads only starts, ends, releases and
-failures (``rolling``) sets ``bench_records = "hand-off"`` in the workers' configuration, and
-the other records are not kept.
+No record waits for Redis on a task's way to its body: the counts and stamps of
+``task_received`` and ``task_prerun`` are sent on a connection of the process's own without
+waiting for the reply (benchmarks/unread.py). Inside the slot only the body's start (which the
+hand-off chains block on) and the concurrency probe wait; the rest are pushed in one round trip
+in ``task_postrun``, after the library's release, the body's end last, so that a benchmark that
+has seen a task end sees every record of it. A scenario that reads only starts, ends,
+releases and failures (``rolling``) sets ``bench_records = "hand-off"`` in the workers'
+configuration, and the other records are not kept.
 """
 
 # Celery's decorators are untyped: the tasks and handlers below would each need an ignore.
@@ -65,6 +67,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, signals
 
+from benchmarks.unread import UnreadRecords
 from celery_semaphore import FairSemaphore, Granted, MultiSemaphore, SemaphoreTask
 from celery_semaphore._celery import parked_sends, parking
 from celery_semaphore._celery.due_copies import DueCopies
@@ -93,6 +96,11 @@ def probe_client() -> redis.Redis:
     if "probe" not in _clients:
         _clients["probe"] = redis.Redis.from_url(os.environ.get("PROJ_PROBE_URL", "redis://127.0.0.1:1/3"))
     return _clients["probe"]
+
+
+# a record on a task's way to its body is sent without waiting for its reply (unread.py)
+_received_records = UnreadRecords(probe_client)
+_run_records = UnreadRecords(probe_client)
 
 
 def semaphore_client() -> redis.Redis:
@@ -134,24 +142,17 @@ def _hold(task: Task, seconds: float, key: str) -> None:
             time.sleep(seconds)
     finally:
         concurrency.leave()
-        client.rpush("bench:ends", f"{task.request.id} {time.time()} {_worker(task)} {key}")
-
-
-_first_runs: set[str] = set()
+        # pushed in task_postrun, after this run's other records (see _on_postrun)
+        task.request.bench_end = f"{task.request.id} {time.time()} {_worker(task)} {key}"
 
 
 class AskStamped(Task):  # type: ignore[misc]
-    """Stamps the first run of each task as its ``__call__`` begins (``bench:calls``)."""
+    """Stamps each run as its ``__call__`` begins: a first run's is kept (``bench:calls``, pushed
+    in ``task_postrun``)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        asked = time.time()
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            task_id = self.request.id
-            if task_id in _first_runs:
-                _first_runs.discard(task_id)
-                probe_client().rpush("bench:calls", f"{task_id} {asked}")
+        self.request.bench_asked = time.time()
+        return super().__call__(*args, **kwargs)
 
 
 # The moment this thread last began a release (see bench:released).
@@ -209,7 +210,7 @@ class TimedSemaphoreTask(AskStamped, SemaphoreTask):
             self.request.bench_call_end = time.time()
 
 
-def _record_release(task: Any) -> None:
+def _record_release(task: Any, pipe: Any) -> None:
     """``bench:released`` and ``bench:call_ends`` of a task whose body ran (see TimedSemaphoreTask)."""
     request = task.request
     key = getattr(request, "bench_key", None)
@@ -218,10 +219,8 @@ def _record_release(task: Any) -> None:
     call_end = getattr(request, "bench_call_end", None) or time.time()
     released = getattr(_release_began, "at", None) or call_end
     _release_began.at = None
-    with probe_client().pipeline(transaction=False) as pipe:
-        pipe.rpush("bench:released", f"{request.id} {released} {_worker(task)} {key}")
-        pipe.rpush("bench:call_ends", f"{request.id} {call_end} {_worker(task)} {key}")
-        pipe.execute()
+    pipe.rpush("bench:released", f"{request.id} {released} {_worker(task)} {key}")
+    pipe.rpush("bench:call_ends", f"{request.id} {call_end} {_worker(task)} {key}")
 
 
 def _stamp_sent(task_id: str) -> None:
@@ -346,36 +345,49 @@ def _all_records() -> bool:
 def _on_received(request: Any = None, **_: Any) -> None:
     if request is not None and str(getattr(request, "name", "")).startswith("bench.") and _all_records():
         now = time.time()
-        with probe_client().pipeline(transaction=False) as pipe:
-            pipe.hincrby("bench:received", request.id, 1)
-            pipe.rpush("bench:received_at", f"{request.id} {now}")
-            pipe.execute()
+        _received_records.send(
+            ("HINCRBY", "bench:received", request.id, 1), ("RPUSH", "bench:received_at", f"{request.id} {now}")
+        )
 
 
 @signals.task_prerun.connect
 def _on_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
-    if task_id is None or not _ours(task) or not _all_records():
+    if task_id is None or not _ours(task):
         return
-    now = time.time()
-    with probe_client().pipeline(transaction=False) as pipe:
-        pipe.hincrby("bench:runs", task_id, 1)
-        pipe.rpush("bench:prerun_at", f"{task_id} {now}")
-        runs, _ = pipe.execute()
-    if runs == 1:
-        probe_client().rpush("bench:asks", f"{task_id} {now}")
-        _first_runs.add(task_id)
+    if _all_records():
+        now = time.time()
+        _run_records.send(("HINCRBY", "bench:runs", task_id, 1), ("RPUSH", "bench:prerun_at", f"{task_id} {now}"))
+        task.request.bench_prerun = now
     # timed from here, so that the bookkeeping above is not counted as the task's cost
     _prerun_at[task_id] = time.perf_counter()
 
 
 @signals.task_postrun.connect
 def _on_postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    """The run's records, in one round trip after the library's own ``task_postrun`` (its
+    release): its duration, and, for a task's first run, when it asked (``bench:asks``,
+    ``bench:calls``); then its release and its body's end, last, so that a benchmark that has
+    seen a task end sees every record of it."""
     if task_id is None or not _ours(task):
         return
     started = _prerun_at.pop(task_id, None)
-    if started is not None:
-        probe_client().rpush("bench:durations", f"{task_id} {(time.perf_counter() - started) * 1000:.4f}")
-    _record_release(task)  # after the duration is read: its round trip is the benchmark's own
+    duration_ms = None if started is None else (time.perf_counter() - started) * 1000
+    request = task.request
+    replies = _run_records.replies()
+    with probe_client().pipeline(transaction=False) as pipe:
+        if duration_ms is not None:
+            pipe.rpush("bench:durations", f"{task_id} {duration_ms:.4f}")
+        prerun = getattr(request, "bench_prerun", None)
+        if replies and replies[0] == 1 and prerun is not None:  # its first run, in any worker
+            pipe.rpush("bench:asks", f"{task_id} {prerun}")
+            asked = getattr(request, "bench_asked", None)
+            if asked is not None:
+                pipe.rpush("bench:calls", f"{task_id} {asked}")
+        _record_release(task, pipe)
+        end = getattr(request, "bench_end", None)
+        if end is not None:
+            pipe.rpush("bench:ends", end)
+        pipe.execute()
 
 
 @signals.task_failure.connect
