@@ -271,16 +271,21 @@ class DueCopies:
         run arrived, and with acks_late its message comes back from the broker should this
         worker die."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.zscore(self.keys[3], run)
-        if withdraw:
-            self._forget(pipe, run)
-        else:
-            for keys in (self.keys, self.earlier_keys):
-                pipe.zrem(keys[4], run)
-                pipe.hdel(keys[5], run)
-        if remember_s > 0:
-            pipe.zadd(self.keys[3], {run: round((time.time() + remember_s) * 1000)})
+        for command in self.grant_commands(run, withdraw=withdraw, remember_s=remember_s):
+            pipe.execute_command(*command)
         return pipe.execute()[0] is not None
+
+    def grant_commands(self, run: str, *, withdraw: bool, remember_s: float = 0.0) -> list[tuple[Any, ...]]:
+        """What ``granted`` sends, the run's finish asked first: for a caller that sends them
+        ahead of another question and reads the first reply later (``sent_ahead.py``)."""
+        commands: list[tuple[Any, ...]] = [("ZSCORE", self.keys[3], run)]
+        kept = ((0, 1), (4, 5)) if withdraw else ((4, 5),)
+        for keys in (self.keys, self.earlier_keys):
+            for zset, hash_ in kept:
+                commands += [("ZREM", keys[zset], run), ("HDEL", keys[hash_], run)]
+        if remember_s > 0:  # until when, by this host's clock: its skew only shifts the forgetting
+            commands.append(("ZADD", self.keys[3], round((time.time() + remember_s) * 1000), run))
+        return commands
 
     def reopen(self, run: str) -> None:
         """Forget that ``run`` finished: it goes on in a copy (a body that paused its key)."""
@@ -370,31 +375,6 @@ def withdraw(app: Any, run: str | None, *, remember_s: float = 0.0) -> None:
         store.withdraw(run, remember_s=remember_s)
     except Exception as error:  # it comes back when due, and its run record drops it
         logger.debug("could not withdraw the stored copy of run %s: %s", run, error)
-
-
-@dataclass(frozen=True)
-class RunInBroker:
-    """What the broker's Redis said of a granted copy's run."""
-
-    finished: bool  # it remembers the run finished: this copy must not run it
-    remembered: bool  # the run is remembered as finished from now (at most once): no need at its end
-
-
-def granted(app: Any, run: str | None, *, at_most_once: bool, remember_s: float) -> RunInBroker:
-    """A copy of ``run`` was granted: whether the broker's Redis remembers the run finished
-    (not where it cannot say). With ``at_most_once`` (no acks_late: Celery runs it at most
-    once), its stored copy is forgotten, so that nothing runs it again whatever kills this
-    worker, and the run is remembered as finished for ``remember_s`` from now, in the same
-    round trip: its end then has nothing to tell the broker."""
-    store = due_copies_for(app) if run is not None else None
-    if store is None or run is None:
-        return RunInBroker(finished=False, remembered=False)
-    try:
-        finished = store.granted(run, withdraw=at_most_once, remember_s=remember_s if at_most_once else 0.0)
-    except Exception as error:  # a stored copy comes back when due, and its run record drops it
-        logger.debug("could not ask the broker's Redis about run %s: %s", run, error)
-        return RunInBroker(finished=False, remembered=False)
-    return RunInBroker(finished=finished, remembered=at_most_once and remember_s > 0)
 
 
 def reopen(app: Any, run: str) -> None:
