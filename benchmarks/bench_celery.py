@@ -60,7 +60,7 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   under quorum queues' static per-consumer prefetch (``worker_prefetch_multiplier`` x pool
   size) enough held copies stop the worker receiving anything (wake copies included) until the
   first countdowns end: watch "not waiting", "max send->ask" and the round's seconds.
-* ``rolling``: issue 17's rolling restart. Contended tasks at limit 1 (the default wait policy)
+* ``rolling``: a rolling restart. Contended tasks at limit 1 (the default wait policy)
   on two workers, one of them warm-restarted (SIGTERM, then a new worker of the same name) every
   10 s (3 s with ``--quick``), its pool processes and the tasks they parked going away each time: each release to the
   next body start. Case ``restarted`` against case ``steady``, the same run with no restart, as
@@ -87,7 +87,7 @@ Scenarios (``--only`` takes their names, or ``scenario/case``):
   never reached), one worker with one child, sent as a backlog: median ``task_prerun`` to
   ``task_postrun`` ms per task, and the difference.
 
-Targets: issue 8's (order, backlogs, ``handoff``, ``overhead``), issue 17's: the hand-off's
+Targets: order, backlogs, ``handoff`` and ``overhead``'s; the hand-off's
 p50 <= 15 ms and p99 <= 60 ms on RabbitMQ too, classic and quorum queues; and fair share's: B's
 first start within one hold plus 50 ms of its arrival in every round, B done in at most half
 the time A takes.
@@ -445,7 +445,7 @@ Scenario = Fairness | Handoff | Overhead | Rolling | Tenants
 
 
 def scenarios(quick: bool) -> list[Scenario]:
-    """Issue 8's and issue 17's targets; ``--quick`` keeps their shape with fewer tasks, for development."""
+    """The scenarios and their targets; ``--quick`` keeps their shape with fewer tasks, for development."""
     order_tasks, backlog_tasks = (30, 200) if quick else (60, 1000)
     chains, links = (2, 10) if quick else (4, 30)
     return [
@@ -1207,13 +1207,13 @@ def targets(specs: Sequence[Scenario]) -> list[Target]:
             Target(name, "inversions_pct", 1.0, "inverted start-order pairs, % of all"),
             Target(name, "max_concurrency", limits.get(name, 5), "max concurrency (limit)", worst=True),
         ]
-    for name in ("handoff", "handoff-amqp", "handoff-quorum"):  # issue 17: the same on RabbitMQ
+    for name in ("handoff", "handoff-amqp", "handoff-quorum"):  # the same on RabbitMQ
         found += [
             Target(name, "p50_ms", 15, "release -> waiter body start p50 ms (pooled)"),
             Target(name, "p99_ms", 60, "release -> waiter body start p99 ms (pooled)"),
         ]
     found += [Target("overhead", "delta_ms", 2, "per-task overhead, median ms")]
-    found += [  # issue 17, scenario 5
+    found += [  # the rolling restart
         Target("rolling", "p99_ms", 60, "release -> next start p99 ms outside the restarts (pooled)"),
         Target("rolling", "max_all_ms", 2500, "release -> next start, worst ms, restarts included", worst=True),
     ]

@@ -1,4 +1,4 @@
-"""Rates and spacings with real workers: issue 19's targets, and Celery's own rate_limit beside them.
+"""Rates and spacings with real workers: their targets, and Celery's own rate_limit beside them.
 
     .venv/bin/python -m benchmarks.bench_rates [--minutes 2] [--compare-minutes 1] [--rounds 3]
         [--only compare,exact-redis,exact-amqp,spacing] [--json PATH]
@@ -46,7 +46,7 @@ Each scenario is repeated ``--rounds`` times, with fresh workers, keys and Redis
 round; the tables give each round and the median (min-max) over the rounds, or the figure over
 every round's samples pooled where a percentile is asked for.
 
-Targets (issue 19): compare: ours 30 per minute while Celery's lets about 90 through; exact: max
+Targets: compare: ours 30 per minute while Celery's lets about 90 through; exact: max
 in any P-window <= N, every full period >= 0.95 N; spacing: late p50 <= 15 ms, p99 <= 60 ms, min
 gap >= S.
 """

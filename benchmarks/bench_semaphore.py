@@ -14,7 +14,7 @@ each client count:
 * the same 2 x EVALSHA sending FairSemaphore's 8 keys and its arguments (the floor of any
   semaphore that declares its keys as this one does);
 * a bare 2 x EVALSHA cycle (what any one-script acquire + release costs at least) and a minimal
-  one-script fair semaphore (ticket line, no hand-off, no expiries): the ratios issue 8 targets,
+  one-script fair semaphore (ticket line, no hand-off, no expiries): the ratios the targets name,
   per round of the same run, with their spread;
 * ``acquire(timeout=10)`` uncontended next to ``try_acquire``;
 * with more than ``CONTENDED_LIMIT`` (5) clients, ``acquire(timeout=0)`` + release and the minimal
@@ -562,7 +562,7 @@ def measure_block(server: RedisServer, clients: int, seconds: float, rounds: int
     return results
 
 
-# -- hand-off scenarios (issue 8): blocked callers, release cost, a crowd on one key ------------------
+# -- hand-off scenarios: blocked callers, release cost, a crowd on one key ------------------
 
 # besides tests.commandstats.NOT_SCRIPTED: the blocked callers' own subscriptions and the
 # release-by-prefix scan are not the release's work

@@ -246,7 +246,7 @@ def stored_copies_of(proj: Any, task_id: str) -> list[bytes]:
 
 
 def test_a_whole_worker_killed_mid_run_without_acks_late_never_runs_twice(proj: Any, workers: list[Worker]) -> None:
-    """Issue 26: a task without acks_late that waited and is running when its whole worker is
+    """A task without acks_late that waited and is running when its whole worker is
     SIGKILLed (an OOM kill of the main process, a lost node) ran again once its lease lapsed:
     its backstop copy took the dead run over. Celery would run it at most once. Now the stored
     copy is withdrawn as the run begins: the lease lapses, the slot comes back, and nothing is

@@ -1,4 +1,4 @@
-"""Wake queues declared like the queue they serve, with real workers (issue 17).
+"""Wake queues declared like the queue they serve, with real workers.
 
 A refused task parks and is sent again, the moment a release hands it the slot, to
 ``<queue>.semaphore-wake``. Each test here lets such a task wait with a 30 s backstop countdown

@@ -112,7 +112,7 @@ def test_valid_urls_describe_the_deployment(url: str, expected: dict[str, Any]) 
 # --- the forms that do not ----------------------------------------------------------------
 
 MALFORMED = [
-    # issue 7, loose end 1
+    # ports, sockets and dbs
     ("redis://127.0.0.1:99999/1", "port 99999 is out of range"),
     ("redis://127.0.0.1:abc/1", "port 'abc' is not a number"),
     ("redis://127.0.0.1:0/1", "out of range"),
@@ -134,11 +134,11 @@ MALFORMED = [
     ("unix://localhost/run/redis.sock", "socket path, not a host"),
     ("unix://", "no socket path"),
     ("unix:///run/r.sock?db=x", "db 'x'"),
-    # issue 7, loose end 2 and other schemes
+    # schemes
     ("http://host/1", "unknown scheme 'http://'"),
     ("redis+foo://h/0", "unknown scheme"),
     ("localhost:6379", "not a URL"),
-    # issue 9: cluster
+    # cluster
     ("redis+cluster://", "no cluster host"),
     ("redis+cluster:///", "no cluster host"),
     ("redis+cluster://h1:7000,,h2:7001", "empty entry"),
@@ -149,7 +149,7 @@ MALFORMED = [
     ("redis+cluster://h1:7000?read_from_replicas=perhaps", "not true or false"),
     ("redis+cluster://h1:7000?reinitialize_steps=-1", "not a non-negative integer"),
     ("redis+cluster://h1:7000?health_check_interval=5", "not supported by the Redis Cluster client"),
-    # issue 9: sentinel
+    # sentinel
     ("redis+sentinel://", "no Sentinel host"),
     ("redis+sentinel:///mymaster", "no Sentinel host"),
     ("redis+sentinel://s1:26379", "no service name"),
@@ -207,7 +207,7 @@ def test_malformed_url_with_a_password_masks_it_everywhere(url: str, reason: str
 @pytest.mark.parametrize(
     "url",
     [
-        f"http://user:{SECRET}@host/1",  # issue 7, loose end 2, as reported
+        f"http://user:{SECRET}@host/1",  # an unknown scheme with a password
         f"redis://user:{SECRET}@host:{SECRET}/0",  # the password echoed in the bad port
         f"redis://h/0?password={SECRET}&bogus=1",
         f"redis+sentinel://s1/m?sentinel_password={SECRET}&sentinel_bogus=1",

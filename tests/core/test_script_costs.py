@@ -39,10 +39,10 @@ def redis_server(request: pytest.FixtureRequest, _servers_of_this_module: dict[s
 
 # Redis calls of one uncontended acquire + release, made inside the two scripts (EVALSHA itself
 # not counted). Acquire: TIME, MGET limit and gate, ZCARD holders, ZCARD present, ZADD, HSET,
-# 2 x PEXPIRE; release: ZREM, EXISTS, HDEL. Issue 8's budget is 12; the first version made 34.
+# 2 x PEXPIRE; release: ZREM, EXISTS, HDEL. The budget is 12; the first version made 34.
 CYCLE_CALLS = 11
 # With a rate, the acquire also reads the start leaving the window (LINDEX) and notes its own
-# (LPUSH, PEXPIRE; an LTRIM once per rate-count starts). Issue 19's budget is 14.
+# (LPUSH, PEXPIRE; an LTRIM once per rate-count starts). The budget with a rate is 14.
 RATED_CYCLE_CALLS = 14
 
 

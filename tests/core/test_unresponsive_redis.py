@@ -1,7 +1,7 @@
 """A Redis that stops answering (SIGSTOP: the process is there, its sockets accept, nothing
 replies) while a lease is held: callers fail closed within about the socket timeout instead of
 hanging, the renewer logs the lease it cannot keep as lost at its deadline, and a URL's
-``socket_timeout`` reaches every connection the package's clients make (issue 17).
+``socket_timeout`` reaches every connection the package's clients make.
 
 Every test stops a server of its own and sends it SIGCONT in a ``finally`` (``stopped``); the
 ``own_redis`` fixture then stops it for good. A call that might hang runs in a thread joined with

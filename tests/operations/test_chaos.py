@@ -17,7 +17,7 @@ What must hold, whatever was killed when:
   message was acknowledged (at-least-once delivery, ``acks_late``: not a wait's doing);
 - no task runs without its semaphore, and at the end no slot is held and nobody waits.
 
-The second test is issue 16's full run (see its docstring): workers of 4 processes, the default
+The second test is the full run (see its docstring): workers of 4 processes, the default
 60 s lease, a result backend, ``Reject(requeue=True)`` on some first attempts, SIGKILLs of
 children and of two whole workers (each started again under its node name), a cold shutdown
 and a restart of the semaphore's Redis with data loss; one seed a run from ``CHAOS_SEEDS`` (one by
@@ -307,7 +307,7 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
     )
 
 
-# --- the full run of issue 16 ----------------------------------------------------------------
+# --- the full run ----------------------------------------------------------------
 
 FULL_TASKS = 300
 FULL_LIMIT = 3
@@ -423,7 +423,7 @@ def _results(ids: list[str]) -> dict[str, str]:
     ],
 )
 def test_full_chaos_loses_nothing_and_completes_nothing_twice(celery_stack: CeleryStack, seed: int) -> None:
-    """Issue 16's target, one seed a run (``CHAOS_SEEDS=1,2,3,4,5`` for five).
+    """The full run's target, one seed a run (``CHAOS_SEEDS=1,2,3,4,5`` for five).
 
     300 tasks of ``proj.chaos_full`` (limit 3, the default 60 s lease, ``acks_late`` with
     ``reject_on_worker_lost``, no in-process wait, a result backend, ``Reject(requeue=True)`` on

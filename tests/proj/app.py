@@ -315,7 +315,7 @@ def handoff_faults(self: Any, seconds: float, key: str = "proj.handoff_faults") 
     return str(self.request.id)
 
 
-# --- several keys and weights (issue 10) ---------------------------------------------------
+# --- several keys and weights ---------------------------------------------------
 
 
 @limit_concurrency(
@@ -482,7 +482,7 @@ def _record_chaos_delivery(task_id: str | None = None, task: Any = None, **_: An
         probe(key).client.rpush(f"probe:{key}:deliveries", f"{task_id} {os.getpid()} {time.time()}")
 
 
-# --- exactly once, whatever happens to the workers (issue 16) ------------------------------
+# --- exactly once, whatever happens to the workers ------------------------------
 
 
 def _first_run_of(key: str, task_id: str) -> bool:
@@ -630,7 +630,7 @@ def two_slots(self: Any, seconds: float, key: str = "two_slots") -> str:
     return str(self.request.id)
 
 
-# --- the full chaos run (tests/operations/test_chaos.py, issue 16) -------------------------------------
+# --- the full chaos run (tests/operations/test_chaos.py) -------------------------------------
 
 
 def rejects_first_attempt(task_id: str) -> bool:
