@@ -45,16 +45,23 @@ def test_the_grant_commands_run_before_their_reply_is_read(setup: Setup) -> None
 
 def test_replies_given_up_never_reach_the_next_command(setup: Setup) -> None:  # noqa: F811
     """A connection whose replies were not read is closed, not put back with them in it: the
-    pool's next command reads its own reply. One read to the end goes back open, reused."""
+    pool's next command reads its own reply. One read to the end goes back open, reused (the
+    server names a connection by its CLIENT ID)."""
     client = setup.store.client
     with SentAhead(client, [("SET", "k", "v"), ("GET", "k")]):
         pass  # never read
     assert client.get("k") == b"v" and client.incr("n") == 1
-    connections = client.info("clients")["connected_clients"]
-    for _ in range(5):
-        with SentAhead(client, [("INCR", "n"), ("GET", "n")]) as sent:
-            assert sent.replies()[0] >= 2
-    assert client.info("clients")["connected_clients"] == connections
+    ids = set()
+    for expected in range(2, 7):
+        with SentAhead(client, [("INCR", "n"), ("CLIENT", "ID")]) as sent:
+            count, connection_id = sent.replies()
+        assert count == expected
+        ids.add(connection_id)
+    assert len(ids) == 1, ids  # read to the end: the same connection each time
+    with SentAhead(client, [("CLIENT", "ID")]):
+        pass  # given up: that connection is closed
+    with SentAhead(client, [("CLIENT", "ID")]) as sent:
+        assert sent.replies()[0] not in ids  # a new connection, not the one with a reply in it
     given_up = SentAhead(client, [("PING",)])
     given_up.close()
     with pytest.raises(RuntimeError):
