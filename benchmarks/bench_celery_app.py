@@ -43,12 +43,12 @@ probe database (db 3 of the broker's Redis), keyed by task id:
   waiting for it.
 
 No record waits for Redis on a task's way to its body: the counts and stamps of
-``task_received`` and ``task_prerun`` are sent on a connection of the process's own without
-waiting for the reply (benchmarks/unread.py). Inside the slot only the body's start (which the
-hand-off chains block on) and the concurrency probe wait; the rest are pushed in one round trip
-in ``task_postrun``, after the library's release, the body's end last, so that a benchmark that
-has seen a task end sees every record of it. A scenario that reads only starts, ends,
-releases and failures (``rolling``) sets ``bench_records = "hand-off"`` in the workers'
+``task_received`` and ``task_prerun`` are sent ahead on a connection of the probe client's pool,
+without waiting for the reply (benchmarks/unread.py). Inside the slot only the body's start
+(which the hand-off chains block on) and the concurrency probe wait; the rest are pushed in one
+round trip in ``task_postrun``, after the library's release, the body's end last, so that a
+benchmark that has seen a task end sees every record of it. A scenario that reads only starts,
+ends, releases and failures (``rolling``) sets ``bench_records = "hand-off"`` in the workers'
 configuration, and the other records are not kept.
 """
 

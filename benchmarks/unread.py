@@ -2,11 +2,12 @@
 
 A record taken on a task's way to its body (its receipt in the worker's main process, its run in
 a pool child) or inside the slot it holds would otherwise add a round trip to the very time it
-measures: the hand-off, or the pace of a drain. The records go on a connection of their own, one
-per process: Redis runs a connection's commands in the order it sent them, so a later record of
-the same process that a benchmark waits for (a body's end) is never seen before them, and what
-is sent is on its way at once (a write to the socket, no wait). The replies are read, and
-dropped, at the next send, or returned by ``replies`` to a caller that needs them later.
+measures: the hand-off, or the pace of a drain. The records are sent with the package's own
+``SentAhead`` (which a woken task's run checks use): on a connection of the client's pool, held
+until the replies are read, at the next send or by ``replies`` for a caller that needs them.
+Each send reads the last one's replies first, so one sender's records reach Redis in order: a
+later record that a benchmark waits for (a body's end) is never seen before the earlier ones.
+A forked child drops what its parent left unread: that socket is not its own.
 """
 
 from __future__ import annotations
@@ -17,37 +18,26 @@ from typing import Any
 
 import redis
 
+from celery_semaphore._celery.sent_ahead import SentAhead
+
 
 class UnreadRecords:
-    """Commands sent on a connection of this process's own, their replies read later."""
+    """Commands of one sender sent at once, in order, their replies read later."""
 
     def __init__(self, client_of: Callable[[], redis.Redis]) -> None:
         self._client_of = client_of
         self._pid = 0
-        self._connection: Any = None
-        self._unread = 0
+        self._unread: SentAhead | None = None
 
     def send(self, *commands: tuple[Any, ...]) -> None:
         """Send ``commands`` (argument tuples) at once, after reading (and dropping) the replies
         of the last send, so that they never pile up in the socket."""
         self.replies()
-        connection = self._connection_here()
-        connection.send_packed_command(connection.pack_commands(commands))
-        self._unread = len(commands)
+        self._unread, self._pid = SentAhead(self._client_of(), commands), os.getpid()
 
     def replies(self) -> list[Any]:
         """The replies of the last ``send`` not read yet, waiting for them if need be."""
-        if not self._unread or self._pid != os.getpid():
-            self._unread = 0
+        unread, self._unread = self._unread, None
+        if unread is None or self._pid != os.getpid():  # a forked child: its parent's socket is not its own
             return []
-        replies = [self._connection.read_response() for _ in range(self._unread)]
-        self._unread = 0
-        return replies
-
-    def _connection_here(self) -> Any:
-        if self._pid != os.getpid():  # a forked child: its parent's socket is not its own
-            self._connection, self._pid, self._unread = None, os.getpid(), 0
-        if self._connection is None:
-            self._connection = self._client_of().connection_pool.make_connection()
-            self._connection.connect()
-        return self._connection
+        return unread.replies()

@@ -46,6 +46,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from .._core import fork_locks
 from .._core.clients import client_for
 from .._core.storage import as_text
@@ -150,7 +152,10 @@ class DueCopies:
         config = config_for(app)
         if config.broker_redis is None:
             raise ValueError("the broker is not a Redis")
-        self.client = client_for(config.broker_redis)
+        client = client_for(config.broker_redis)
+        if not isinstance(client, redis.Redis):  # kombu's Redis transports: a server or a Sentinel set
+            raise ValueError("the broker's Redis is not a single server")
+        self.client: redis.Redis = client
         self.naming = _naming_of(app)
         # one epoch record per semaphore deployment: apps of several deployments share a broker
         deployment = f"{config.prefix}@{config.backend_display}"
@@ -270,7 +275,7 @@ class DueCopies:
         begun is as good as finished). Its moved copy is forgotten either way: a copy of the
         run arrived, and with acks_late its message comes back from the broker should this
         worker die."""
-        pipe = self.client.pipeline(transaction=False)
+        pipe: Any = self.client.pipeline(transaction=False)  # redis-py's execute_command is untyped
         for command in self.grant_commands(run, withdraw=withdraw, remember_s=remember_s):
             pipe.execute_command(*command)
         return pipe.execute()[0] is not None

@@ -13,8 +13,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from .due_copies import due_copies_for
 from .sent_ahead import SentAhead
 
@@ -42,19 +40,14 @@ class GrantedAhead:
 
     def __init__(self, app: Any, run: str | None, *, at_most_once: bool, remember_s: float) -> None:
         self._sent: SentAhead | None = None
-        self._finished: bool | None = None  # answered already
         self._remembered = at_most_once and remember_s > 0
         self._run = run
         store = due_copies_for(app) if run is not None else None
         if store is None or run is None:
             return
-        remember_s = remember_s if at_most_once else 0.0
+        commands = store.grant_commands(run, withdraw=at_most_once, remember_s=remember_s if at_most_once else 0.0)
         try:
-            if isinstance(store.client, redis.Redis):
-                commands = store.grant_commands(run, withdraw=at_most_once, remember_s=remember_s)
-                self._sent = SentAhead(store.client, commands)
-            else:  # no pool of single connections to send ahead on: asked now
-                self._finished = store.granted(run, withdraw=at_most_once, remember_s=remember_s)
+            self._sent = SentAhead(store.client, commands)
         except Exception as error:
             logger.debug("could not ask the broker's Redis about run %s: %s", run, error)
 
@@ -62,9 +55,7 @@ class GrantedAhead:
         """What the broker's Redis said (waiting for its reply if need be)."""
         sent, self._sent = self._sent, None
         if sent is None:
-            if self._finished is None:
-                return RunInBroker(finished=False, remembered=False)
-            return RunInBroker(finished=self._finished, remembered=self._remembered)
+            return RunInBroker(finished=False, remembered=False)
         try:
             finished = sent.replies()[0] is not None
         except Exception as error:
