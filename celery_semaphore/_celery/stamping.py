@@ -16,13 +16,12 @@ headers.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from celery import signals
 
 from .._core.attempts import new_token
-from .wait_headers import MESSAGE_HEADER, SENT_HEADER
+from .wait_headers import MESSAGE_HEADER, SENT_HEADER, epoch_ms
 
 
 def stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -30,7 +29,7 @@ def stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
     already (a copy of a wait, the task's own retry) is kept."""
     if headers is None:
         return
-    headers.setdefault(SENT_HEADER, time.time())
+    headers.setdefault(SENT_HEADER, epoch_ms())
     headers.setdefault(MESSAGE_HEADER, new_token()[:16])
 
 

@@ -48,6 +48,13 @@ QUEUE_HEADER = "csem_queue"
 RUN_HEADER = "csem_run"
 # a keyed digest of the ticket, the task id and the wait id (see TicketSigner)
 TICKET_SIGNATURE_HEADER = "csem_ticket_sig"
+# Hex digits of that digest a message carries: 64 bits, which a forger must guess with a task
+# sent per try (the signature only keeps a copy from taking a place it was not given). Every
+# waiting task's stored copy carries it: 16 digits fewer kept the packed copy of a small task
+# within one allocation size class of Redis's allocator (256 B, not 320 B). Releases before
+# this one wrote 32; they are still read.
+SIGNATURE_CHARS = 16
+_OLD_SIGNATURE_CHARS = 32
 # the version of the wait protocol that wrote the headers above (see WaitHistory; the same number
 # as worker.STATE_PROTOCOL, the version of the state in Redis)
 PROTOCOL_HEADER = "csem_protocol"
@@ -192,7 +199,7 @@ class WaitHistory:
 
     @classmethod
     def fresh(cls, sent: float | None = None) -> WaitHistory:
-        return cls(waits=0, first_refused=time.time(), ticket=None, run_part=new_token()[:16], sent=sent)
+        return cls(waits=0, first_refused=epoch_ms(), ticket=None, run_part=new_token()[:16], sent=sent)
 
     def since(self) -> float:
         """From when a success in the result backend is this invocation's: since its message was
@@ -250,13 +257,17 @@ class TicketSigner:
         return signer
 
     def sign(self, *, task_id: str, run_part: str, ticket: int) -> str:
-        message = f"{task_id}|{run_part}|{ticket}".encode()
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:32]
+        return self._digest(task_id, run_part, ticket)[:SIGNATURE_CHARS]
 
     def signs(self, signature: Any, *, task_id: str, run_part: str, ticket: int) -> bool:
-        return isinstance(signature, str) and hmac.compare_digest(
-            signature, self.sign(task_id=task_id, run_part=run_part, ticket=ticket)
-        )
+        """Whether ``signature`` is this deployment's, written by this release or by one that
+        wrote ``_OLD_SIGNATURE_CHARS`` digits (a copy sent before a rolling deploy)."""
+        if not isinstance(signature, str) or len(signature) not in (SIGNATURE_CHARS, _OLD_SIGNATURE_CHARS):
+            return False
+        return hmac.compare_digest(signature, self._digest(task_id, run_part, ticket)[: len(signature)])
+
+    def _digest(self, task_id: str, run_part: str, ticket: int) -> str:
+        return hmac.new(self._key, f"{task_id}|{run_part}|{ticket}".encode(), hashlib.sha256).hexdigest()
 
 
 # tickets are server milliseconds * 1024 plus a counter: positive, exact in a float
@@ -304,6 +315,15 @@ def _sent_at(request: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return sent if sent is not None and math.isfinite(sent) else None
+
+
+def epoch_ms() -> float:
+    """This host's time, in epoch seconds to the millisecond, rounded up: what the stamps of a
+    wait carry (``SENT_HEADER``, ``FIRST_REFUSED_HEADER``). Every copy of a waiting task holds
+    two; written to the microsecond each took 4 B more of every stored copy, for a precision
+    no comparison with another host's clock has. Rounded up, a stamp is never earlier than the
+    moment it marks, so a success recorded before it is never taken for this invocation's."""
+    return math.ceil(time.time() * 1000) / 1000
 
 
 def message_nonce(request: Any) -> str | None:

@@ -55,6 +55,40 @@ def test_a_forged_or_foreign_ticket_is_ignored_with_a_warning(forge: str, caplog
     assert "did not sign" in caplog.text
 
 
+def test_a_signature_is_16_digits_and_an_earlier_releases_32_are_still_read() -> None:
+    """Every waiting task's stored copy carries its signature: 16 hex digits (64 bits) now. A
+    copy a release before this one signed (the first 32 digits of the same digest) keeps its
+    place through a rolling deploy; any other length, or a wrong digest of either, does not."""
+    sign = signer()
+    headers = continued(sign, 123_456)
+    short = headers["csem_ticket_sig"]
+    assert len(short) == 16
+    full = sign._digest("task-1", headers["csem_run"], 123_456)
+    assert full.startswith(short)
+    for written, kept in [(full[:32], True), (short, True), (full[:24], False), (full, False)]:
+        history = WaitHistory.of(request(**{**headers, "csem_ticket_sig": written})).checked(sign, request())
+        assert (history.ticket == 123_456) is kept, written
+    forged = ("0" if full[0] != "0" else "1") + full[1:32]
+    assert WaitHistory.of(request(**{**headers, "csem_ticket_sig": forged})).checked(sign, request()).ticket is None
+
+
+def test_the_stamps_of_a_wait_are_whole_milliseconds_never_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``csem_sent`` and ``csem_first_refused`` are written to the millisecond (4 B fewer each in
+    every stored copy), rounded up: a stamp never names a moment before the one it marks, so a
+    success recorded before the send is never taken for this invocation's. (The clock is set by
+    hand: the rounding of a given instant is what is asserted.)"""
+    from celery_semaphore._celery import stamping, wait_headers
+
+    monkeypatch.setattr(wait_headers.time, "time", lambda: 1796295395.3951001)
+    headers: dict[str, Any] = {}
+    stamping.stamp(headers=headers)
+    history = WaitHistory.fresh(headers["csem_sent"])
+    assert repr(headers["csem_sent"]) == repr(history.first_refused) == "1796295395.396"
+    assert history.since() >= 1796295395.3951001
+    monkeypatch.setattr(wait_headers.time, "time", lambda: 1796295395.396)
+    assert wait_headers.epoch_ms() == 1796295395.396
+
+
 def test_hosts_reaching_the_same_redis_by_other_names_agree() -> None:
     sign = signer("redis://:secret@127.0.0.1:1/0")
     history = WaitHistory.of(request(**continued(sign, 42))).checked(signer("redis://:secret@localhost:2/0"), request())
