@@ -86,8 +86,15 @@ STENCIL_PROPERTIES = frozenset({"delivery_mode", "delivery_info", "priority", "b
 # The message's own keys whose values are the same for every message kombu writes.
 STENCIL_FIELDS = frozenset({"content-encoding", "content-type"})
 _SECTIONS = {"headers": STENCIL_HEADERS, "properties": STENCIL_PROPERTIES}
-# Hex digits of the stencil's digest that name it (80 bits).
-DIGEST_CHARS = 20
+# Hex digits of the stencil's digest that name it (64 bits: the stencils one store keeps at once,
+# one per task, queue and sending thread, are far too few to meet at that width). Every stored
+# copy starts with it; releases before this one wrote 20, which the scripts read the same, as
+# they split a copy at its holes, whatever the digest's length.
+DIGEST_CHARS = 16
+# The texts of an empty argument list and keyword dict as Celery writes them in a message's
+# ``argsrepr`` and ``kwargsrepr``: the same for most calls of a task, so the stencil keeps them
+# (a stencil for calls with no keyword arguments, another for the rest) and no copy does.
+_EMPTY_REPRS = frozenset({"()", "[]", "{}"})
 
 
 class Packed(NamedTuple):
@@ -227,6 +234,8 @@ def _repeats(name: str, value: Any, names: frozenset[str]) -> bool:
     """Whether the stencil keeps ``value``. Only a type's own emptiness is asked: a value of
     another type (one a custom serializer writes) is never compared, so never raises here."""
     if name in names or value is None or isinstance(value, bool):
+        return True
+    if type(value) is str and value in _EMPTY_REPRS:
         return True
     return type(value) in (str, list, dict) and not value
 

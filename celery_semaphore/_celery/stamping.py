@@ -21,7 +21,7 @@ from typing import Any
 from celery import signals
 
 from .._core.attempts import new_token
-from .wait_headers import MESSAGE_HEADER, SENT_HEADER, epoch_ms
+from .wait_headers import MESSAGE_HEADER, NONCE_CHARS, SENT_HEADER, epoch_ms
 
 
 def stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -30,7 +30,7 @@ def stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
     if headers is None:
         return
     headers.setdefault(SENT_HEADER, epoch_ms())
-    headers.setdefault(MESSAGE_HEADER, new_token()[:16])
+    headers.setdefault(MESSAGE_HEADER, new_token()[:NONCE_CHARS])
 
 
 signals.before_task_publish.connect(stamp, weak=False, dispatch_uid="celery_semaphore.stamp")

@@ -67,6 +67,9 @@ SENT_HEADER = "csem_sent"
 # broker's redelivery: the note of the wait a first delivery began names it (wait_runs.py), so a
 # later invocation that reuses the task id never continues the earlier invocation's wait
 MESSAGE_HEADER = "csem_message"
+# Hex digits of that nonce (48 bits): it tells apart only the invocations that reuse one task id,
+# and every stored copy carries it. Releases before this one wrote 16; any 1 to 32 are read.
+NONCE_CHARS = 12
 # a backstop copy held by a worker on RabbitMQ: when it is due (epoch seconds, the sender's
 # clock), and how many times it was handed back to the broker (backstop.py)
 DUE_HEADER = "csem_due"

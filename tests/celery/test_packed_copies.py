@@ -339,3 +339,52 @@ def test_a_marked_copy_is_one_fill_longer_than_its_stencil_for_an_earlier_reader
     expected = json.loads(dumps(message))
     expected["properties"]["delivery_tag"] = "t1#0#ab:12.5"
     assert json.loads(whole) == expected
+
+
+def test_a_stencil_is_named_by_16_digits_and_an_earlier_releases_20_still_send(setup: Setup) -> None:
+    """Every stored copy begins with its stencil's digest: 16 hex digits. A copy an earlier
+    release stored under a 20-digit digest (its stencil kept under that name) is put back
+    together by the same script, byte for byte: the scripts split a copy at its holes, whatever
+    the digest's length."""
+    from celery_semaphore._celery.packing import DIGEST_CHARS
+
+    app, client, store = setup.app, setup.client, setup.store
+    send_copy(app, _copy(app, "run-d", 60))
+    value = _stored_value(setup, "run-d")
+    digest = value.partition(b"\n")[2][len(PACKED_MARK) :].partition(b"\x00")[0]
+    assert DIGEST_CHARS == 16 and re.fullmatch(rb"[0-9a-f]{16}", digest), digest
+    message = {
+        "body": "e30=",
+        "content-encoding": "utf-8",
+        "headers": {"task": "t.old", "argsrepr": "(1,)", "csem_backstop": "run-old"},
+        "properties": {"delivery_info": {"routing_key": WAKE_LIST}},
+    }
+    packed = pack(message)
+    assert packed is not None and len(packed.digest) == 16
+    whole = unpack(f"{packed.digest}\x00{packed.fills}", packed.stencil)
+    longer = packed._replace(digest=packed.digest + "beef")
+    client.delete(WAKE_LIST)
+    store.stow("celery.semaphore-wake", "run-old", 0, longer)
+    assert client.lpop(WAKE_LIST).decode() == whole
+
+
+@pytest.mark.parametrize(("kwargs", "in_stencil"), [({}, True), ({"page": 2}, False)])
+def test_a_stencil_keeps_the_text_of_empty_keyword_arguments(
+    setup: Setup, kwargs: dict[str, Any], in_stencil: bool
+) -> None:
+    """Celery writes ``kwargsrepr`` as ``"{}"`` for every call without keyword arguments: the
+    stencil keeps that text, so no copy does (5 B of each). A call with keyword arguments keeps
+    its own as a fill. Either is sent as kombu wrote it."""
+    app, client, store = setup.app, setup.client, setup.store
+    copy = _copy(app, "run-k", 0.2)
+    copy.kwargs.update(kwargs)
+    send_copy(app, copy)
+    value = _stored_value(setup, "run-k")
+    (stencil,) = client.hvals(STENCILS_KEY)
+    assert (b'"kwargsrepr": "{}"' in stencil) is in_stencil, stencil
+    assert (b'"{}"' in value) is False
+    assert (repr(kwargs).encode() in value) is not in_stencil
+    wait_until(lambda: store.run(["celery"]).moved, timeout=5, what="moved when due")
+    (sent,) = client.lrange(WAKE_LIST, 0, -1)
+    assert json.loads(sent)["headers"]["kwargsrepr"] == repr(kwargs)
+    assert json.loads(base64.b64decode(json.loads(sent)["body"]))[1] == kwargs

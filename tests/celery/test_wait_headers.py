@@ -4,6 +4,7 @@ is not (no worker needed: the headers are read from a request's fields, as the t
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -87,6 +88,20 @@ def test_the_stamps_of_a_wait_are_whole_milliseconds_never_early(monkeypatch: py
     assert history.since() >= 1796295395.3951001
     monkeypatch.setattr(wait_headers.time, "time", lambda: 1796295395.396)
     assert wait_headers.epoch_ms() == 1796295395.396
+
+
+def test_a_message_nonce_is_12_digits_and_an_earlier_releases_16_are_still_read() -> None:
+    """The nonce tells apart invocations that reuse one task id; every stored copy carries it,
+    so it is written with 12 hex digits (48 bits). A message an earlier release stamped (16) is
+    still named by its nonce, so a redelivery of it continues its own wait."""
+    from celery_semaphore._celery import stamping, wait_headers
+
+    headers: dict[str, Any] = {}
+    stamping.stamp(headers=headers)
+    assert re.fullmatch(r"[0-9a-f]{12}", headers["csem_message"]), headers
+    for written in (headers["csem_message"], "0123456789abcdef"):
+        assert wait_headers.message_nonce(request(csem_message=written)) == written
+    assert wait_headers.message_nonce(request(csem_message="not hex")) is None
 
 
 def test_hosts_reaching_the_same_redis_by_other_names_agree() -> None:
