@@ -156,8 +156,8 @@ def _build(spec: BackendSpec) -> Client:
     if spec.tls:
         data_options["ssl"] = True
     sentinel_kwargs = _sentinel_kwargs(spec)
-    sentinel = Sentinel(list(spec.nodes), sentinel_kwargs=sentinel_kwargs, **data_options)  # type: ignore[no-untyped-call]
-    master = sentinel.master_for(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(list(spec.nodes), sentinel_kwargs=sentinel_kwargs, **data_options)  # type: ignore[no-untyped-call,unused-ignore]
+    master = sentinel.master_for(  # type: ignore[no-untyped-call,unused-ignore]
         spec.service_name,
         connection_pool_class=_RecheckedSentinelPool,
         db=spec.db,
