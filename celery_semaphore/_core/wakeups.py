@@ -30,22 +30,16 @@ each waiter still asks again every ``patience / 3`` seconds, which both keeps it
 and claims any offer whose message went astray. After the listener's connection is re-established
 every waiter is woken to ask at once.
 
-The classes of :mod:`.pubsub` are the one place that subscribes and ``notify`` in lua/_lib.lua
-the one place that publishes.
+The classes of :mod:`.pubsub` are the one place that subscribes (and how a sharded listener holds
+its connections and follows a moved slot), ``notify`` in lua/_lib.lua the one that publishes.
 
-Sharded wake-ups. On a ``RedisCluster`` client whose masters all run Redis >= 7 the listener uses
-sharded pub/sub (``ShardedSubscription``): it SSUBSCRIBEs each wake channel on the master that
-owns the channel's slot (the channel is inside the semaphore's hash tag, so that is the master of
-the semaphore's keys) and the scripts SPUBLISH, so a wake-up travels to one shard, not over the
-whole cluster bus. The listener says so in its channel names: its id (``listener_id``) is the
-process's id with ``SHARDED_MARK`` in front, so its wake addresses end in ``:wake:s.<id>``, and
-``notify`` SPUBLISHes on exactly those (see lua/_lib.lua). Every address thus carries its own
-kind: a waiter registered by a classic listener is still told by PUBLISH. On a single Redis,
-Sentinel, a cluster with a master before 7, or when the masters' versions cannot be read when the
-listener is made, it is the classic PUBLISH/SUBSCRIBE as above.
-
-How a sharded listener holds its connections and follows a channel whose slot moved is
-:mod:`.pubsub`'s part.
+Sharded wake-ups. On a ``RedisCluster`` client whose masters all run Redis >= 7 the listener
+SSUBSCRIBEs each wake channel on the master of its slot (inside the semaphore's hash tag: the
+master of its keys) and the scripts SPUBLISH, so a wake-up travels to one shard, not over the
+whole bus. Its id (``listener_id``) has ``SHARDED_MARK`` in front, so its addresses end in
+``:wake:s.<id>`` and ``notify`` SPUBLISHes on exactly those: every address carries its kind. On a
+single Redis, Sentinel, or a cluster with a master before 7 (or whose versions cannot be read),
+it is the classic PUBLISH/SUBSCRIBE as above.
 """
 
 from __future__ import annotations
@@ -70,20 +64,16 @@ from .storage import CLUSTER_MARK, SHARDED_MARK, as_text
 
 logger = logging.getLogger("celery_semaphore")
 
-# A channel nobody waits on is unsubscribed after this long: per-key semaphores (one per host,
-# say) must not pile up subscriptions, yet a busy semaphore should not churn them.
+# A channel nobody waits on is unsubscribed after this long: per-key semaphores must not pile up
+# subscriptions, yet a busy one should not churn them.
 IDLE_CHANNEL_S = 60.0
-# The listener blocks this long per read at most, then drops idle channels (and exits when
-# it has nothing left to listen for).
-READ_TIMEOUT_S = 5.0
-# After the connection failed, try again this soon, backing off to RECONNECT_MAX_S.
-RECONNECT_AFTER_S = 0.5
+READ_TIMEOUT_S = 5.0  # the longest read, then idle channels go (and the listener, once none is left)
+RECONNECT_AFTER_S = 0.5  # after the connection failed, try again this soon, backing off to:
 RECONNECT_MAX_S = 5.0
-# A payload waiters never have (waiter ids are never empty): "check your subscriptions".
-_POKE = b""
+_POKE = b""  # a payload waiters never have (waiter ids are never empty): "check your subscriptions"
 # A wake-up naming a waiter that has not registered (yet) is kept this long, at most
-# UNCLAIMED_MAX of them: its waiter was refused a moment ago and is registering now. (An offer
-# waits 2 s for its claim, lua/_lib.lua CLAIM_MS: one kept longer could not be claimed anyway.)
+# UNCLAIMED_MAX of them: its waiter was refused a moment ago and is registering now (an offer
+# waits CLAIM_MS, 2 s, for its claim: one kept longer could not be claimed anyway).
 UNCLAIMED_S = 2.0
 UNCLAIMED_MAX = 10_000
 
@@ -208,17 +198,16 @@ class WakeUps:
             self._poke_out, self._poke_in = socket.socketpair()
             self._poke_out.setblocking(False)
             self._poke_in.setblocking(False)
-            # Closed by a finalizer of this object, not left to the sockets' own: a listener that
-            # lived to the interpreter's shutdown (its client cached for the process) had them
-            # finalized open, each an "unclosed socket" ResourceWarning after a test run's
-            # summary. The finalizer holds the sockets, not this object, and runs when this
-            # object is collected or at exit, whichever comes first; close() without shutdown(),
-            # so a forked child closing its inherited copies leaves the parent's listener as it was.
+            # Closed by a finalizer (holding the sockets, not this object; run when it is collected
+            # or at exit): left to the sockets' own, a listener alive at shutdown warned of an
+            # unclosed socket. close() without shutdown(): a forked child closing its copies
+            # leaves the parent's listener as it was.
             weakref.finalize(self, _close_all, self._poke_out, self._poke_in)
         self.control = f"celery-semaphore:wake-control:{self.listener_id}:{id(self):x}"
         self._lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
         self._signals: dict[tuple[str, str], WakeHandle] = {}
+        self._resubscribed_since_read = False  # redis-py subscribed again by itself
         # wake-ups for waiters not registered yet: (channel, waiter) -> monotonic arrival time,
         # oldest first (see UNCLAIMED_S)
         self._unclaimed: dict[tuple[str, str], float] = {}
@@ -323,6 +312,8 @@ class WakeUps:
                     pause = RECONNECT_AFTER_S
                     self._wake_everyone()
                 message = subscription.next_message(READ_TIMEOUT_S)
+                if self._resubscribed_since_read and self._ends_after_resubscribing(subscription):
+                    return
                 if message is not None:
                     self._dispatch(message)
             except Exception as error:  # the listener must outlive any failure
@@ -356,12 +347,31 @@ class WakeUps:
         """A new subscription that hears pokes. ``refresh``: after a failure (a master may have
         been replaced), read the cluster's slot map again before subscribing."""
         if self._poke_out is None:
-            subscription = Subscription(self.client, self._wake_everyone)
+            subscription = Subscription(self.client, self._resubscribed)
             subscription.subscribe(self.control)  # _listening is set once this is confirmed
             return subscription
-        sharded = ShardedSubscription(self.client, self._wake_everyone, self._poke_out, refresh=refresh)
+        sharded = ShardedSubscription(self.client, self._resubscribed, self._poke_out, refresh=refresh)
         self._listening.set()  # pokes wait in the socket pair until the first read
         return sharded
+
+    def _resubscribed(self) -> None:
+        """redis-py subscribed again by itself: wake-ups were lost, so everyone asks again."""
+        self._resubscribed_since_read = True
+        self._wake_everyone()
+
+    def _ends_after_resubscribing(self, subscription: Subscription | ShardedSubscription) -> bool:
+        """The idle channels go, as after any lost subscription; with nobody waiting the listener
+        ends (True). The usual cause then: the application closed its client, whose pool took
+        this connection too, and redis-py 8.2 reconnects where earlier versions raised."""
+        self._resubscribed_since_read = False
+        with self._lock:
+            drop = self._drop_idle(0.0)
+        if drop is None:
+            subscription.close()
+            return True
+        if drop:
+            subscription.unsubscribe(*drop)
+        return False
 
     def _drop_idle(self, idle_for: float) -> list[str] | None:
         """With the lock held: forget the channels nobody has used for ``idle_for`` s and return
