@@ -26,10 +26,10 @@ first send, divided by N):
 * each Redis's memory per waiting task, and its split by key (``MEMORY USAGE key SAMPLES 0``
   growth / N for every key over 4 KB; the rest of the growth is what no key accounts for);
 * the size of one stored copy (a value of ``semaphore-backstops:packed:copies``: packed, its
-  fills; and the stencils, once per task and queue), of one wake copy
-  (a value of ``semaphore:{parked-tasks}:records``) and of the message Celery itself writes for
-  the same call without the semaphore (``bench.backlog.plain`` sent to a queue nobody consumes:
-  its list's one entry), read after the memory figures;
+  fills; and the stencils, once per task and queue), of one wake copy (a value of a bucket of
+  the parked records, ``semaphore:{parked-tasks}:records:<n>``) and of the message Celery
+  itself writes for the same call without the semaphore (``bench.backlog.plain`` sent to a
+  queue nobody consumes: its list's one entry), read after the memory figures;
 * the messages held by workers (HLEN ``unacked``), the queue lists (the task queue, its wake and
   backstop lists: empty), deliveries so far (none: nothing was delivered), and the workers' RSS
   growth since the baseline.
@@ -58,6 +58,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -98,6 +99,8 @@ TARGET_BYTES = 1024  # Redis memory per waiting task, both Redis servers, its st
 MIN_PACE_RATIO = 0.95
 # keys smaller than this are not listed in the split (the key's counters, the pause, the epoch)
 LISTED_KEY_BYTES = 4096
+# a bucket of the parked-task records or of their due times (parked_records.RECORD_BUCKETS)
+BUCKET_KEY = re.compile(r"^(.*\{parked-tasks\}:(?:records|record-due)):\d+$")
 # seconds after the last send before the memory is read: the sender stows each copy itself, so
 # this only lets a sample or a sweep in flight finish
 SETTLE_S = 2.0
@@ -131,15 +134,29 @@ def semaphore_cli(lab: Lab, broker_url: str, queue: str, settings: Settings, *wo
 
 def key_memory(client: redis.Redis) -> dict[str, dict[str, Any]]:
     """Every key of a Redis: its type, entries and ``MEMORY USAGE key SAMPLES 0`` (every element
-    counted, not sampled)."""
+    counted, not sampled); the buckets of the parked-task records and their due times summed as
+    one key each, ``<name>:<bucket>``."""
     found: dict[str, dict[str, Any]] = {}
     for raw in client.scan_iter(count=1000):
         name = _name(raw)
         size = client.memory_usage(raw, samples=0)
         if size is None:  # gone meanwhile
             continue
-        found[name] = {"type": _name(client.type(raw)), "entries": key_size(client, name), "bytes": int(size)}
+        bucketed = BUCKET_KEY.match(name)
+        listed = f"{bucketed.group(1)}:<bucket>" if bucketed else name
+        kept = found.setdefault(listed, {"type": _name(client.type(raw)), "entries": 0, "bytes": 0})
+        kept["entries"] += key_size(client, name)
+        kept["bytes"] += int(size)
     return found
+
+
+def one_record(client: redis.Redis) -> tuple[str, int] | None:
+    """A parked-task record (from a bucket with one) and its value's size in bytes."""
+    for raw in client.scan_iter(match="semaphore:{parked-tasks}:records:*", count=1000):
+        found = one_value(client, _name(raw))
+        if found is not None:
+            return found
+    return None
 
 
 def split(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]], tasks: int) -> dict[str, Any]:
@@ -291,7 +308,7 @@ def measure_waiting(
     line = next((k for k in keys["semaphore"] if k.endswith(f"{{bb:{r.key}}}:queue")), None)
     stored = one_value(broker, "semaphore-backstops:packed:copies")
     stencils = broker.hvals("semaphore-backstops:packed:stencils")
-    wake = one_value(semaphore, "semaphore:{parked-tasks}:records")
+    wake = one_record(semaphore)
     due = broker.zrange("semaphore-backstops:packed:due", 0, 0, withscores=True)
     seconds, micros = (float(part) for part in broker.time())
     rss, main = workers_rss_kb(group)

@@ -4,6 +4,7 @@ record and its line go by (``parking.py`` keeps and sweeps the records, with the
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, NamedTuple
 
@@ -46,30 +47,63 @@ def without_ahead_mark(copy: bytes) -> bytes:
     return copy
 
 
+# The records and their due times are split by entry into this many small hashes and sorted
+# sets (``record_bucket``), so that each stays in Redis's compact encoding (a listpack: up to 128
+# entries of up to 64 bytes by default, hash-max-listpack-* and zset-max-listpack-*) at 100,000
+# parked tasks: a record costs about 90 B there and its due time about 70 B, against about 150 B
+# each in one large hash and one large sorted set (measured, docs/benchmarks.md). A bucket past
+# those limits is stored as a large one is, no worse than before.
+RECORD_BUCKETS = 1024
+
+
+def record_bucket(entry: str) -> int:
+    """The bucket of a record's entry: the first 32 bits of its SHA-1, as the scripts compute it
+    (``redis.sha1hex``, claim_parked_waiter.lua)."""
+    return int(hashlib.sha1(entry.encode()).hexdigest()[:8], 16) % RECORD_BUCKETS
+
+
 class ParkedKeys(NamedTuple):
     """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one slot
-    for all, which the scripts on them need): the records due and the records (park.lua), those
-    of an earlier release (``OldParkedRecord``: swept and woken, never written), the lines with
-    parked waiters and who ticks them this round (lines_to_tick.lua)."""
+    for all, which the scripts on them need): the records and their due times, split into
+    buckets (``bucket_due``, ``bucket_records``) with an index of the buckets by when their
+    first record is due at the earliest (``buckets``); the single hash and sorted set that an
+    earlier release kept them in (``flat_records``, ``flat_due``: swept, taken and forgotten,
+    never written) and those of a release before it (``OldParkedRecord``, likewise); the lines
+    with parked waiters and who ticks them this round (lines_to_tick.lua)."""
 
-    due: bytes
-    records: bytes
+    buckets: bytes
+    flat_due: bytes
+    flat_records: bytes
     old_due: bytes
     old_copies: bytes
     old_waiters: bytes
     lines: bytes
     tick_round: bytes
 
+    def bucket_due(self, bucket: int) -> bytes:
+        return self.flat_due + b":" + str(bucket).encode()
+
+    def bucket_records(self, bucket: int) -> bytes:
+        return self.flat_records + b":" + str(bucket).encode()
+
+    def parking(self, entry: str) -> list[bytes]:
+        """park.lua's keys for the record under ``entry``."""
+        bucket = record_bucket(entry)
+        return [self.bucket_due(bucket), self.bucket_records(bucket), self.lines, self.buckets]
+
+    def forgetting(self, entry: str) -> list[bytes]:
+        """park.lua's keys to forget the record under ``entry`` wherever a release kept it."""
+        return [*self.parking(entry), self.flat_due, self.flat_records, *self.old]
+
     @property
-    def parking(self) -> list[bytes]:
-        """park.lua's keys."""
-        return [self.due, self.records, self.lines]
+    def old(self) -> list[bytes]:
+        return [self.old_due, self.old_copies, self.old_waiters]
 
     @property
     def claims(self) -> list[bytes]:
-        """claim_parked.lua's and claim_parked_waiter.lua's keys: this release's records and the
-        earlier release's."""
-        return [self.due, self.records, self.old_due, self.old_copies, self.old_waiters]
+        """claim_parked.lua's and claim_parked_waiter.lua's keys: the bucket index (the buckets'
+        own keys are named from it), the earlier release's and the release before it's."""
+        return [self.buckets, self.flat_due, self.flat_records, *self.old]
 
     @property
     def ticks(self) -> list[bytes]:
@@ -79,7 +113,7 @@ class ParkedKeys(NamedTuple):
 
 def parked_keys(prefix: str) -> ParkedKeys:
     base = f"{prefix}:{{parked-tasks}}"
-    names = ("record-due", "records", "due", "copies", "waiters", "lines", "tick-round")
+    names = ("record-buckets", "record-due", "records", "due", "copies", "waiters", "lines", "tick-round")
     return ParkedKeys(*(f"{base}:{name}".encode() for name in names))
 
 

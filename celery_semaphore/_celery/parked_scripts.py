@@ -32,6 +32,7 @@ from .parked_records import (
     line_of,
     parked_keys,
     prefix_of,
+    record_bucket,
     record_header,
     record_value,
     without_ahead_mark,
@@ -71,15 +72,15 @@ class ParkedScripts:
         ``keys`` are ``parked_records.parked_keys``. With ``only_if_absent``, a record that
         exists is left as it is (and False returned). ``line``: the member naming the waiter's
         line for the ticks."""
-        args: list[Any] = [entry, look_in_ms, record, b"nx" if only_if_absent else b"", line]
-        return bool(self._scripts["park"](keys=keys.parking, args=args))
+        args: list[Any] = [entry, look_in_ms, record, b"nx" if only_if_absent else b"", line, record_bucket(entry)]
+        return bool(self._scripts["park"](keys=keys.parking(entry), args=args))
 
     def forget(self, keys: ParkedKeys, *, entry: str, header: bytes, old: tuple[str, str]) -> None:
         """Drop the record under ``entry`` if it is still the one of the wait ``header`` names
         (``parked_records.record_header``): the wait was given up. ``old``: the name an earlier
         release gave the same wait's record, and its waiter's entry there, dropped too."""
-        keys_used = [*keys.parking, keys.old_due, keys.old_copies, keys.old_waiters]
-        self._scripts["park"](keys=keys_used, args=[entry, 0, header, b"forget", b"", *old])
+        args = [entry, 0, header, b"forget", b"", record_bucket(entry), *old]
+        self._scripts["park"](keys=keys.forgetting(entry), args=args)
 
     def park_run(
         self, semaphore: FairSemaphore | MultiSemaphore, *, waiter: str, run: str, kept: bytes, look_in_ms: int
@@ -87,8 +88,9 @@ class ParkedScripts:
         """``park`` of the record of ``waiter``'s wait under ``run`` in its line of ``semaphore``,
         keeping ``kept`` (``parked_records.kept_copy``), as its script, keys and arguments: to run
         in one round trip with another script (``scripts.run_in_order``)."""
-        args = [entry_of(semaphore, waiter), look_in_ms, record_value(waiter, run, kept), b"", line_of(semaphore)]
-        return self._scripts["park"], parked_keys(prefix_of(semaphore)).parking, args
+        entry = entry_of(semaphore, waiter)
+        args = [entry, look_in_ms, record_value(waiter, run, kept), b"", line_of(semaphore), record_bucket(entry)]
+        return self._scripts["park"], parked_keys(prefix_of(semaphore)).parking(entry), args
 
     def forget_wait(self, semaphore: FairSemaphore | MultiSemaphore, *, waiter: str, run: str) -> None:
         """``forget`` the record of ``waiter``'s wait under ``run`` in its line of ``semaphore``,

@@ -34,7 +34,17 @@ from .._core.status import LONG_PAUSE_MS
 from .._core.storage import RECORD_SEPARATOR, as_text, token_prefix_pattern, weighted_waiter
 from .catalogue import Catalogue, semaphore_for_call
 from .options import is_semaphore_task, key_option, weight_option
-from .parked_records import OldParkedRecord, ParkedRecord, base_of_line, name_of_base, parked_keys, record_entry
+from .parked_records import (
+    RECORD_BUCKETS,
+    OldParkedRecord,
+    ParkedKeys,
+    ParkedRecord,
+    base_of_line,
+    name_of_base,
+    parked_keys,
+    record_bucket,
+    record_entry,
+)
 from .pausing import members
 from .tokens import task_key
 from .wait_runs import AWAY_SLACK
@@ -45,14 +55,17 @@ RUNNING, WAITING, PARKED, DONE, UNKNOWN = "running", "waiting", "parked", "done"
 
 # The record of a parked waiter, and when a sweep looks at it: one read-only script on the
 # parked-task keys (one hash tag), so one round trip.
+# A record and its due time, from its bucket (KEYS[1], KEYS[2]) or an earlier release's keys.
 _PARKED_RECORD = """
-local record = redis.call('HGET', KEYS[1], ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if not record then
-  return {now, false, false}
+for _, at in ipairs({1, 3}) do
+  local record = redis.call('HGET', KEYS[at], ARGV[1])
+  if record then
+    return {now, record, redis.call('ZSCORE', KEYS[at + 1], ARGV[1]) or false}
+  end
 end
-return {now, record, redis.call('ZSCORE', KEYS[2], ARGV[1]) or false}
+return {now, false, false}
 """
 
 
@@ -212,7 +225,7 @@ def _parked_looks(catalogue: Catalogue, task_id: str) -> list[Look]:
     looks: list[Look] = []
     names: list[str] = []
     try:
-        for entry, _ in catalogue.client.hscan_iter(keys.records, match=pattern, count=1000):
+        for entry in _entries_matching(catalogue.client, keys, pattern):
             line = as_text(entry)[: -len(RECORD_SEPARATOR + key_of_task)]
             names.append(name_of_base(prefix, base_of_line(prefix, line)))
         for _, record in catalogue.client.hscan_iter(keys.old_waiters, match=pattern, count=1000):
@@ -229,6 +242,23 @@ def _parked_looks(catalogue: Catalogue, task_id: str) -> list[Look]:
         waiter = _waiter_of(catalogue.task_for(name), key_of_task, None, None)
         looks.append(Look(name, semaphore.keys, waiter, tokens, semaphore.rules.arg))
     return looks
+
+
+def _entries_matching(client: Any, keys: ParkedKeys, pattern: str) -> list[bytes]:
+    """The record entries matching ``pattern`` in every bucket and in an earlier release's
+    records: one round trip for the first page of all (a bucket of the compact encoding is one
+    page), then one per further page of a large one."""
+    names = [*(keys.bucket_records(bucket) for bucket in range(RECORD_BUCKETS)), keys.flat_records]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hscan(name, 0, match=pattern, count=1000)
+    entries: list[bytes] = []
+    for name, (cursor, found) in zip(names, pipe.execute(), strict=True):
+        entries += found
+        while cursor:
+            cursor, found = client.hscan(name, cursor, match=pattern, count=1000)
+            entries += found
+    return entries
 
 
 def _waiting_entry(view: KeyView) -> dict[str, Any]:
@@ -290,7 +320,9 @@ def _parked(catalogue: Catalogue, view: KeyView, looks: list[Look]) -> dict[str,
     keys, prefix = parked_keys(catalogue.config.prefix), catalogue.config.prefix
     entry = record_entry(prefix, item.keys.base, item.waiter)
     try:
-        now, record, due_at = catalogue.client.eval(_PARKED_RECORD, 2, keys.records, keys.due, entry)
+        bucket = record_bucket(entry)
+        kept_in = (keys.bucket_records(bucket), keys.bucket_due(bucket), keys.flat_records, keys.flat_due)
+        now, record, due_at = catalogue.client.eval(_PARKED_RECORD, len(kept_in), *kept_in, entry)
     except Exception as error:
         logger.debug("could not read the parked record of %s: %s", item.waiter, error)
         return answer

@@ -19,6 +19,7 @@ from celery_semaphore import FairSemaphore, SemaphoreUnavailable
 from celery_semaphore._core.clients import client_for
 
 from ..celery_stack import CeleryStack
+from ..parked import due_times, records
 from ..waiting import wait_until
 from ..workers import Worker, worker_group
 
@@ -193,8 +194,8 @@ def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
             result.get(timeout=60)
         assert result.state == "FAILURE"
         keys = parked_keys(impatient.prefix)
-        assert not [entry for entry in impatient.client.zrange(keys.due, 0, -1) if result.id.encode() in entry]
-        assert not [entry for entry in impatient.client.hkeys(keys.records) if result.id.encode() in entry]
+        assert not [entry for entry in due_times(impatient.client, keys) if result.id.encode() in entry]
+        assert not [entry for entry in records(impatient.client, keys) if result.id.encode() in entry]
         # nor may a copy of its wait come back to fail it again (after a semaphore Redis restart,
         # a kept moved copy is sent again): none is stored or kept, and its run is remembered over
         store = due_copies_for(proj.app)

@@ -24,11 +24,12 @@ import redis
 from celery import Celery
 
 from celery_semaphore import FairSemaphore, Waiting
-from celery_semaphore._celery.parked_records import kept_of
+from celery_semaphore._celery.parked_records import kept_of, record_bucket
 from celery_semaphore._celery.parking import Parking, parked_keys
 from celery_semaphore._core.attempts import Ask
 from celery_semaphore._core.storage import TAKEN_RECORD_MARK, WOKEN_COPY_MARK
 
+from ..parked import due_times, records
 from ..redis_server import RedisServer
 from ..waiting import wait_until
 from ..workers import ROOT
@@ -148,9 +149,7 @@ def test_the_release_takes_the_parked_record_in_its_own_round_trip(
         wait_until(
             lambda: _queued(redis_server, "q-one-trip.semaphore-wake") == 1, timeout=10, what="the wake copy sent"
         )
-        taken = [
-            value.startswith(TAKEN_RECORD_MARK.encode()) for value in redis_client.hvals(parked_keys(prefix).records)
-        ]
+        taken = [value.startswith(TAKEN_RECORD_MARK.encode()) for value in records(redis_client, prefix).values()]
         assert taken == [True], "the record taken"
     finally:
         releasing._sweep_targets.pop((id(redis_client), prefix), None)
@@ -240,12 +239,11 @@ def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
     parking = Parking()
     holder = FairSemaphore(redis_client, "park-late", 1, prefix=PREFIX).acquire(timeout=5)
     semaphore, lapses_at = _parked_then_away(redis_server, redis_client, "park-late", parking)
-    due_key = parked_keys(PREFIX)[0]
 
     # the first sweep after 0.3 s finds the place alive: the record is back, due after 2.5 s
     def put_back() -> bool:
-        due = redis_client.zrange(due_key, 0, -1, withscores=True)
-        return len(due) == 1 and due[0][1] / 1000 > lapses_at
+        due = list(due_times(redis_client, PREFIX).values())
+        return len(due) == 1 and due[0] / 1000 > lapses_at
 
     wait_until(put_back, timeout=10, what="the record put back, due after the place lapses")
     assert _queued(redis_server, "q-park-late.semaphore-wake") == 0
@@ -255,7 +253,7 @@ def test_a_record_due_before_its_place_lapses_is_swept_when_it_lapses(
         what="the wake copy sent once the place lapsed",
     )
     assert _server_time(redis_client) >= lapses_at
-    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record gone")
+    wait_until(lambda: due_times(redis_client, PREFIX) == {}, timeout=5, what="the record gone")
     assert _queued(redis_server, "q-park-late.semaphore-wake") == 1
     holder.release()
     del semaphore
@@ -273,7 +271,7 @@ def test_a_wait_kept_in_this_process_only_is_swept_when_its_place_lapses(
     parking = Parking()
     holder = FairSemaphore(redis_client, "park-here", 1, prefix=PREFIX).acquire(timeout=5)
     _, lapses_at = _parked_then_away(redis_server, redis_client, "park-here", parking)
-    assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0, "not kept in Redis"
+    assert due_times(redis_client, PREFIX) == {}, "not kept in Redis"
     wait_until(
         lambda: _queued(redis_server, "q-park-here.semaphore-wake") == 1,
         timeout=15,
@@ -327,15 +325,14 @@ def test_a_wait_parked_by_a_dead_process_is_sent_again_by_one_sweep_elsewhere(
         parker.wait(timeout=30)
         if parker.stdout is not None:
             parker.stdout.close()
-    due_key = parked_keys(PREFIX)[0]
-    assert redis_client.zcard(due_key) == 1, "the parked task is kept in Redis"
+    assert len(due_times(redis_client, PREFIX)) == 1, "the parked task is kept in Redis"
     sweepers = [Parking(), Parking()]
     for sweeper in sweepers:
         sweeper.sweep(app, redis_client, PREFIX)
     wait_until(
         lambda: _queued(redis_server, "q-dead.semaphore-wake") >= 1, timeout=15, what="the wake copy sent by a sweep"
     )
-    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=5, what="the record taken")
+    wait_until(lambda: due_times(redis_client, PREFIX) == {}, timeout=5, what="the record taken")
     with redis_server.client(db=5) as broker:
         (message,) = broker.lrange("q-dead.semaphore-wake", 0, -1)
     sent = json.loads(message)
@@ -359,7 +356,7 @@ def test_a_wait_given_up_is_not_swept(redis_server: RedisServer, redis_client: r
     semaphore._leave("up", 0.3, address)
     parking.unpark(semaphore, "up", "up#0")
     assert parking.parked_count() == 0
-    assert redis_client.zcard(parked_keys(PREFIX)[0]) == 0
+    assert due_times(redis_client, PREFIX) == {}
     holder.release()  # would offer the slot to "up", were it still parked
     semaphore.acquire(timeout=5).release()
     assert _queued(redis_server, "q-up.semaphore-wake") == 0
@@ -374,13 +371,15 @@ def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Red
     entry = "nx:{x}\nw"
     assert scripts.park(keys, entry=entry, look_in_ms=60_000, record=b"[]\nnewer")
     assert not scripts.park(keys, entry=entry, look_in_ms=1_000, record=b"[]\nolder", only_if_absent=True)
-    assert redis_client.hget(keys.records, entry) == b"[]\nnewer"
-    due_in_ms = float(redis_client.zscore(keys.due, entry) or 0) - redis_client.time()[0] * 1000
+    assert records(redis_client, keys) == {entry.encode(): b"[]\nnewer"}
+    due_in_ms = due_times(redis_client, keys)[entry.encode()] - redis_client.time()[0] * 1000
     assert due_in_ms > 50_000
-    redis_client.delete(*keys)
+    bucket = record_bucket(entry)
+    redis_client.delete(keys.bucket_due(bucket), keys.bucket_records(bucket), *keys)
     assert scripts.park(keys, entry=entry, look_in_ms=1_000, record=b"[]\nolder", only_if_absent=True)
-    assert redis_client.hget(keys.records, entry) == b"[]\nolder"
-    assert redis_client.pttl(keys.due) > 0, "the put-back record's keys expire"
+    assert records(redis_client, keys) == {entry.encode(): b"[]\nolder"}
+    for key in (keys.bucket_due(bucket), keys.bucket_records(bucket), keys.buckets):
+        assert redis_client.pttl(key) > 0, "the put-back record's keys expire"
 
 
 def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
@@ -416,9 +415,8 @@ def test_a_wake_copy_lost_in_flight_is_sent_again_after_its_lease(
         # a copy of the run is granted (the acquire script records it): the next sweep drops the
         # record, and with it anything that could send the copy again
         redis_client.hset(semaphore.keys.runs, "t1#0", "t1:a")
-    due_key, copies_key = parked_keys(prefix)[:2]
-    wait_until(lambda: redis_client.zcard(due_key) == 0, timeout=10, what="the record dropped once granted")
-    assert redis_client.hlen(copies_key) == 0
+    wait_until(lambda: due_times(redis_client, prefix) == {}, timeout=10, what="the record dropped once granted")
+    assert records(redis_client, prefix) == {}
 
 
 def test_a_busy_sender_still_sweeps(redis_server: RedisServer, redis_client: redis.Redis) -> None:
@@ -488,7 +486,7 @@ def test_a_sweep_reads_where_its_records_stand_in_one_round_trip(
     monkeypatch.undo()
     assert reads == 1, "one round trip reads where all six stand"
     assert [_queued(redis_server, f"q-batch-{i}.semaphore-wake") for i in range(6)] == [1, 0, 1, 0, 1, 0]
-    assert redis_client.zcard(parked_keys(prefix)[0]) == 0
+    assert due_times(redis_client, prefix) == {}
     holder.release()
 
 
@@ -545,8 +543,7 @@ def test_a_release_wakes_the_next_parked_waiters_ahead_of_their_offer(
         # sent by the release itself, before it returns (an offer nobody claims would lapse in
         # 2 s and go on to the next waiter: not what is measured here)
         assert _sent(redis_server, name) == [1] * woken + [0] * (4 - woken)
-        copies = parked_keys(f"{PREFIX}-{name}")[1]
-        kept = [kept_of(value) for value in redis_client.hvals(copies)]
+        kept = [kept_of(value) for value in records(redis_client, f"{PREFIX}-{name}").values()]
         marked = [copy.startswith(WOKEN_COPY_MARK.encode()) for copy in kept]
         assert sorted(marked) == [False] * (4 - woken) + [True] * woken, "the woken ones leased, not dropped"
     finally:
@@ -601,7 +598,7 @@ def test_the_records_an_earlier_release_kept_are_woken_and_swept(
         wait_until(lambda: _queued(redis_server, "q-old-offered.semaphore-wake") == 1, what="the old record woken")
         assert redis_client.hget(keys.old_copies, record) == WOKEN_COPY_MARK.encode() + copies["offered"]
         assert not redis_client.hexists(keys.old_waiters, f"{semaphore.keys.deadlines}\noffered"), "taken once"
-        assert redis_client.hlen(keys.records) == 0
+        assert records(redis_client, keys) == {}
 
         # "lapsed" steps away for a moment and never asks again; "alive" keeps its place a minute
         _old_record(redis_client, prefix, semaphore, "lapsed", copies["lapsed"], 1)
@@ -620,9 +617,10 @@ def test_the_records_an_earlier_release_kept_are_woken_and_swept(
             what="sent again by the sweep",
         )
         assert _queued(redis_server, "q-old-alive.semaphore-wake") == 0
-        kept = redis_client.hget(keys.records, "park-old\nalive")  # named by its semaphore's name
+        kept = records(redis_client, keys).get(b"park-old\nalive")  # named by its semaphore's name
         assert kept is not None and kept_of(kept) == copies["alive"], "kept again as this release keeps it"
-        assert redis_client.zscore(keys.due, "park-old\nalive") is not None
+        assert redis_client.hexists(keys.bucket_records(record_bucket("park-old\nalive")), "park-old\nalive")
+        assert b"park-old\nalive" in due_times(redis_client, keys)
         assert redis_client.zcard(keys.old_due) == 1, "only the woken one's lease is left there"
 
         # a wait the earlier release parked that a worker of this release gives up is forgotten

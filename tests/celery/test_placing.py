@@ -28,6 +28,7 @@ from celery_semaphore._celery.parked_records import STORED_COPY_MARK, kept_of, p
 from celery_semaphore._celery.tokens import task_key
 
 from ..celery_stack import CeleryStack
+from ..parked import records
 from ..waiting import wait_until
 from ..workers import ROOT, Worker, worker_group
 from .test_due_copies import RoundTrips
@@ -149,8 +150,7 @@ def same_but_its_tag(sent: bytes, stored: bytes) -> bool:
 def parked_copies(proj: Any, semaphore: Any, task_id: str) -> list[bytes]:
     """What the parked records of ``task_id`` keep in place of a wake copy (behind the mark of
     a task that may be woken ahead, taken off)."""
-    records = parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore")).records
-    found = semaphore.client.hgetall(records)
+    found = records(semaphore.client, parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore")))
     return [without_ahead_mark(kept_of(value)) for entry, value in found.items() if task_id.encode() in entry]
 
 

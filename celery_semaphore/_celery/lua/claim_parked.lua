@@ -1,7 +1,10 @@
 -- claim_parked: take the parked-task records that are due, each by one sweep only.
---   KEYS[1] due      ZSET  (see park.lua)
---   KEYS[2] records  HASH
---   KEYS[3] old due, KEYS[4] old copies, KEYS[5] old waiters: the records of an earlier release
+--   KEYS[1] buckets  ZSET  bucket -> no later than the first due time in it (see park.lua): a
+--                          bucket's due times and records are KEYS[2] and KEYS[3] with
+--                          ":<bucket>" after them, looked in only when the index says it is due
+--   KEYS[2] due      ZSET  the due times of an earlier release's records (one, never split)
+--   KEYS[3] records  HASH  its records, taken too
+--   KEYS[4] old due, KEYS[5] old copies, KEYS[6] old waiters: the records of a release before it
 --           (parked_records.OldParkedRecord: a record named by its JSON, [deadlines key, runs
 --           key, waiter, run, name], "<deadlines key>\n<waiter>" -> that name), taken too
 --   ARGV[1] most     records to take at once, of each kind
@@ -12,28 +15,48 @@
 
 local now, most = now_ms(), tonumber(ARGV[1])
 local claimed = {{}, {}}
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
-if #due > 0 then
-  for _, entry in ipairs(due) do
-    claimed[1][#claimed[1] + 1] = entry
-    claimed[1][#claimed[1] + 1] = redis.call('HGET', KEYS[2], entry) or ''
+-- up to "left" records now due of one sorted set of due times and its hash of records
+local function take(due_key, records_key, left)
+  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', now, 'LIMIT', 0, left)
+  if #due > 0 then
+    for _, entry in ipairs(due) do
+      claimed[1][#claimed[1] + 1] = entry
+      claimed[1][#claimed[1] + 1] = redis.call('HGET', records_key, entry) or ''
+    end
+    redis.call('ZREM', due_key, unpack(due))
+    redis.call('HDEL', records_key, unpack(due))
   end
-  redis.call('ZREM', KEYS[1], unpack(due))
-  redis.call('HDEL', KEYS[2], unpack(due))
+  return #due
 end
-local old = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, most)
+local left = most
+for _, bucket in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)) do
+  if left == 0 then
+    break
+  end
+  local due_key = KEYS[2] .. ':' .. bucket
+  left = left - take(due_key, KEYS[3] .. ':' .. bucket, left)
+  -- the bucket's index entry is its first due time again (its records expired with it: gone)
+  local first = redis.call('ZRANGE', due_key, 0, 0, 'WITHSCORES')
+  if first[2] then
+    redis.call('ZADD', KEYS[1], first[2], bucket)
+  else
+    redis.call('ZREM', KEYS[1], bucket)
+  end
+end
+take(KEYS[2], KEYS[3], most)
+local old = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, most)
 if #old > 0 then
   for _, record in ipairs(old) do
     claimed[2][#claimed[2] + 1] = record
-    claimed[2][#claimed[2] + 1] = redis.call('HGET', KEYS[4], record) or ''
+    claimed[2][#claimed[2] + 1] = redis.call('HGET', KEYS[5], record) or ''
     local ok, fields = pcall(cjson.decode, record)
     local by_waiter = ok and type(fields) == 'table' and fields[1] and fields[3]
       and (fields[1] .. RECORD_SEPARATOR .. fields[3])
-    if by_waiter and redis.call('HGET', KEYS[5], by_waiter) == record then
-      redis.call('HDEL', KEYS[5], by_waiter)
+    if by_waiter and redis.call('HGET', KEYS[6], by_waiter) == record then
+      redis.call('HDEL', KEYS[6], by_waiter)
     end
   end
-  redis.call('ZREM', KEYS[3], unpack(old))
-  redis.call('HDEL', KEYS[4], unpack(old))
+  redis.call('ZREM', KEYS[4], unpack(old))
+  redis.call('HDEL', KEYS[5], unpack(old))
 end
 return claimed

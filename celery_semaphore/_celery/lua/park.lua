@@ -1,16 +1,18 @@
 -- park: keep a parked Celery task's record in Redis, so that a sweep in any worker process can
 -- send its copy again when no copy of its wait asked in time: its backstop copy was lost with the
 -- worker that parked it (see _celery/parking.py). One record per waiter of a line, named by the
--- two (a waiter has one place in a line); parking again moves it on.
---   KEYS[1] due      ZSET  entry -> when a sweep looks at it (server ms)
+-- two (a waiter has one place in a line); parking again moves it on. The records are split into
+-- buckets by entry (parked_records.record_bucket), each small enough for Redis's compact encoding.
+--   KEYS[1] due      ZSET  entry -> when a sweep looks at it (server ms): the entry's bucket
 --   KEYS[2] records  HASH  entry -> "<header>\n<copy>": the header a JSON list of the waiter
 --                          and the wait's run (parked_records.record_header: no raw newline),
 --                          then the wake copy, serialized as the task's messages are, or its mark
 --                          (the copy waits in the broker). TAKEN_RECORD_MARK in front: a wake-up
---                          took it (claim_parked_waiter)
+--                          took it (claim_parked_waiter). The entry's bucket
 --   KEYS[3] lines    ZSET  "[<line base>, <limit>]" -> until when it has parked waiters: the
 --                          lines a tick looks at (tick.lua), since no script may run on a line
 --                          whose waiters are all parked
+--   KEYS[4] buckets  ZSET  bucket -> no later than the first due time in it (claim_parked.lua)
 --   ARGV[1] entry   "<line>\n<waiter>" (parked_records.record_entry: the line by its name)
 --   ARGV[2] look_in_ms
 --   ARGV[3] value   the record to keep; with "forget", its header alone
@@ -18,30 +20,34 @@
 --                   kept (a sweep putting back a record it took, due later, never overwrites the
 --                   newer record of a task that parked again meanwhile); "forget": drop the record
 --                   if it is still that wait's (the wait was given up)
---   ARGV[5] line    "" (or left out) or the line's member of KEYS[3]
---   with "forget": KEYS[4] old due, KEYS[5] old copies, KEYS[6] old waiters (an earlier
---   release's records, see claim_parked.lua), ARGV[6] the name that release gave the wait's
---   record and ARGV[7] its waiter's entry there: forgotten too (a wait it parked that a worker
+--   ARGV[5] line    "" or the line's member of KEYS[3]
+--   ARGV[6] bucket  the entry's bucket (its member of KEYS[4])
+--   with "forget": KEYS[5] due and KEYS[6] records of an earlier release (one of each, never
+--   split), looked in too; KEYS[7] old due, KEYS[8] old copies, KEYS[9] old waiters (the records
+--   of a release before it, see claim_parked.lua), ARGV[7] the name that release gave the wait's
+--   record and ARGV[8] its waiter's entry there: forgotten too (a wait it parked that a worker
 --   of this release gave up)
 -- Returns 1, or 0 when "nx" found a record there. The keys expire once the last record is due
 -- (plus a grace), unless swept before.
 
 local entry, value, mode = ARGV[1], ARGV[3], ARGV[4]
 if mode == 'forget' then
-  local kept = redis.call('HGET', KEYS[2], entry)
-  if kept and string.sub(kept, 1, #TAKEN_RECORD_MARK) == TAKEN_RECORD_MARK then
-    kept = string.sub(kept, #TAKEN_RECORD_MARK + 1)
+  for _, at in ipairs({1, 5}) do  -- this release's bucket, then the earlier release's records
+    local kept = KEYS[at + 1] and redis.call('HGET', KEYS[at + 1], entry)
+    if kept and string.sub(kept, 1, #TAKEN_RECORD_MARK) == TAKEN_RECORD_MARK then
+      kept = string.sub(kept, #TAKEN_RECORD_MARK + 1)
+    end
+    if kept and string.sub(kept, 1, #value + 1) == value .. RECORD_SEPARATOR then
+      redis.call('ZREM', KEYS[at], entry)
+      redis.call('HDEL', KEYS[at + 1], entry)
+    end
   end
-  if kept and string.sub(kept, 1, #value + 1) == value .. RECORD_SEPARATOR then
-    redis.call('ZREM', KEYS[1], entry)
-    redis.call('HDEL', KEYS[2], entry)
-  end
-  local old_record, old_entry = ARGV[6], ARGV[7]
-  if KEYS[6] and old_record then
-    redis.call('ZREM', KEYS[4], old_record)
-    redis.call('HDEL', KEYS[5], old_record)
-    if redis.call('HGET', KEYS[6], old_entry) == old_record then
-      redis.call('HDEL', KEYS[6], old_entry)
+  local old_record, old_entry = ARGV[7], ARGV[8]
+  if KEYS[9] and old_record then
+    redis.call('ZREM', KEYS[7], old_record)
+    redis.call('HDEL', KEYS[8], old_record)
+    if redis.call('HGET', KEYS[9], old_entry) == old_record then
+      redis.call('HDEL', KEYS[9], old_entry)
     end
   end
   return 1
@@ -57,8 +63,10 @@ else
   redis.call('ZADD', KEYS[1], due_at, entry)
 end
 redis.call('HSET', KEYS[2], entry, value)
+redis.call('ZADD', KEYS[4], 'LT', due_at, ARGV[6])  -- LT still adds a new member
 extend_exactly(KEYS[1], ttl_ms)
 extend_exactly(KEYS[2], ttl_ms)
+extend_exactly(KEYS[4], ttl_ms)
 local line = ARGV[5] or ''
 if line ~= '' then
   redis.call('ZADD', KEYS[3], 'GT', due_at, line)  -- GT still adds a new member

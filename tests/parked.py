@@ -1,0 +1,35 @@
+"""What a deployment's parked-task records hold, read across their buckets and the keys of an
+earlier release (``parked_records.ParkedKeys``): for the tests, which look at every record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_semaphore._celery.parked_records import RECORD_BUCKETS, ParkedKeys, parked_keys
+
+
+def _read_all(client: Any, names: list[bytes], command: str) -> dict[bytes, Any]:
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        if command == "hgetall":
+            pipe.hgetall(name)
+        else:
+            pipe.zrange(name, 0, -1, withscores=True)
+    found: dict[bytes, Any] = {}
+    for reply in pipe.execute():
+        found.update(reply if command == "hgetall" else dict(reply))
+    return found
+
+
+def records(client: Any, keys: ParkedKeys | str) -> dict[bytes, bytes]:
+    """Every record kept, entry -> value, wherever it is kept."""
+    keys = parked_keys(keys) if isinstance(keys, str) else keys
+    names = [*(keys.bucket_records(bucket) for bucket in range(RECORD_BUCKETS)), keys.flat_records]
+    return _read_all(client, names, "hgetall")
+
+
+def due_times(client: Any, keys: ParkedKeys | str) -> dict[bytes, float]:
+    """Every record's due time (server ms), entry -> when, wherever it is kept."""
+    keys = parked_keys(keys) if isinstance(keys, str) else keys
+    names = [*(keys.bucket_due(bucket) for bucket in range(RECORD_BUCKETS)), keys.flat_due]
+    return _read_all(client, names, "zrange")
