@@ -99,8 +99,9 @@ TARGET_BYTES = 1024  # Redis memory per waiting task, both Redis servers, its st
 MIN_PACE_RATIO = 0.95
 # keys smaller than this are not listed in the split (the key's counters, the pause, the epoch)
 LISTED_KEY_BYTES = 4096
-# a bucket of the parked-task records or of their due times (parked_records.RECORD_BUCKETS)
-BUCKET_KEY = re.compile(r"^(.*\{parked-tasks\}:(?:records|record-due)):\d+$")
+# a bucket of the parked-task records or of their due times (parked_records.RECORD_BUCKETS), or of
+# the stored copies' due times (due_copies.DUE_BUCKETS)
+BUCKET_KEY = re.compile(r"^(.*(?:\{parked-tasks\}:(?:records|record-due)|semaphore-backstops:packed:due)):\d+$")
 # seconds after the last send before the memory is read: the sender stows each copy itself, so
 # this only lets a sample or a sweep in flight finish
 SETTLE_S = 2.0
@@ -309,7 +310,8 @@ def measure_waiting(
     stored = one_value(broker, "semaphore-backstops:packed:copies")
     stencils = broker.hvals("semaphore-backstops:packed:stencils")
     wake = one_record(semaphore)
-    due = broker.zrange("semaphore-backstops:packed:due", 0, 0, withscores=True)
+    # the index of the due buckets holds each bucket's first due time (no later than it)
+    due = broker.zrange("semaphore-backstops:packed:due-buckets", 0, 0, withscores=True)
     seconds, micros = (float(part) for part in broker.time())
     rss, main = workers_rss_kb(group)
     return {

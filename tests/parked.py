@@ -1,10 +1,12 @@
-"""What a deployment's parked-task records hold, read across their buckets and the keys of an
-earlier release (``parked_records.ParkedKeys``): for the tests, which look at every record."""
+"""What a deployment's parked-task records hold, and which copies wait in the broker's store,
+read across their buckets and the keys of an earlier release (``parked_records.ParkedKeys``,
+``due_copies.due_keys_of``): for the tests, which look at every one."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from celery_semaphore._celery.due_copies import DUE_BUCKETS, DUE_KEY
 from celery_semaphore._celery.parked_records import RECORD_BUCKETS, ParkedKeys, parked_keys
 
 
@@ -32,4 +34,11 @@ def due_times(client: Any, keys: ParkedKeys | str) -> dict[bytes, float]:
     """Every record's due time (server ms), entry -> when, wherever it is kept."""
     keys = parked_keys(keys) if isinstance(keys, str) else keys
     names = [*(keys.bucket_due(bucket) for bucket in range(RECORD_BUCKETS)), keys.flat_due]
+    return _read_all(client, names, "zrange")
+
+
+def stored_due(client: Any, due_key: str = DUE_KEY) -> dict[bytes, float]:
+    """Every copy stored in the broker's Redis, copy id -> when it is due (server ms), from its
+    bucket or from the release before's one sorted set (``due_copies.due_keys_of``)."""
+    names = [*(f"{due_key}:{bucket}".encode() for bucket in range(DUE_BUCKETS)), due_key.encode()]
     return _read_all(client, names, "zrange")

@@ -23,7 +23,6 @@ from celery import Celery
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import (
     COPIES_KEY,
-    DUE_KEY,
     FINISHED_KEY,
     MOVED_KEY,
     SENT_KEY,
@@ -40,6 +39,7 @@ from celery_semaphore._celery.wait_headers import (
     SENT_HEADER,
 )
 from celery_semaphore._celery.wake_queues import wake_aware, wake_queue
+from tests.parked import stored_due
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
 
@@ -100,7 +100,7 @@ def test_a_copy_is_stowed_at_once_and_moved_to_the_wake_queue_when_due(setup: Se
     # kept in the broker's Redis, in no list a worker reads, and not a countdown (no eta)
     assert client.llen(BACKSTOP_LIST) == 0
     assert client.llen(WAKE_LIST) == 0
-    assert client.zcard(DUE_KEY) == 1
+    assert len(stored_due(client)) == 1
     stored = client.hget(COPIES_KEY, "run-a")
     assert stored is not None and stored.startswith(WAKE_LIST.encode() + b"\n")
     assert store.run(["celery"]).moved == 0  # not due yet
@@ -113,7 +113,7 @@ def test_a_copy_is_stowed_at_once_and_moved_to_the_wake_queue_when_due(setup: Se
     assert payload["properties"]["delivery_info"]["routing_key"] == WAKE_LIST
     assert payload["headers"]["eta"] is None
     assert payload["headers"]["argsrepr"] == "('run-a',)"
-    assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+    assert len(stored_due(client)) == 0 and client.hlen(COPIES_KEY) == 0
 
 
 def test_a_copy_an_earlier_release_sent_is_stowed_under_its_run_all_the_same(setup: Setup) -> None:
@@ -122,8 +122,8 @@ def test_a_copy_an_earlier_release_sent_is_stowed_under_its_run_all_the_same(set
     app, client = setup.app, setup.client
     old = {"semaphore_due_in": 60, "semaphore_backstop": "run-old", "semaphore_queue": "celery"}
     send_copy(app, app.signature("due_copies_test.work", args=("run-old",), queue=BACKSTOP_LIST, headers=old))
-    assert client.zrange(DUE_KEY, 0, -1) == [b"run-old"]
-    due_in_ms = float(client.zscore(DUE_KEY, "run-old") or 0) - client.time()[0] * 1000
+    assert sorted(stored_due(client)) == [b"run-old"]
+    due_in_ms = float(stored_due(client).get(b"run-old") or 0) - client.time()[0] * 1000
     assert 50_000 < due_in_ms <= 61_000
 
 
@@ -132,12 +132,12 @@ def test_a_newer_copy_of_a_run_replaces_the_older_and_withdraw_forgets_it(setup:
     send_copy(app, _copy(app, "run-b", 60))
     send_copy(app, _copy(app, "run-b", 120))
     send_copy(app, _copy(app, "run-c", 60))
-    assert client.zcard(DUE_KEY) == 2
+    assert len(stored_due(client)) == 2
     withdraw(app, "run-b")
-    assert client.zrange(DUE_KEY, 0, -1) == [b"run-c"]
+    assert sorted(stored_due(client)) == [b"run-c"]
     assert client.hkeys(COPIES_KEY) == [b"run-c"]
     assert not store.granted("run-c", withdraw=True)  # granted without acks_late: withdrawn too
-    assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+    assert len(stored_due(client)) == 0 and client.hlen(COPIES_KEY) == 0
 
 
 def test_every_stored_copy_is_due_at_once_when_the_semaphore_redis_comes_back_empty(setup: Setup) -> None:
@@ -208,7 +208,10 @@ def test_the_move_is_atomic_whoever_runs_it(
             store.stow(WAKE_LIST, f"run-{index}", 0.05, packing)
     if packed:
         wait_until(
-            lambda: client.zcount(DUE_KEY, 0, client.time()[0] * 1000 + client.time()[1] // 1000) == 200,
+            lambda: (
+                sum(at <= client.time()[0] * 1000 + client.time()[1] // 1000 for at in stored_due(client).values())
+                == 200
+            ),
             timeout=5,
             what="every packed copy due",
         )
@@ -236,7 +239,7 @@ for _ in range({400 if killed else 50}):
         pass
     moved = [json.loads(message)["headers"][COPY_ID_HEADER] for message in client.lrange(WAKE_LIST, 0, -1)]
     assert sorted(moved) == sorted(f"run-{index}" for index in range(200))
-    assert client.llen(BACKSTOP_LIST) == 0 and client.zcard(DUE_KEY) == 0
+    assert client.llen(BACKSTOP_LIST) == 0 and len(stored_due(client)) == 0
 
 
 def test_a_mover_sees_every_restart_of_the_semaphore_redis(servers: tuple[RedisServer, RedisServer]) -> None:
@@ -290,7 +293,7 @@ def test_a_copy_lost_in_flight_comes_back_when_the_semaphore_redis_restarts_empt
         for run in ("run-lost", "run-asked", "run-granted"):
             send_copy(app, _copy(app, run, 0.2))
         wait_until(lambda: client.llen(WAKE_LIST) == 3, timeout=10, what="the copies moved when due")
-        assert client.zcard(MOVED_KEY) == 3 and client.zcard(DUE_KEY) == 0
+        assert client.zcard(MOVED_KEY) == 3 and len(stored_due(client)) == 0
         sent = {json.loads(message)["headers"][COPY_ID_HEADER]: message for message in client.lrange(WAKE_LIST, 0, -1)}
         client.delete(WAKE_LIST)  # each popped by a worker's BRPOP; run-lost's worker was killed there
         send_copy(app, _copy(app, "run-asked", 600))  # refused, parked again: a newer copy stored
@@ -302,7 +305,7 @@ def test_a_copy_lost_in_flight_comes_back_when_the_semaphore_redis_restarts_empt
         assert sorted(again) == ["run-asked", "run-lost"]  # the stored copy, and the lost one
         # as first moved, under a delivery tag of its own
         assert untagged(sent["run-lost"]) in [untagged(message) for message in client.lrange(WAKE_LIST, 0, -1)]
-        assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+        assert len(stored_due(client)) == 0 and client.hlen(COPIES_KEY) == 0
     finally:
         mover.stop()
 
@@ -336,13 +339,13 @@ def test_a_finished_run_is_remembered_and_no_copy_of_it_is_stored_after(setup: S
     app, client, store = setup.app, setup.client, setup.store
     send_copy(app, _copy(app, "run-f", 60))
     withdraw(app, "run-f", remember_s=0.5)
-    assert client.zcard(DUE_KEY) == 0
+    assert len(stored_due(client)) == 0
     assert store.granted("run-f", withdraw=False) and not store.granted("run-g", withdraw=False)
     send_copy(app, _copy(app, "run-f", 60))  # late: not stored
-    assert client.zcard(DUE_KEY) == 0 and client.hlen(COPIES_KEY) == 0
+    assert len(stored_due(client)) == 0 and client.hlen(COPIES_KEY) == 0
     wait_until(lambda: store.run(["celery"]) and client.zcard(FINISHED_KEY) == 0, timeout=5, what="forgotten")
     send_copy(app, _copy(app, "run-f", 60))  # forgotten: stored again
-    assert client.zcard(DUE_KEY) == 1
+    assert len(stored_due(client)) == 1
 
 
 class RoundTrips:
@@ -377,7 +380,7 @@ def round_trips_of_a_copy(setup: Setup, monkeypatch: pytest.MonkeyPatch, run: st
     trips = RoundTrips(monkeypatch)
     send_copy(setup.app, _copy(setup.app, run, 60))
     count = trips.count
-    assert setup.client.llen(BACKSTOP_LIST) == 0 and setup.client.zscore(DUE_KEY, run) is not None
+    assert setup.client.llen(BACKSTOP_LIST) == 0 and stored_due(setup.client).get(run.encode()) is not None
     return count
 
 

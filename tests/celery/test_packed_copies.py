@@ -18,7 +18,6 @@ import celery_semaphore._celery.due_copies as due_copies
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import (
     COPIES_KEY,
-    DUE_KEY,
     EARLIER_KEYS,
     STENCILS_KEPT_KEY,
     STENCILS_KEY,
@@ -32,6 +31,7 @@ from celery_semaphore._celery.packing import PACKED_MARK, pack, unpack
 from celery_semaphore._celery.wake_queues import wake_aware
 from tests.celery import test_due_copies
 from tests.celery.test_due_copies import WAKE_LIST, Setup, _copy, untagged
+from tests.parked import stored_due
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
 
@@ -79,7 +79,7 @@ def test_a_wake_up_sends_the_packed_copy_whole_and_keeps_it_as_the_backstop(setu
     woken, stored = json.loads(sent), json.loads(store.stored_message("run-w") or "")
     assert woken["properties"].pop("delivery_tag") != stored["properties"].pop("delivery_tag")  # a tag of its own
     assert woken == stored
-    assert client.zscore(DUE_KEY, "run-w") is not None
+    assert stored_due(client).get(b"run-w") is not None
 
 
 def test_a_message_that_cannot_be_packed_is_stored_whole(setup: Setup) -> None:
@@ -123,7 +123,7 @@ def test_a_copy_whose_stencil_is_gone_is_kept_and_said(setup: Setup, caplog: pyt
     assert "no longer keeps" in caplog.text
     wait_until(lambda: store.run(["celery"]).unreadable, timeout=5, what="found due")
     assert client.llen(WAKE_LIST) == 0 and client.hexists(COPIES_KEY, "run-g")
-    assert float(client.zscore(DUE_KEY, "run-g") or 0) > client.time()[0] * 1000 + 50_000  # looked at again later
+    assert float(stored_due(client).get(b"run-g") or 0) > client.time()[0] * 1000 + 50_000  # looked at again later
 
 
 def test_the_store_of_an_earlier_release_is_moved_sent_and_withdrawn(setup: Setup) -> None:

@@ -13,11 +13,12 @@ import redis
 from celery import states
 
 from celery_semaphore import SemaphoreTask
-from celery_semaphore._celery.due_copies import DUE_KEY, FINISHED_KEY, send_copy
+from celery_semaphore._celery.due_copies import FINISHED_KEY, send_copy
 from celery_semaphore._celery.run_checks import GrantedAhead, RunInBroker
 from celery_semaphore._celery.sent_ahead import SentAhead
 from celery_semaphore._celery.wait_headers import WaitHistory
 from tests.celery.test_due_copies import Setup, _app, _copy, servers, setup  # noqa: F401 (fixtures)
+from tests.parked import stored_due
 from tests.redis_server import RedisServer
 from tests.waiting import wait_until
 
@@ -27,10 +28,10 @@ def test_the_grant_commands_run_before_their_reply_is_read(setup: Setup) -> None
     withdrawn and the run remembered before anything is read; the answer comes after."""
     app, client = setup.app, setup.client
     send_copy(app, _copy(app, "run-a", 60))
-    assert client.zcard(DUE_KEY) == 1
+    assert len(stored_due(client)) == 1
     with GrantedAhead(app, "run-a", at_most_once=True, remember_s=60) as asked:
         wait_until(
-            lambda: client.zcard(DUE_KEY) == 0 and client.zscore(FINISHED_KEY, "run-a") is not None,
+            lambda: len(stored_due(client)) == 0 and client.zscore(FINISHED_KEY, "run-a") is not None,
             timeout=5,
             what="the grant's commands run in the broker's Redis, their reply not read yet",
         )

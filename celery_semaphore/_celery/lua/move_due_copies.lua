@@ -2,7 +2,9 @@
 -- Redis and move each to its queue when it is due (_celery/due_copies.py). Atomic: a copy is in
 -- exactly one of its backstop list, the store or its target queue at every moment, whoever
 -- runs this and whenever that process dies.
---   KEYS[1] due     ZSET  copy id -> when it is due (this server's ms)
+--   KEYS[1] due     ZSET  copy id -> when it is due (this server's ms): kept in buckets
+--                   "<due key>:<n>" with an index "<due key>-buckets" (_due_buckets.lua), this
+--                   key only the release before's
 --   KEYS[2] copies  HASH  copy id -> "<target list key>\n<message as kombu wrote it>", or packed
 --                   by its sender: "<target list key>\n\1<stencil digest>\0<fills>" (stow_copy.lua)
 --   KEYS[3] epoch   STRING the semaphore Redis's epoch last seen here
@@ -51,11 +53,11 @@ if ARGV[2] ~= '' then
   if seen ~= ARGV[2] then
     redis.call('SET', KEYS[3], ARGV[2])
     if seen then
-      redis.call('ZUNIONSTORE', KEYS[1], 1, KEYS[1], 'WEIGHTS', 0)
+      all_due_now(KEYS[1])
       for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], now - keep_ms, '+inf')) do
         local sent = redis.call('HGET', KEYS[6], id)
-        if sent and not redis.call('ZSCORE', KEYS[1], id) then
-          redis.call('ZADD', KEYS[1], 0, id)
+        if sent and redis.call('HEXISTS', KEYS[2], id) == 0 then  -- one stored again is kept instead
+          set_due(KEYS[1], 0, id)
           redis.call('HSET', KEYS[2], id, sent)
         end
       end
@@ -92,7 +94,7 @@ for i = 9, #KEYS, 2 do
       message = string.sub(message, 1, cut) .. to_name .. string.sub(message, cut + string.len(from_name) + 1)
     end
     if not redis.call('ZSCORE', KEYS[4], id) then
-      redis.call('ZADD', KEYS[1], now + math.floor(due_in * 1000), id)
+      set_due(KEYS[1], now + math.floor(due_in * 1000), id)
       redis.call('HSET', KEYS[2], id, target .. '\n' .. message)
     end
     redis.call('ZREM', KEYS[5], id)
@@ -105,9 +107,8 @@ end
 --    copy of its run asks again (step 1 sends it again if the semaphore Redis restarts first).
 --    The stencil of a packed copy is kept for as long as the copy is kept as moved.
 local stencil_keep_ms = tonumber(ARGV[4])
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
 local done, unreadable = {}, 0
-for _, id in ipairs(due) do
+local function move(id)
   local stored = redis.call('HGET', KEYS[2], id)
   local target, message, digest
   if stored then
@@ -115,7 +116,7 @@ for _, id in ipairs(due) do
   end
   if stored and not message then
     unreadable = unreadable + 1
-    redis.call('ZADD', KEYS[1], now + 60000, id)
+    set_due(KEYS[1], now + 60000, id)
   else
     if stored then
       redis.call('LPUSH', target, message)
@@ -130,14 +131,14 @@ for _, id in ipairs(due) do
     done[#done + 1] = id
   end
 end
+local taken = take_due(KEYS[1], now, most, move)
 if #done > 0 then
-  redis.call('ZREM', KEYS[1], unpack(done))
   redis.call('HDEL', KEYS[2], unpack(done))
 end
 
 -- 4. Forget the stencils no copy names any more: kept past the due time of every copy stowed
 --    with them and the keeping of every copy moved, and only once nothing due is left to move.
-if stencil_keep_ms and #due < most then
+if stencil_keep_ms and taken < most then
   local stale = redis.call('ZRANGEBYSCORE', KEYS[8], '-inf', now, 'LIMIT', 0, most)
   if #stale > 0 then
     redis.call('ZREM', KEYS[8], unpack(stale))
@@ -145,9 +146,9 @@ if stencil_keep_ms and #due < most then
   end
 end
 
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local first = first_due(KEYS[1])
 local next_in = -1
-if #first > 0 then
-  next_in = math.max(0, tonumber(first[2]) - now)
+if first then
+  next_in = math.max(0, first - now)
 end
 return {#done, stowed, next_in, flushed, unreadable}

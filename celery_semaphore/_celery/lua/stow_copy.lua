@@ -1,7 +1,8 @@
 -- stow_copy: on the Redis broker, keep a waiting task's due-later copy, packed by its sender
 -- (_celery/packing.py), in the store move_due_copies.lua moves it from when due: one atomic
 -- step, so that a sender killed at any point has stored the copy or has not sent it.
---   KEYS[1] due       ZSET  copy id -> when it is due (this server's ms)
+--   KEYS[1] due       ZSET  copy id -> when it is due (this server's ms), in buckets
+--                     (_due_buckets.lua)
 --   KEYS[2] copies    HASH  copy id -> "<target list key>\n\1<stencil digest>\0<fills>"
 --   KEYS[3] finished  ZSET  run id -> until when it is remembered as finished
 --   KEYS[4] moved     ZSET  copy id -> when it was moved to its queue (see move_due_copies.lua)
@@ -35,11 +36,11 @@ if due_at <= now then
   target, message = stored_message(stored, KEYS[6], id, t[1] .. '.' .. t[2])
 end
 if not message then  -- due later (or, never seen, one that does not read back: stored, as a move finds it)
-  redis.call('ZADD', KEYS[1], due_at, id)
+  set_due(KEYS[1], due_at, id)
   redis.call('HSET', KEYS[2], id, stored)
   return 1
 end
-redis.call('ZREM', KEYS[1], id)
+unset_due(KEYS[1], id)
 redis.call('HDEL', KEYS[2], id)
 redis.call('LPUSH', target, message)
 if string.sub(id, 1, 1) ~= '?' then  -- a copy with no run: nothing would ever ask for it
