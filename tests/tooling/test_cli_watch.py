@@ -12,6 +12,7 @@ import queue
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -139,9 +140,20 @@ def test_watch_in_a_terminal_redraws_in_place_and_leaves_on_ctrl_c(tmux: Tmux, s
 # -- on a pipe ----------------------------------------------------------------------------------
 
 
+# Runs the command after it with SIGINT back to its default: a test run started in the background
+# by a shell without job control (`bash -c '... &'`) has SIGINT ignored, and a child inherits
+# that, so the watch would never hear the Ctrl-C these tests send (a terminal's foreground job
+# has it at its default, which is what they stand for).
+WITH_DEFAULT_SIGINT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
 def start_on_a_pipe(server: RedisServer, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
     """The watch with its output on a pipe; its lines arrive on the queue as they are printed."""
-    command = [str(CELERY), "-A", "tests.proj.app", "semaphore", "status", *args]
+    command = [*WITH_DEFAULT_SIGINT, str(CELERY), "-A", "tests.proj.app", "semaphore", "status", *args]
     process = subprocess.Popen(
         command, cwd=ROOT, env=celery_env(server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
