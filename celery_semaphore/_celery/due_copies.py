@@ -37,7 +37,6 @@ routing key in ``properties.delivery_info``: unchanged from kombu 5.3 to 5.7 (``
 
 from __future__ import annotations
 
-import hashlib
 import importlib.resources
 import json
 import logging
@@ -51,7 +50,7 @@ import redis
 
 from .._core import fork_locks
 from .._core.clients import client_for
-from .._core.storage import as_text
+from .._core.storage import as_text, bucket_of
 from .config import config_for
 from .internals import KOMBU_REDIS_PRIORITY_STEPS, KOMBU_REDIS_SEPARATOR
 from .packing import PACKED_MARK, Packed, digest_of, unpack
@@ -93,8 +92,7 @@ DUE_BUCKETS = 1024
 def due_keys_of(due_key: str, copy_id: str) -> tuple[str, str]:
     """Where a copy's due time may be kept: its bucket (as the scripts name it), and the due key
     of the release before."""
-    bucket = int(hashlib.sha1(copy_id.encode()).hexdigest()[:8], 16) % DUE_BUCKETS
-    return f"{due_key}:{bucket}", due_key
+    return f"{due_key}:{bucket_of(copy_id, DUE_BUCKETS)}", due_key
 
 
 # Most copies one script run stows per list and moves.

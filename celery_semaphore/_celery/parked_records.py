@@ -4,14 +4,13 @@ record and its line go by (``parking.py`` keeps and sweeps the records, with the
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any, NamedTuple
 
 from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore
-from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK
+from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK, bucket_of
 
 # What a record keeps in place of a wake copy on the Redis broker, where the task's backstop copy
 # waits in the broker's store of due copies (``due_copies.py``) under the wait's run: its wake-up
@@ -59,7 +58,7 @@ RECORD_BUCKETS = 1024
 def record_bucket(entry: str) -> int:
     """The bucket of a record's entry: the first 32 bits of its SHA-1, as the scripts compute it
     (``redis.sha1hex``, claim_parked_waiter.lua)."""
-    return int(hashlib.sha1(entry.encode()).hexdigest()[:8], 16) % RECORD_BUCKETS
+    return bucket_of(entry, RECORD_BUCKETS)
 
 
 class ParkedKeys(NamedTuple):

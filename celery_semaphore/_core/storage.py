@@ -16,6 +16,7 @@ head of ``lua/_lib.lua``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -142,3 +143,10 @@ def as_text(value: Any) -> str:
     """A member, field or reply element as Redis returned it (bytes, or str on a client that
     decodes responses), as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def bucket_of(name: str, buckets: int) -> int:
+    """Which of ``buckets`` small keys holds ``name``, where a large hash or sorted set is split
+    so that each part keeps Redis's compact encoding: the first 32 bits of its SHA-1, as the
+    scripts compute it with ``redis.sha1hex`` (the glue's parked records and stored due times)."""
+    return int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % buckets
