@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_semaphore._celery.due_copies import DUE_BUCKETS, DUE_KEY
-from celery_semaphore._celery.parked_records import RECORD_BUCKETS, ParkedKeys, parked_keys
+from celery_semaphore._celery.parked_records import RECORD_BUCKETS, ParkedKeys, parked_keys, split_due, without_due
 
 
 def _read_all(client: Any, names: list[bytes], command: str) -> dict[bytes, Any]:
@@ -23,18 +23,23 @@ def _read_all(client: Any, names: list[bytes], command: str) -> dict[bytes, Any]
     return found
 
 
+def _bucket_values(client: Any, keys: ParkedKeys) -> dict[bytes, bytes]:
+    return _read_all(client, [keys.bucket_records(bucket) for bucket in range(RECORD_BUCKETS)], "hgetall")
+
+
 def records(client: Any, keys: ParkedKeys | str) -> dict[bytes, bytes]:
-    """Every record kept, entry -> value, wherever it is kept."""
+    """Every record kept, entry -> value (a bucket's with its due time off), wherever it is kept."""
     keys = parked_keys(keys) if isinstance(keys, str) else keys
-    names = [*(keys.bucket_records(bucket) for bucket in range(RECORD_BUCKETS)), keys.flat_records]
-    return _read_all(client, names, "hgetall")
+    found = {entry: without_due(value) for entry, value in _bucket_values(client, keys).items()}
+    return {**_read_all(client, [keys.flat_records], "hgetall"), **found}
 
 
 def due_times(client: Any, keys: ParkedKeys | str) -> dict[bytes, float]:
-    """Every record's due time (server ms), entry -> when, wherever it is kept."""
+    """Every record's due time (server ms), entry -> when, wherever it is kept: in front of a
+    bucket's value, or an earlier release's sorted set."""
     keys = parked_keys(keys) if isinstance(keys, str) else keys
-    names = [*(keys.bucket_due(bucket) for bucket in range(RECORD_BUCKETS)), keys.flat_due]
-    return _read_all(client, names, "zrange")
+    found = {entry: float(due) for entry, value in _bucket_values(client, keys).items() if (due := split_due(value)[0])}
+    return {**_read_all(client, [keys.flat_due], "zrange"), **found}
 
 
 def stored_due(client: Any, due_key: str = DUE_KEY) -> dict[bytes, float]:

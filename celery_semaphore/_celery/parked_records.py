@@ -17,9 +17,9 @@ from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK, bucket_of
 # sends that stored message (``send_stored_copy.lua``), so no second copy waits in this Redis.
 # The scripts keep it as they keep a copy (``WOKEN_COPY_MARK`` goes in front when it is woken).
 # Short, as every parked task's record holds it (no serialized copy starts with "@"); records
-# kept before it was shortened hold ``_LONGER_STORED_COPY_MARK``, read the same.
-STORED_COPY_MARK = "@broker"
-_LONGER_STORED_COPY_MARK = b"stored-in-broker"
+# kept before it was shortened hold one of ``_LONGER_STORED_COPY_MARKS``, read the same.
+STORED_COPY_MARK = "@"
+_LONGER_STORED_COPY_MARKS = (b"@broker", b"stored-in-broker")
 # In front of a kept copy (or its mark) whose task waits for its offer in its pool process when a
 # slot should reach it within <ms> (``policy.stands_by``): a release may wake it ahead of its
 # offer (claim_parked_waiter.lua, which spells it the same). A task that would not wait there
@@ -31,7 +31,7 @@ _DEADLINES_SUFFIX = SemaphoreKeys.of_base("").deadlines
 
 def is_stored_mark(copy: bytes) -> bool:
     """Whether a record's copy (its marks off) is the mark of a copy stored in the broker."""
-    return copy in (STORED_COPY_MARK.encode(), _LONGER_STORED_COPY_MARK)
+    return copy == STORED_COPY_MARK.encode() or copy in _LONGER_STORED_COPY_MARKS
 
 
 def kept_copy(copy: bytes, stands_by_ms: int) -> bytes:
@@ -46,11 +46,11 @@ def without_ahead_mark(copy: bytes) -> bytes:
     return copy
 
 
-# The records and their due times are split by entry into this many small hashes and sorted
-# sets (``record_bucket``), so that each stays in Redis's compact encoding (a listpack: up to 128
-# entries of up to 64 bytes by default, hash-max-listpack-* and zset-max-listpack-*) at 100,000
-# parked tasks: a record costs about 90 B there and its due time about 70 B, against about 150 B
-# each in one large hash and one large sorted set (measured, docs/benchmarks.md). A bucket past
+# The records are split by entry into this many small hashes (``record_bucket``), so that each
+# stays in Redis's compact encoding (a listpack: up to 128 entries of up to 64 bytes by default,
+# hash-max-listpack-*) at 100,000 parked tasks, and each record keeps its own due time in front
+# of its value: about 110 B a record, against about 300 B in one large hash and one large sorted
+# set of due times, and 200 B in buckets of both (measured, docs/benchmarks.md). A bucket past
 # those limits is stored as a large one is, no worse than before.
 RECORD_BUCKETS = 1024
 
@@ -63,9 +63,9 @@ def record_bucket(entry: str) -> int:
 
 class ParkedKeys(NamedTuple):
     """The keys of the parked-task records of a deployment (one hash tag: on a cluster, one slot
-    for all, which the scripts on them need): the records and their due times, split into
-    buckets (``bucket_due``, ``bucket_records``) with an index of the buckets by when their
-    first record is due at the earliest (``buckets``); the single hash and sorted set that an
+    for all, which the scripts on them need): the records, each with its due time, split into
+    buckets (``bucket_records``) with an index of the buckets by when their first record is
+    due at the earliest (``buckets``); the single hash and sorted set that an
     earlier release kept them in (``flat_records``, ``flat_due``: swept, taken and forgotten,
     never written) and those of a release before it (``OldParkedRecord``, likewise); the lines
     with parked waiters and who ticks them this round (lines_to_tick.lua)."""
@@ -79,16 +79,13 @@ class ParkedKeys(NamedTuple):
     lines: bytes
     tick_round: bytes
 
-    def bucket_due(self, bucket: int) -> bytes:
-        return self.flat_due + b":" + str(bucket).encode()
-
     def bucket_records(self, bucket: int) -> bytes:
         return self.flat_records + b":" + str(bucket).encode()
 
     def parking(self, entry: str) -> list[bytes]:
         """park.lua's keys for the record under ``entry``."""
         bucket = record_bucket(entry)
-        return [self.bucket_due(bucket), self.bucket_records(bucket), self.lines, self.buckets]
+        return [self.bucket_records(bucket), self.lines, self.buckets]
 
     def forgetting(self, entry: str) -> list[bytes]:
         """park.lua's keys to forget the record under ``entry`` wherever a release kept it."""
@@ -156,16 +153,18 @@ def entry_of(semaphore: FairSemaphore | MultiSemaphore, waiter: str) -> str:
 
 
 def record_header(waiter: str, run: str) -> bytes:
-    """What a record keeps in front of its copy: the wait's run, as JSON (which has no raw
-    newline, so the first newline of a record's value ends its header). A Celery task's run is
-    "<task id>#<retries>#...", and its waiter the task id: then only the run's tail is kept
-    (``["#0#9f.."]``), the waiter being what follows the entry's last newline. Any other wait
-    keeps both (``[waiter, run, 0]``), so that its entry splits into base and waiter whatever
-    either holds."""
-    if run.startswith(waiter) and RECORD_SEPARATOR not in waiter:
-        fields: list[Any] = [run[len(waiter) :]]
-    else:
-        fields = [waiter, run, 0]
+    """What a record keeps in front of its copy: the wait's run, with no raw newline (the first
+    newline of a record's value ends its header), never starting with a digit (a due time goes
+    in front of it, park.lua) nor with ``TAKEN_RECORD_MARK``. A Celery task's run is
+    "<task id>#<retries>#...", and its waiter the task id: then only the run's tail is kept, as
+    it is (``#0#9f..``), the waiter being what follows the entry's last newline. Any other wait
+    keeps both as JSON (``[waiter, run, 0]``), so that its entry splits into base and waiter
+    whatever either holds. (A release before kept the tail as JSON too, ``["#0#9f.."]``: read the
+    same.)"""
+    tail = run[len(waiter) :] if run.startswith(waiter) and RECORD_SEPARATOR not in waiter else None
+    if tail is not None and tail.startswith("#") and RECORD_SEPARATOR not in tail:
+        return tail.encode()
+    fields: list[Any] = [tail] if tail is not None else [waiter, run, 0]
     return json.dumps(fields, separators=(",", ":")).encode()
 
 
@@ -175,8 +174,21 @@ def record_value(waiter: str, run: str, kept: bytes) -> bytes:
 
 
 def kept_of(value: bytes) -> bytes:
-    """The copy a record's value keeps, as kept (marks in front), its header and taken mark off."""
-    return value.removeprefix(TAKEN_RECORD_MARK.encode()).partition(RECORD_SEPARATOR.encode())[2]
+    """The copy a record's value keeps, as kept (marks in front), its due time, header and taken
+    mark off."""
+    return without_due(value).removeprefix(TAKEN_RECORD_MARK.encode()).partition(RECORD_SEPARATOR.encode())[2]
+
+
+def split_due(value: bytes) -> tuple[int | None, bytes]:
+    """A bucket's record as park.lua keeps it: its due time (server ms; None for a record of an
+    earlier release, whose due time is in a sorted set of its own) and the rest of its value."""
+    rest = value.lstrip(b"0123456789")
+    due = value[: len(value) - len(rest)]
+    return (int(due) if due else None), rest
+
+
+def without_due(value: bytes) -> bytes:
+    return split_due(value)[1]
 
 
 class ParkedRecord(NamedTuple):
@@ -207,11 +219,11 @@ class ParkedRecord(NamedTuple):
     def read(cls, entry: str, value: bytes, prefix: str) -> ParkedRecord:
         """A record from its entry and its value as the scripts return them; ``prefix``: the
         deployment's, to name the semaphore from its keys' base. ValueError if unreadable."""
-        value = value.removeprefix(TAKEN_RECORD_MARK.encode())
+        value = without_due(value).removeprefix(TAKEN_RECORD_MARK.encode())
         header, separator, copy = value.partition(RECORD_SEPARATOR.encode())
         if not separator:
             raise ValueError(f"a parked record with no header: {entry!r}")
-        fields = json.loads(header)
+        fields = json.loads(header) if header.startswith(b"[") else [header.decode()]
         if len(fields) == 1:
             waiter = entry.rpartition(RECORD_SEPARATOR)[2]
             run = waiter + str(fields[0])

@@ -44,6 +44,7 @@ from .parked_records import (
     parked_keys,
     record_bucket,
     record_entry,
+    split_due,
 )
 from .pausing import members
 from .tokens import task_key
@@ -59,11 +60,13 @@ RUNNING, WAITING, PARKED, DONE, UNKNOWN = "running", "waiting", "parked", "done"
 _PARKED_RECORD = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for _, at in ipairs({1, 3}) do
-  local record = redis.call('HGET', KEYS[at], ARGV[1])
-  if record then
-    return {now, record, redis.call('ZSCORE', KEYS[at + 1], ARGV[1]) or false}
-  end
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+if record then
+  return {now, record, false}
+end
+record = redis.call('HGET', KEYS[2], ARGV[1])
+if record then
+  return {now, record, redis.call('ZSCORE', KEYS[3], ARGV[1]) or false}
 end
 return {now, false, false}
 """
@@ -321,13 +324,15 @@ def _parked(catalogue: Catalogue, view: KeyView, looks: list[Look]) -> dict[str,
     entry = record_entry(prefix, item.keys.base, item.waiter)
     try:
         bucket = record_bucket(entry)
-        kept_in = (keys.bucket_records(bucket), keys.bucket_due(bucket), keys.flat_records, keys.flat_due)
+        kept_in = (keys.bucket_records(bucket), keys.flat_records, keys.flat_due)
         now, record, due_at = catalogue.client.eval(_PARKED_RECORD, len(kept_in), *kept_in, entry)
     except Exception as error:
         logger.debug("could not read the parked record of %s: %s", item.waiter, error)
         return answer
     if record:
-        answer["record_due_in"] = round((int(float(due_at)) - int(now)) / 1000, 3) if due_at else None
+        due_in_value, _ = split_due(bytes(record))
+        due_ms = due_in_value if due_in_value is not None else int(float(due_at)) if due_at else None
+        answer["record_due_in"] = round((due_ms - int(now)) / 1000, 3) if due_ms is not None else None
         with contextlib.suppress(ValueError, TypeError, IndexError):
             answer["run"] = ParkedRecord.read(entry, bytes(record), prefix).run
     return answer

@@ -375,10 +375,10 @@ def test_a_record_put_back_never_overwrites_a_newer_park(redis_client: redis.Red
     due_in_ms = due_times(redis_client, keys)[entry.encode()] - redis_client.time()[0] * 1000
     assert due_in_ms > 50_000
     bucket = record_bucket(entry)
-    redis_client.delete(keys.bucket_due(bucket), keys.bucket_records(bucket), *keys)
+    redis_client.delete(keys.bucket_records(bucket), *keys)
     assert scripts.park(keys, entry=entry, look_in_ms=1_000, record=b"[]\nolder", only_if_absent=True)
     assert records(redis_client, keys) == {entry.encode(): b"[]\nolder"}
-    for key in (keys.bucket_due(bucket), keys.bucket_records(bucket), keys.buckets):
+    for key in (keys.bucket_records(bucket), keys.buckets):
         assert redis_client.pttl(key) > 0, "the put-back record's keys expire"
 
 
@@ -651,7 +651,7 @@ def test_a_wake_up_finds_the_record_under_the_name_python_gave_it(
     scripts, keys = parked_scripts_for(redis_client), parked_keys(prefix)
     entry = entry_of(semaphore, "t-1")
     assert entry.startswith("crawl:{host}.example\n" if hash_tag is None else f"{semaphore.keys.base}\n")
-    assert scripts.park(keys, entry=entry, record=record_value("t-1", "t-1#0#ab", b"@broker"), look_in_ms=60_000)
+    assert scripts.park(keys, entry=entry, record=record_value("t-1", "t-1#0#ab", b"@"), look_in_ms=60_000)
     record = scripts.claim_parked_waiter(keys, prefix=prefix, base=semaphore.keys.base, waiter="t-1", lease_ms=5000)
     assert record is not None, "the wake-up found no record under the name Python gave it"
-    assert (record.entry, record.base, record.run, record.copy) == (entry, semaphore.keys.base, "t-1#0#ab", b"@broker")
+    assert (record.entry, record.base, record.run, record.copy) == (entry, semaphore.keys.base, "t-1#0#ab", b"@")

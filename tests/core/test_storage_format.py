@@ -258,7 +258,7 @@ def test_a_wake_address_is_published_on_as_its_mark_says() -> None:
 @pytest.mark.parametrize(
     ("waiter", "run", "header"),
     [
-        ("task-1", "task-1#0#ab", b'["#0#ab"]'),  # a Celery task's run starts with its waiter
+        ("task-1", "task-1#0#ab", b"#0#ab"),  # a Celery task's run starts with its waiter
         ("*2*task-1", "task-1#0#ab", b'["*2*task-1","task-1#0#ab",0]'),  # a weighted waiter
         ("odd\nid", "odd\nid#0", b'["odd\\nid","odd\\nid#0",0]'),  # a newline in the waiter
     ],
@@ -266,16 +266,20 @@ def test_a_wake_address_is_published_on_as_its_mark_says() -> None:
 def test_a_parked_record_round_trip(waiter: str, run: str, header: bytes) -> None:
     """A record is kept under "<line>\n<waiter>" (the line: the semaphore's name), which the
     scripts build from the line's base and the waiter the same way; its value is the header (the
-    run, and the waiter when the entry's last newline cannot tell it), a newline, and its copy:
-    the scripts find the copy after the first newline, which JSON never writes raw. Read back,
-    taken or not, it gives the same wait, and the semaphore's name from its base."""
+    run's tail as it is, or the run and the waiter as JSON when the entry's last newline cannot
+    tell them), a newline, and its copy: the scripts find the copy after the first newline,
+    which neither form writes raw. Read back, taken or not, its due time in front or not, or
+    with the JSON header of the release before, it gives the same wait, and the semaphore's name
+    from its base."""
     base = "semaphore:{x:y}"
     entry = parked_records.record_entry("semaphore", base, waiter)
     assert entry == "x:y" + BLOCK["RECORD_SEPARATOR"][0] + waiter
     assert parked_records.record_header(waiter, run) == header
     value = parked_records.record_value(waiter, run, b"woken\nthe copy\n")
     assert value == header + b"\n" + b"woken\nthe copy\n"
-    for kept in (value, storage.TAKEN_RECORD_MARK.encode() + value):
+    earlier = b'["' + header + b'"]' + value[len(header) :] if header.startswith(b"#") else value  # JSON before
+    due = b"1796590208377"  # in front of a bucket's value (park.lua)
+    for kept in (value, storage.TAKEN_RECORD_MARK.encode() + value, due + value, due + b"~" + value, earlier):
         record = parked_records.ParkedRecord.read(entry, kept, "semaphore")
         assert record == parked_records.ParkedRecord(base, waiter, run, "x:y", b"woken\nthe copy\n", "x:y")
         assert record.entry == entry
@@ -341,9 +345,9 @@ def test_a_stored_copys_mark_is_short_and_the_longer_one_before_it_reads_the_sam
     """Every parked task's record on the Redis broker holds the mark of its stored copy: short,
     so that the record stays in a smaller allocation; a record kept with the longer mark of the
     release before reads the same, and no serialized copy (content type in front) is a mark."""
-    assert parked_records.STORED_COPY_MARK == "@broker"
-    for mark in (b"@broker", b"stored-in-broker"):
+    assert parked_records.STORED_COPY_MARK == "@"
+    for mark in (b"@", b"@broker", b"stored-in-broker"):
         assert parked_records.is_stored_mark(mark)
     assert not parked_records.is_stored_mark(b"application/json\nutf-8\n{}")
-    value = parked_records.record_value("t-1", "t-1#0#9f8e7d6c5b4a3f2e", parked_records.kept_copy(b"@broker", 500))
-    assert len(value) <= 44, "the record's value fits a 48-byte allocation"
+    value = parked_records.record_value("t-1", "t-1#0#9f8e7d6c5b4a3f2e", parked_records.kept_copy(b"@", 500))
+    assert value == b"#0#9f8e7d6c5b4a3f2e\nahead:500\n@", "in a bucket's listpack, each byte counts"

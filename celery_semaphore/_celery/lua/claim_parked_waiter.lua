@@ -4,10 +4,10 @@
 -- taken is marked so (TAKEN_RECORD_MARK) until a sweep or a new park of its wait. A record is
 -- leased, not dropped: due again after the lease, its copy marked as woken, so that a sweep
 -- sends the copy again should the one sent now be lost in flight before its run is granted.
---   KEYS[1] buckets  ZSET  (see park.lua): a record is in the bucket of its entry, the due
---                          times and records keys KEYS[2] and KEYS[3] with ":<bucket>" after
---                          them (parked_records.record_bucket: the first 32 bits of the entry's
---                          SHA-1, modulo RECORD_BUCKETS)
+--   KEYS[1] buckets  ZSET  (see park.lua): a record is in the bucket of its entry, the records
+--                          key KEYS[3] with ":<bucket>" after it (parked_records.record_bucket:
+--                          the first 32 bits of the entry's SHA-1, modulo RECORD_BUCKETS), its
+--                          value starting with its due time
 --   KEYS[2] due, KEYS[3] records: an earlier release's, one of each (see claim_parked.lua),
 --           looked in for a waiter with no record in its bucket
 --   KEYS[4] old due, KEYS[5] old copies, KEYS[6] old waiters: a release before it's records
@@ -46,26 +46,28 @@ if #base > #head and string.sub(base, 1, #head) == head and string.sub(base, -1)
   end
 end
 
--- where the record of an entry is kept: its bucket's due times and records, and the bucket
+-- where the record of an entry is kept: its bucket's records, and the bucket
 local function bucket_of(entry)
   local bucket = tostring(tonumber(string.sub(redis.sha1hex(entry), 1, 8), 16) % RECORD_BUCKETS)
-  return KEYS[2] .. ':' .. bucket, KEYS[3] .. ':' .. bucket, bucket
+  return KEYS[3] .. ':' .. bucket, bucket
 end
 
 -- a record not taken yet, split: its header and its copy as kept; nil for one taken or none,
--- and then where it is kept (due times, records, bucket: nil for the earlier release's keys),
--- or nothing when no record is kept at all
+-- and then where it is kept (records, bucket: nil for the earlier release's keys, whose due
+-- times are KEYS[2]), or nothing when no record is kept at all
 local function takeable(entry)
-  local due_key, records_key, bucket = bucket_of(entry)
+  local records_key, bucket = bucket_of(entry)
   local record = redis.call('HGET', records_key, entry)
-  if not record then
-    due_key, records_key, bucket = KEYS[2], KEYS[3], nil
+  if record then
+    record = string.gsub(record, '^%d*', '', 1)
+  else
+    records_key, bucket = KEYS[3], nil
     record = redis.call('HGET', records_key, entry)
     if not record then
       return nil, nil
     end
   end
-  local where = {due_key, records_key, bucket}
+  local where = {records_key, bucket}
   local cut = string.find(record, RECORD_SEPARATOR, 1, true)
   if not cut or string.sub(record, 1, #TAKEN_RECORD_MARK) == TAKEN_RECORD_MARK then
     return nil, nil, where
@@ -129,23 +131,26 @@ for _, waiter in ipairs(waiters) do
   local entry = line .. RECORD_SEPARATOR .. waiter
   local header, copy, where = takeable(entry)
   if header then
-    local due_key, records_key, bucket = where[1], where[2], where[3]
-    if not redis.call('ZSCORE', due_key, entry) then
+    local records_key, bucket = where[1], where[2]
+    if not bucket and not redis.call('ZSCORE', KEYS[2], entry) then
       redis.call('HDEL', records_key, entry)
     else
-      redis.call('ZADD', due_key, now + lease_ms, entry)
       if string.sub(copy, 1, #WOKEN_COPY_MARK) == WOKEN_COPY_MARK then
         copy = string.sub(copy, #WOKEN_COPY_MARK + 1)
       end
-      redis.call('HSET', records_key, entry, TAKEN_RECORD_MARK .. header .. RECORD_SEPARATOR .. WOKEN_COPY_MARK .. copy)
-      claimed[#claimed + 1] = entry
-      claimed[#claimed + 1] = header .. RECORD_SEPARATOR .. copy
-      extend_exactly(due_key, lease_ms + SWEEP_GRACE_MS)
-      extend_exactly(records_key, lease_ms + SWEEP_GRACE_MS)
+      local taken = TAKEN_RECORD_MARK .. header .. RECORD_SEPARATOR .. WOKEN_COPY_MARK .. copy
       if bucket then
+        redis.call('HSET', records_key, entry, string.format('%.0f', now + lease_ms) .. taken)
         redis.call('ZADD', KEYS[1], 'LT', now + lease_ms, bucket)  -- LT still adds a new member
         extend_exactly(KEYS[1], lease_ms + SWEEP_GRACE_MS)
+      else
+        redis.call('ZADD', KEYS[2], now + lease_ms, entry)
+        redis.call('HSET', records_key, entry, taken)
+        extend_exactly(KEYS[2], lease_ms + SWEEP_GRACE_MS)
       end
+      claimed[#claimed + 1] = entry
+      claimed[#claimed + 1] = header .. RECORD_SEPARATOR .. copy
+      extend_exactly(records_key, lease_ms + SWEEP_GRACE_MS)
     end
   elseif not where then
     claim_old(waiter)
