@@ -11,6 +11,7 @@ from .._core.multi import MultiSemaphore, home_of
 from .._core.scripts import SemaphoreKeys
 from .._core.semaphore import FairSemaphore
 from .._core.storage import RECORD_SEPARATOR, TAKEN_RECORD_MARK, bucket_of
+from .tokens import SHORT_ID_MARK, task_id_of
 
 # What a record keeps in place of a wake copy on the Redis broker, where the task's backstop copy
 # waits in the broker's store of due copies (``due_copies.py``) under the wait's run: its wake-up
@@ -156,16 +157,23 @@ def record_header(waiter: str, run: str) -> bytes:
     """What a record keeps in front of its copy: the wait's run, with no raw newline (the first
     newline of a record's value ends its header), never starting with a digit (a due time goes
     in front of it, park.lua) nor with ``TAKEN_RECORD_MARK``. A Celery task's run is
-    "<task id>#<retries>#...", and its waiter the task id: then only the run's tail is kept, as
-    it is (``#0#9f..``), the waiter being what follows the entry's last newline. Any other wait
+    "<task id>#<retries>#...", and its waiter the task id (written short, ``tokens.waiter_key``):
+    then only the run's tail is kept, as it is (``#0#9f..``), the waiter being what follows the
+    entry's last newline. Any other wait
     keeps both as JSON (``[waiter, run, 0]``), so that its entry splits into base and waiter
     whatever either holds. (A release before kept the tail as JSON too, ``["#0#9f.."]``: read the
     same.)"""
-    tail = run[len(waiter) :] if run.startswith(waiter) and RECORD_SEPARATOR not in waiter else None
+    head = _run_head(waiter)
+    tail = run[len(head) :] if run.startswith(head) and RECORD_SEPARATOR not in waiter else None
     if tail is not None and tail.startswith("#") and RECORD_SEPARATOR not in tail:
         return tail.encode()
     fields: list[Any] = [tail] if tail is not None else [waiter, run, 0]
     return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def _run_head(waiter: str) -> str:
+    """What the run of a Celery task waiting as ``waiter`` starts with: its task id."""
+    return task_id_of(waiter) if waiter.startswith(SHORT_ID_MARK) else waiter
 
 
 def record_value(waiter: str, run: str, kept: bytes) -> bytes:
@@ -226,7 +234,7 @@ class ParkedRecord(NamedTuple):
         fields = json.loads(header) if header.startswith(b"[") else [header.decode()]
         if len(fields) == 1:
             waiter = entry.rpartition(RECORD_SEPARATOR)[2]
-            run = waiter + str(fields[0])
+            run = _run_head(waiter) + str(fields[0])
         else:
             waiter, run = str(fields[0]), str(fields[1])
         suffix = RECORD_SEPARATOR + waiter

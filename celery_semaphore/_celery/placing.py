@@ -65,7 +65,7 @@ from .options import (
 from .outages import outages
 from .parking import parking
 from .stamping import stamp
-from .tokens import task_key
+from .tokens import task_key, waiter_key
 from .wait_headers import (
     COPY_ID_HEADER,
     DUE_HEADER,
@@ -131,11 +131,11 @@ def placed_at_send(
     task_id = task_id or uuid()
     headers = dict(options.get("headers") or {})
     stamp(headers)  # every copy keeps the one message's stamps
-    waiter = task_key(task_id)
+    waiter = waiter_key(task_id)
     try:  # any doubt sends the task as it is: its worker asks, and reports what is wrong
         attempt = semaphore._place(
             Ask(
-                token=waiter,
+                token=task_key(task_id),
                 waiter=waiter,
                 label=f"{default_label()} {task.name}[{task_id}]",
                 tenant=tenant_of_call(task, args, kwargs),
@@ -232,7 +232,7 @@ class _ParkedAtSend:
         config = config_for(task.app)
         history = WaitHistory.fresh(headers.get(SENT_HEADER))
         self.run = history.run_id(types.SimpleNamespace(id=task_id, retries=0))
-        self.waiter = task_key(task_id)
+        self.waiter = waiter_key(task_id)
         self.headers = {
             **headers,
             **history.next(attempt.ticket, retries=0, signer=TicketSigner.of(config), task_id=task_id),

@@ -303,7 +303,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         history = WaitHistory.of(request).checked(TicketSigner.of(config), request)
         if not history.waits and (request.delivery_info or {}).get("redelivered"):
             history = continued_wait(semaphore, request, history)
-        token, waiter = f"{task_key(request.id)}:{process_token()}", waiter_of(semaphore, request)
+        token, waiter = (
+            f"{task_key(request.id)}:{process_token()}",
+            waiter_of(semaphore, request, short=history.short_waiter),
+        )
         # a copy of a wait (re-sent, so it may have a twin) names its run, so that exactly one
         # copy runs; a first delivery has no twin
         run = history.run_id(request) if history.waits else None

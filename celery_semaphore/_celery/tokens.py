@@ -1,30 +1,73 @@
 """The names a task stands and holds under: its waiter id and its holder tokens.
 
 A task's waiter id is its task id, escaped so that no id reads as a mark of the line's own
-(an offer, a weight). Its holder token adds which host and process hold the slot, so that the
-worker's main process can give back exactly the slot of a child it lost (it knows the task id
-and the child's pid, not the token's random part), never one another copy of the task holds.
+(an offer, a weight), and written short when it is a UUID as Celery makes them (``waiter_key``).
+Its holder token adds which host and process hold the slot, so that the worker's main process
+can give back exactly the slot of a child it lost (it knows the task id and the child's pid, not
+the token's random part), never one another copy of the task holds.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import re
 import socket
+import uuid
 from typing import Any
 
 from .._core.attempts import new_token
 from .._core.multi import MultiSemaphore
 from .._core.storage import OFFER_MARK, WEIGHT_MARK
 
+# In front of a waiter id that is a task id written short (``waiter_key``); a task id that starts
+# with it is escaped (``task_key``), so that the two never meet.
+SHORT_ID_MARK = "="
+_CELERY_TASK_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_SHORT_ID = re.compile(r"=[A-Za-z0-9_-]{22}")
+
 
 def task_key(task_id: Any) -> str:
-    """A task id as it appears in waiter ids and holder tokens. Ids starting with "!" or "*"
-    would read as the marks of an offer or of a weighted waiter: those (and "~", so that no two
-    ids meet) get a "~" in front."""
+    """A task id as it appears in holder tokens and long waiter ids. Ids starting with "!" or
+    "*" would read as the marks of an offer or of a weighted waiter: those (and "~", so that no
+    two ids meet, and ``SHORT_ID_MARK``) get a "~" in front."""
     text = str(task_id)
-    return "~" + text if text[:1] in (OFFER_MARK, WEIGHT_MARK, "~") else text
+    return "~" + text if text[:1] in (OFFER_MARK, WEIGHT_MARK, "~", SHORT_ID_MARK) else text
+
+
+def waiter_key(task_id: Any, *, short: bool = True) -> str:
+    """The waiter id a task stands in line under. A task id as Celery makes it (a UUID written
+    in lower case, 36 characters) is written as ``SHORT_ID_MARK`` and its 16 bytes in base64url,
+    23 characters: a waiting task's id is in four keys of its line (the queue, the present and
+    the deadlines sorted sets, waiter_info) and its parked record, where 36 characters take
+    Redis's 48-byte allocation and 23 its 32-byte one, 80 B less per waiting task (measured,
+    docs/benchmarks.md). Any other id is ``task_key``'s. ``short=False``: the id a wait begun
+    by a release before this one stands under (``WaitHistory.short_waiter``)."""
+    text = str(task_id)
+    if short and len(text) == 36 and _CELERY_TASK_ID.fullmatch(text):
+        return SHORT_ID_MARK + base64.urlsafe_b64encode(uuid.UUID(text).bytes).decode().rstrip("=")
+    return task_key(text)
+
+
+def task_id_of(waiter_id: str) -> str:
+    """The task id a task's waiter id (``waiter_key``, not weighted) was made from."""
+    if _SHORT_ID.fullmatch(waiter_id):
+        try:
+            return str(uuid.UUID(bytes=base64.urlsafe_b64decode(waiter_id[1:] + "==")))
+        except (binascii.Error, ValueError):
+            return waiter_id
+    return waiter_id[1:] if waiter_id.startswith("~") else waiter_id
+
+
+def shown_waiter(waiter_id: str) -> str:
+    """A waiter id as people read it: a task's id written short shown as its task id, behind a
+    weight mark if it has one (``"*2*<task id>"``); any other id as it is."""
+    weight, _, rest = waiter_id.rpartition(WEIGHT_MARK) if waiter_id.startswith(WEIGHT_MARK) else ("", "", waiter_id)
+    if not _SHORT_ID.fullmatch(rest):
+        return waiter_id
+    return f"{weight}{WEIGHT_MARK if weight else ''}{task_id_of(rest)}"
 
 
 # A task's holder token is "<task key>:<host><pid><random>" (8, 8 and 16 hex digits; a weight
@@ -52,8 +95,8 @@ def token_rest_of(pid: int) -> re.Pattern[str]:
     return re.compile(rf"{_HOST_PART}{pid & 0xFFFFFFFF:08x}[0-9a-f]{{16}}({re.escape(WEIGHT_MARK)}\d+)?")
 
 
-def waiter_of(semaphore: Any, request: Any) -> str:
-    """The id a task's wait stands in line under: its task id (with the weight in front for a
-    MultiSemaphore, whose lines read it from there)."""
-    key = task_key(request.id)
+def waiter_of(semaphore: Any, request: Any, *, short: bool = True) -> str:
+    """The id a task's wait stands in line under: its task id as ``waiter_key`` writes it (with
+    the weight in front for a MultiSemaphore, whose lines read it from there)."""
+    key = waiter_key(request.id, short=short)
     return semaphore.waiter_id(key) if isinstance(semaphore, MultiSemaphore) else key

@@ -56,9 +56,10 @@ TICKET_SIGNATURE_HEADER = "csem_ticket_sig"
 SIGNATURE_CHARS = 16
 _OLD_SIGNATURE_CHARS = 32
 # the version of the wait protocol that wrote the headers above (see WaitHistory; the same number
-# as worker.STATE_PROTOCOL, the version of the state in Redis)
+# as worker.STATE_PROTOCOL, the version of the state in Redis). 3: a wait stands in line under
+# its task id written short (tokens.waiter_key); a wait of protocol 2 keeps the id it began under.
 PROTOCOL_HEADER = "csem_protocol"
-PROTOCOL = 2
+PROTOCOL = 3
 # when the task's message was first sent (epoch seconds, the sender's clock): a success in the
 # result backend recorded since then belongs to this invocation, even for a redelivered message
 # whose wait the semaphore's Redis forgot
@@ -129,7 +130,9 @@ class WaitHistory:
     The headers carry ``PROTOCOL_HEADER``: a worker of another release reads what it knows of
     them. Headers without it were written before run ids had a per-wait part (protocol 1):
     their copies keep asking under the run id of that release, ``<task id>#<retries>``, so that
-    old and new copies of one wait still know each other during a rolling deploy. Headers that
+    old and new copies of one wait still know each other during a rolling deploy. Likewise a
+    wait begun before protocol 3 keeps standing in line under its task id as it was, not
+    written short (``short_waiter``), so that it keeps its place. Headers that
     do not parse (not written by this package) are ignored with a warning: the copy starts a
     fresh wait, never gets a place it did not earn, and never fails for it."""
 
@@ -140,6 +143,8 @@ class WaitHistory:
     origin: str | None = None  # the queue the wait began in
     ticket_signature: str | None = None  # as the headers carry it, checked by ``checked``
     sent: float | None = None  # epoch seconds the task's message was first sent (None: not stamped)
+    # the wait stands in line under its task id written short (protocol 3 on; tokens.waiter_key)
+    short_waiter: bool = True
 
     @classmethod
     def of(cls, request: Any) -> WaitHistory:
@@ -165,6 +170,7 @@ class WaitHistory:
                 origin=_queue_name(_header(request, QUEUE_HEADER)),
                 ticket_signature=_header(request, TICKET_SIGNATURE_HEADER),
                 sent=sent,
+                short_waiter=int(_header(request, PROTOCOL_HEADER) or 1) >= 3,
             )
         except (TypeError, ValueError) as error:
             logger.warning(

@@ -79,7 +79,7 @@ class WaitingDelivery:
         self.config = config_for(self.task.app)
         self.options = wait_options(self.task, self.config)
         self.origin = self.history.origin or queue_of(self.task.app, self.request)
-        self.waiter = waiter_of(self.semaphore, self.request)
+        self.waiter = waiter_of(self.semaphore, self.request, short=self.history.short_waiter)
         self.run = self.history.run_id(self.request)
 
     def wait(self, attempt: Waiting, waited: float) -> NoReturn:

@@ -47,7 +47,7 @@ from .parked_records import (
     split_due,
 )
 from .pausing import members
-from .tokens import task_key
+from .tokens import task_key, waiter_key
 from .wait_runs import AWAY_SLACK
 
 logger = logging.getLogger("celery_semaphore")
@@ -185,8 +185,8 @@ def _looks(
 ) -> tuple[list[Look], str | None, list[str]]:
     """The keys to look at, and the waiter id and holder tokens to look for in each."""
     app, notes = catalogue.app, list[str]()
-    key_of_task = task_key(task_id)
-    tokens = token_prefix_pattern(f"{key_of_task}:")
+    key_of_task = waiter_key(task_id)
+    tokens = token_prefix_pattern(f"{task_key(task_id)}:")
     name = meta.get("name") if meta else None
     task = app.tasks.get(name) if name else None
     looks: list[Look] = []
@@ -221,10 +221,10 @@ def _parked_looks(catalogue: Catalogue, task_id: str) -> list[Look]:
     of them, and of an earlier release's waiters' index, for a task found nowhere else): a task
     placed as it was sent is parked before the result backend has anything of it, and a key
     built from its arguments (``"crawl:{host}"``) is named by its record alone."""
-    key_of_task = task_key(task_id)
+    key_of_task = waiter_key(task_id)
     keys, prefix = parked_keys(catalogue.config.prefix), catalogue.config.prefix
     pattern = "*" + RECORD_SEPARATOR + "".join(f"\\{char}" if char in "*?[]\\" else char for char in key_of_task)
-    tokens = token_prefix_pattern(f"{key_of_task}:")
+    tokens = token_prefix_pattern(f"{task_key(task_id)}:")
     looks: list[Look] = []
     names: list[str] = []
     try:

@@ -44,7 +44,7 @@ from .parked_scripts import preload
 from .parking import parking
 from .policy import VISIBILITY_MARGIN
 from .pool_room import is_prefork, pool_room
-from .tokens import task_key, token_rest_of
+from .tokens import task_key, token_rest_of, waiter_key
 from .wait_headers import WaitHistory
 from .wake_consumer import WakeQueueStep
 from .wake_queues import wake_aware
@@ -192,7 +192,7 @@ def _warn_about_eta_task_limit(app: Any) -> None:
 # The version of what this release keeps in Redis and in task headers (task.PROTOCOL): workers of
 # two releases sharing a prefix must read each other's state (a rolling deploy), so a release
 # that changes it incompatibly raises it, and older workers refuse to start against it.
-STATE_PROTOCOL = 2
+STATE_PROTOCOL = 3
 
 
 def check_state_protocol(config: SemaphoreConfig) -> None:
@@ -290,7 +290,9 @@ def _release_by_task_id(
         semaphore = semaphore_for_call(task, tuple(args or ()), dict(kwargs or {}))
         if pid is not None:
             released = semaphore._release_holders_with_prefix(f"{task_key(task_id)}:", token_rest_of(pid))
-        semaphore.leave(task_key(task_id))
+        semaphore.leave(waiter_key(task_id))
+        if waiter_key(task_id) != task_key(task_id):  # a wait begun before protocol 3 stands under this
+            semaphore.leave(task_key(task_id))
         if finished_run is not None:
             config = config_for(task.app)
             remember = remember_for(wait_options(task, config), config)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._celery.catalogue import Catalogue
+from .._celery.tokens import shown_waiter
 from .._core.rules import UNLIMITED, Rate
 from .._core.status import HolderInfo, SemaphoreStatus, WaiterInfo
 from .._core.tenants import TenantInfo
@@ -124,7 +125,8 @@ def report(catalogue: Catalogue, key: str) -> Report:
         next_start_in=None if until_resumed else status.next_start_in,
         starts_in_window=status.starts_in_window,
         holders=status.holders,
-        waiters=status.waiters,
+        # a task's waiter id as its task id, not written short (tokens.waiter_key)
+        waiters=[dataclasses.replace(w, waiter=shown_waiter(w.waiter)) for w in status.waiters],
         # one more round trip, only for a key with a line
         tenants=semaphore.tenants() if status.waiter_count else [],
         per_tenant=rule.per_tenant if rule is not None else None,

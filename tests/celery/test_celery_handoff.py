@@ -19,6 +19,7 @@ from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.due_copies import due_copies_for
+from celery_semaphore._celery.tokens import waiter_key
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
@@ -55,7 +56,7 @@ def starts(proj: Any, key: str) -> list[tuple[str, float]]:
 
 def parked(proj: Any, semaphore_key: str, task_id: str) -> bool:
     status = semaphore_for(proj.app, semaphore_key).status()
-    return any(w.waiter == task_id and w.present for w in status.waiters)
+    return any(w.waiter == waiter_key(task_id) and w.present for w in status.waiters)
 
 
 def has_its_place(proj: Any, semaphore_key: str, probe_key: str, task_id: str) -> bool:
@@ -65,7 +66,7 @@ def has_its_place(proj: Any, semaphore_key: str, probe_key: str, task_id: str) -
     fires a moment before the script runs."""
     if any(started == task_id for started, _ in starts(proj, probe_key)):
         return True
-    return any(w.waiter == task_id for w in semaphore_for(proj.app, semaphore_key).status().waiters)
+    return any(w.waiter == waiter_key(task_id) for w in semaphore_for(proj.app, semaphore_key).status().waiters)
 
 
 def logs(workers: list[Worker]) -> str:

@@ -185,6 +185,7 @@ def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
     forgets its parked record: no sweep may send it again once its place lapses."""
     from celery_semaphore._celery.due_copies import due_copies_for
     from celery_semaphore._celery.parking import parked_keys
+    from celery_semaphore._celery.tokens import waiter_key
 
     impatient = semaphore(proj, "proj.impatient")
     blocker = impatient.acquire(timeout=0)
@@ -193,9 +194,9 @@ def test_max_wait_fails_the_task_with_semaphore_unavailable(proj: Any) -> None:
         with pytest.raises(SemaphoreUnavailable):
             result.get(timeout=60)
         assert result.state == "FAILURE"
-        keys = parked_keys(impatient.prefix)
-        assert not [entry for entry in due_times(impatient.client, keys) if result.id.encode() in entry]
-        assert not [entry for entry in records(impatient.client, keys) if result.id.encode() in entry]
+        keys, waiter = parked_keys(impatient.prefix), waiter_key(result.id).encode()
+        assert not [entry for entry in due_times(impatient.client, keys) if entry.endswith(b"\n" + waiter)]
+        assert not [entry for entry in records(impatient.client, keys) if entry.endswith(b"\n" + waiter)]
         # nor may a copy of its wait come back to fail it again (after a semaphore Redis restart,
         # a kept moved copy is sent again): none is stored or kept, and its run is remembered over
         store = due_copies_for(proj.app)

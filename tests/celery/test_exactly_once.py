@@ -22,7 +22,7 @@ from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
 from celery_semaphore._celery.due_copies import due_copies_for
-from celery_semaphore._celery.tokens import task_key
+from celery_semaphore._celery.tokens import waiter_key
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
@@ -58,7 +58,7 @@ def runs(proj: Any, key: str, which: str = "starts") -> list[tuple[str, int, flo
 
 
 def parked(proj: Any, semaphore_key: str, task_id: str) -> bool:
-    waiter = task_key(task_id)  # the id a task stands in line under
+    waiter = waiter_key(task_id)  # the id a task stands in line under
     return any(w.waiter == waiter and w.present for w in semaphore_for(proj.app, semaphore_key).status().waiters)
 
 
@@ -262,7 +262,7 @@ def test_a_whole_worker_killed_mid_run_without_acks_late_never_runs_twice(proj: 
         semaphore = semaphore_for(proj.app, "proj.at_most_once_whole")
         # the lease (5 s) lapses: the slot is free, nobody of this task waits or is stored
         wait_until(lambda: semaphore.status().holder_count == 0, timeout=30, what="the dead run's slot back")
-        assert not any(waiter.waiter == task_key(result.id) for waiter in semaphore.status().waiters)
+        assert not any(waiter.waiter == waiter_key(result.id) for waiter in semaphore.status().waiters)
         assert not stored_copies_of(proj, result.id)
         # Any copy left would start the body again by the time its twin's lease lapsed, plus its
         # backstop (2 s), plus a dead holder's redelivery (visibility timeout and the restore

@@ -25,7 +25,7 @@ from celery_semaphore import semaphore_for
 from celery_semaphore._celery.config import forget_config
 from celery_semaphore._celery.due_copies import due_copies_for
 from celery_semaphore._celery.parked_records import STORED_COPY_MARK, kept_of, parked_keys, without_ahead_mark
-from celery_semaphore._celery.tokens import task_key
+from celery_semaphore._celery.tokens import waiter_key
 
 from ..celery_stack import CeleryStack
 from ..parked import records, stored_due
@@ -57,7 +57,7 @@ def stored_runs(proj: Any, task_id: str) -> list[bytes]:
 
 
 def in_line(proj: Any, semaphore_key: str, task_id: str) -> bool:
-    return any(w.waiter == task_key(task_id) for w in semaphore_for(proj.app, semaphore_key).status().waiters)
+    return any(w.waiter == waiter_key(task_id) for w in semaphore_for(proj.app, semaphore_key).status().waiters)
 
 
 def test_a_task_that_would_start_now_is_sent_holding_the_offer_of_its_start(proj: Any) -> None:
@@ -75,13 +75,13 @@ def test_a_task_that_would_start_now_is_sent_holding_the_offer_of_its_start(proj
         assert json.loads(client.lindex(IDLE_QUEUE, 0))["headers"]["id"] == first.id
         assert json.loads(client.lindex(IDLE_QUEUE, 0))["headers"]["csem_ticket"] is not None
         waiters = {w.waiter: w for w in semaphore.status().waiters}
-        assert waiters[task_key(first.id)].offered, "the first holds the offer of its start"
-        assert waiters[task_key(first.id)].position < waiters[task_key(second.id)].position
+        assert waiters[waiter_key(first.id)].offered, "the first holds the offer of its start"
+        assert waiters[waiter_key(first.id)].position < waiters[waiter_key(second.id)].position
         assert stored_runs(proj, first.id) == []
         assert len(stored_runs(proj, second.id)) == 1
     finally:
-        semaphore.leave(task_key(first.id))
-        semaphore.leave(task_key(second.id))
+        semaphore.leave(waiter_key(first.id))
+        semaphore.leave(waiter_key(second.id))
         client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
@@ -115,14 +115,14 @@ def test_a_task_that_would_wait_near_its_turn_is_sent_keeping_its_place(proj: An
         tickets = [(headers["csem_ticket"] is not None, headers["csem_waits"]) for headers in queued]
         assert tickets == [(True, 0)] * 3, "each with the ticket of its place, no refusal yet"
         line = [waiter.waiter for waiter in semaphore.status().waiters]
-        assert line == [task_key(result.id) for result in sent], "in line in the order sent"
+        assert line == [waiter_key(result.id) for result in sent], "in line in the order sent"
         stored = [len(stored_runs(proj, result.id)) for result in sent]
         assert stored == [0, 0, 0, 1], "only the fourth parked, its copy stored"
     finally:
         for holder in holders:
             holder.release()
         for result in sent:
-            semaphore.leave(task_key(result.id))
+            semaphore.leave(waiter_key(result.id))
         client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
@@ -151,7 +151,9 @@ def parked_copies(proj: Any, semaphore: Any, task_id: str) -> list[bytes]:
     """What the parked records of ``task_id`` keep in place of a wake copy (behind the mark of
     a task that may be woken ahead, taken off)."""
     found = records(semaphore.client, parked_keys(proj.app.conf.get("semaphore_prefix", "semaphore")))
-    return [without_ahead_mark(kept_of(value)) for entry, value in found.items() if task_id.encode() in entry]
+    return [
+        without_ahead_mark(kept_of(value)) for entry, value in found.items() if waiter_key(task_id).encode() in entry
+    ]
 
 
 def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends_it(proj: Any) -> None:
@@ -168,7 +170,7 @@ def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends
     try:
         result = proj.handoff.apply_async((0.1, "placing-wait"), queue=IDLE_QUEUE)
         waiters = {w.waiter: w for w in semaphore.status().waiters}
-        assert task_key(result.id) in waiters, "placed in line as it was sent"
+        assert waiter_key(result.id) in waiters, "placed in line as it was sent"
         assert client.llen(IDLE_QUEUE) == 0, "not sent to its queue"
         runs = stored_runs(proj, result.id)
         assert len(runs) == 1, "its backstop copy is stored in the broker"
@@ -181,7 +183,7 @@ def test_a_task_that_would_wait_takes_its_place_as_it_is_sent_and_its_turn_sends
     assert same_but_its_tag(client.lindex(wake_queue, 0), message), "the stored message itself"
     assert stored_message(proj, stored_runs(proj, result.id)[0]) == message, "still the backstop"
     client.delete(IDLE_QUEUE, wake_queue)
-    semaphore.leave(task_key(result.id))
+    semaphore.leave(waiter_key(result.id))
 
 
 def test_a_stored_copy_sent_by_a_wake_and_lost_in_flight_is_sent_again_after_its_lease(
@@ -220,7 +222,7 @@ def test_a_stored_copy_sent_by_a_wake_and_lost_in_flight_is_sent_again_after_its
         assert same_but_its_tag(again, message) and again != first, "sent again, under a tag of its own"
     finally:
         client.delete(IDLE_QUEUE, wake_queue)
-        semaphore.leave(task_key(result.id))
+        semaphore.leave(waiter_key(result.id))
 
 
 def test_a_task_that_would_wait_costs_its_sender_three_round_trips(proj: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,10 +240,10 @@ def test_a_task_that_would_wait_costs_its_sender_three_round_trips(proj: Any, mo
         assert trips.count == 3
         assert len(stored_runs(proj, sent[1].id)) == 1
         assert parked_copies(proj, semaphore, sent[1].id) == [STORED_COPY_MARK.encode()]
-        assert [w.waiter for w in semaphore.status().waiters] == [task_key(result.id) for result in sent]
+        assert [w.waiter for w in semaphore.status().waiters] == [waiter_key(result.id) for result in sent]
     finally:
         for result in sent:
-            semaphore.leave(task_key(result.id))
+            semaphore.leave(waiter_key(result.id))
         holder.release()
         broker(proj).delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
@@ -277,7 +279,7 @@ def test_a_small_tasks_stored_copy_fits_one_224_byte_allocation(proj: Any) -> No
         assert headers["csem_first_refused"] == round(headers["csem_first_refused"], 3)
     finally:
         holder.release()
-        semaphore.leave(task_key(result.id))
+        semaphore.leave(waiter_key(result.id))
         client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 
@@ -294,7 +296,7 @@ def test_a_task_sent_while_its_key_is_paused_is_parked_and_the_resume_sends_it(p
     try:
         result = proj.handoff.apply_async((0.1, "placing-paused"), queue=IDLE_QUEUE)
         waiters = {w.waiter: w for w in semaphore.status().waiters}
-        assert task_key(result.id) in waiters, "placed in line as it was sent"
+        assert waiter_key(result.id) in waiters, "placed in line as it was sent"
         assert parked_copies(proj, semaphore, result.id) == [STORED_COPY_MARK.encode()], "parked, with its record"
         store = due_copies_for(proj.app)
         assert store is not None
@@ -307,7 +309,7 @@ def test_a_task_sent_while_its_key_is_paused_is_parked_and_the_resume_sends_it(p
     wait_until(lambda: client.llen(wake_queue) == 1, timeout=10, what="the task sent by the resume")
     assert result.id.encode() in client.lindex(wake_queue, 0)
     client.delete(IDLE_QUEUE, wake_queue)
-    semaphore.leave(task_key(result.id))
+    semaphore.leave(waiter_key(result.id))
 
 
 def test_a_task_id_sent_twice_is_placed_once_and_then_sent_as_it_is(proj: Any) -> None:
@@ -323,11 +325,11 @@ def test_a_task_id_sent_twice_is_placed_once_and_then_sent_as_it_is(proj: Any) -
         assert client.llen(IDLE_QUEUE) == 0
         proj.handoff.apply_async((0.1, "placing-twice"), queue=IDLE_QUEUE, task_id=task_id)
         assert client.llen(IDLE_QUEUE) == 1, "the second sent as it is"
-        assert [w.waiter for w in semaphore.status().waiters].count(task_key(task_id)) == 1
+        assert [w.waiter for w in semaphore.status().waiters].count(waiter_key(task_id)) == 1
         assert len(stored_runs(proj, task_id)) == 1, "one backstop copy: the first's"
     finally:
         holder.release()
-        semaphore.leave(task_key(task_id))
+        semaphore.leave(waiter_key(task_id))
         client.delete(IDLE_QUEUE, f"{IDLE_QUEUE}.semaphore-wake")
 
 

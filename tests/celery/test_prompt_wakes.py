@@ -17,7 +17,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
-from celery_semaphore._celery.tokens import task_key
+from celery_semaphore._celery.tokens import waiter_key
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
@@ -71,7 +71,7 @@ def test_resume_starts_the_head_of_the_line_at_once(proj: Any, celery_stack: Cel
         wait_until(lambda: started_at(proj, probe, holder.id), timeout=30, what="the holder runs")
         waiter = proj.gated_slot.apply_async(("",), {"key": probe}, queue="resume")
         wait_until(
-            lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
+            lambda: any(w.waiter == waiter_key(waiter.id) and w.present for w in semaphore.status().waiters),
             timeout=30,
             what="the waiter parked",
         )
@@ -151,7 +151,7 @@ def test_a_killed_weighted_holder_gives_back_all_its_slots_at_once(proj: Any, ce
         pid = wait_until(lambda: pid_of(proj, key, holder.id), timeout=30, what="the holder runs")
         waiter = proj.heavy.apply_async((0.1,), queue="heavy")
         wait_until(
-            lambda: any(w.waiter.endswith(task_key(waiter.id)) and w.present for w in semaphore.status().waiters),
+            lambda: any(w.waiter.endswith(waiter_key(waiter.id)) and w.present for w in semaphore.status().waiters),
             timeout=30,
             what="the next weight-3 task parked",
         )
@@ -178,7 +178,7 @@ def test_a_raised_limit_starts_a_parked_waiter_at_once(proj: Any, celery_stack: 
         wait_until(lambda: started_at(proj, probe, holder.id), timeout=30, what="the holder runs")
         waiter = proj.gated_slot.apply_async(("",), {"key": probe}, queue="raise")
         wait_until(
-            lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
+            lambda: any(w.waiter == waiter_key(waiter.id) and w.present for w in semaphore.status().waiters),
             timeout=30,
             what="the waiter parked outside the worker (as it was sent)",
         )

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from celery_semaphore import Granted, Waiting, semaphore_for, why
 from celery_semaphore._celery.config import forget_config
-from celery_semaphore._celery.tokens import task_key
+from celery_semaphore._celery.tokens import waiter_key
 from celery_semaphore._core.attempts import Ask
 
 from ..celery_stack import CeleryStack
@@ -201,7 +201,7 @@ def test_a_task_placed_at_send_is_found_by_its_parked_record_without_its_key(
     finally:
         for holder in holders:
             holder.release()
-        semaphore._leave(task_key(placed.id), None, "")
+        semaphore._leave(waiter_key(placed.id), None, "")
         broker = celery_stack.broker.client()
         broker.delete("why-placed-idle", "why-placed-idle.semaphore-wake")
         broker.close()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from celery_semaphore import semaphore_for
-from celery_semaphore._celery.tokens import task_key
+from celery_semaphore._celery.tokens import waiter_key
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
@@ -46,7 +46,7 @@ def test_a_woken_task_starts_before_the_tasks_received_ahead_of_it(celery_stack:
         semaphore = semaphore_for(proj.app, "proj.gated_slot")
         wait_until(
             lambda: (
-                any(w.waiter == task_key(waiter.id) for w in semaphore.status().waiters)
+                any(w.waiter == waiter_key(waiter.id) for w in semaphore.status().waiters)
                 and first_delivery_ended(waiters[0].log(), waiter.id)
             ),
             timeout=30,

@@ -198,7 +198,7 @@ def test_tasks_placed_at_send_on_a_rabbitmq_broker_are_delivered_once_in_order(
 
     import tests.proj.app as proj
     from celery_semaphore import SemaphoreTask, semaphore_for
-    from celery_semaphore._celery.tokens import task_key
+    from celery_semaphore._celery.tokens import waiter_key
 
     from ..celery.test_celery_handoff import starts
 
@@ -239,7 +239,7 @@ def test_tasks_placed_at_send_on_a_rabbitmq_broker_are_delivered_once_in_order(
         try:
             results = [handoff.apply_async((0.1, key), queue=amqp_queue) for _ in range(6)]
             waiters = {w.waiter for w in semaphore.status().waiters}
-            assert all(task_key(r.id) in waiters for r in results), "each placed as it was sent"
+            assert all(waiter_key(r.id) in waiters for r in results), "each placed as it was sent"
             with Connection(amqp_url) as connection:
                 ready = connection.channel().queue_declare(amqp_queue, passive=True).message_count
             assert ready == 0, "nothing sent to the queue itself"

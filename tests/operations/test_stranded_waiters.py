@@ -16,7 +16,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_semaphore import semaphore_for
-from celery_semaphore._celery.tokens import task_key
+from celery_semaphore._celery.tokens import waiter_key
 
 from ..celery_stack import CeleryStack
 from ..waiting import wait_until
@@ -93,7 +93,7 @@ def test_a_slot_whose_holders_worker_was_killed_reaches_a_parked_waiter_within_t
         waiter = proj.short_lease.apply_async((0.1,), queue="lease-waiter")
         semaphore = semaphore_for(proj.app, "proj.short_lease")
         wait_until(
-            lambda: any(w.waiter == task_key(waiter.id) and w.present for w in semaphore.status().waiters),
+            lambda: any(w.waiter == waiter_key(waiter.id) and w.present for w in semaphore.status().waiters),
             timeout=30,
             what="the waiter parked",
         )
