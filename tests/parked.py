@@ -36,9 +36,12 @@ def records(client: Any, keys: ParkedKeys | str) -> dict[bytes, bytes]:
 
 def due_times(client: Any, keys: ParkedKeys | str) -> dict[bytes, float]:
     """Every record's due time (server ms), entry -> when, wherever it is kept: in front of a
-    bucket's value, or an earlier release's sorted set."""
+    bucket's value (or the end of its lease, if sooner), or an earlier release's sorted set."""
     keys = parked_keys(keys) if isinstance(keys, str) else keys
     found = {entry: float(due) for entry, value in _bucket_values(client, keys).items() if (due := split_due(value)[0])}
+    for entry, lease_ends in client.zrange(keys.leases, 0, -1, withscores=True):
+        if entry in found:  # taken by a wake-up: due when its lease ends, if that comes first
+            found[entry] = min(found[entry], lease_ends)
     return {**_read_all(client, [keys.flat_due], "zrange"), **found}
 
 

@@ -80,6 +80,12 @@ class ParkedKeys(NamedTuple):
     lines: bytes
     tick_round: bytes
 
+    @property
+    def leases(self) -> bytes:
+        """The leases of the records a wake-up took (entry -> when the lease ends), beside the
+        bucket index and named from it by the scripts (claim_parked.lua)."""
+        return self.buckets.removesuffix(b"record-buckets") + b"record-leases"
+
     def bucket_records(self, bucket: int) -> bytes:
         return self.flat_records + b":" + str(bucket).encode()
 

@@ -62,7 +62,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local record = redis.call('HGET', KEYS[1], ARGV[1])
 if record then
-  return {now, record, false}
+  return {now, record, redis.call('ZSCORE', KEYS[4], ARGV[1]) or false}
 end
 record = redis.call('HGET', KEYS[2], ARGV[1])
 if record then
@@ -324,14 +324,15 @@ def _parked(catalogue: Catalogue, view: KeyView, looks: list[Look]) -> dict[str,
     entry = record_entry(prefix, item.keys.base, item.waiter)
     try:
         bucket = record_bucket(entry)
-        kept_in = (keys.bucket_records(bucket), keys.flat_records, keys.flat_due)
+        kept_in = (keys.bucket_records(bucket), keys.flat_records, keys.flat_due, keys.leases)
         now, record, due_at = catalogue.client.eval(_PARKED_RECORD, len(kept_in), *kept_in, entry)
     except Exception as error:
         logger.debug("could not read the parked record of %s: %s", item.waiter, error)
         return answer
     if record:
         due_in_value, _ = split_due(bytes(record))
-        due_ms = due_in_value if due_in_value is not None else int(float(due_at)) if due_at else None
+        dues = [due for due in (due_in_value, int(float(due_at)) if due_at else None) if due is not None]
+        due_ms = min(dues) if dues else None  # a bucket's due time, or its lease's end if sooner
         answer["record_due_in"] = round((due_ms - int(now)) / 1000, 3) if due_ms is not None else None
         with contextlib.suppress(ValueError, TypeError, IndexError):
             answer["run"] = ParkedRecord.read(entry, bytes(record), prefix).run

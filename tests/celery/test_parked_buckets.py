@@ -128,3 +128,29 @@ def test_the_records_kept_unsplit_by_an_earlier_release_are_woken_swept_and_forg
     assert redis_client.zscore(keys.flat_due, "line\ngiven-up") is None
     assert set(records(redis_client, keys)) == {b"line\noffered"}
     assert set(due_times(redis_client, keys)) == {b"line\noffered"}
+
+
+def test_a_sweep_finds_the_leases_of_woken_records_without_reading_their_buckets(redis_client: redis.Redis) -> None:
+    """A drain wakes (and leases) a record per start: a sweep finds the 50 leases that are up
+    among 20,000 parked records by the sorted set of leases, and takes each with one HGET and
+    one HDEL, reading no bucket whole (HGETALL is a bucket's scan, about 10 ms of Redis for a
+    sweep of 100 buckets of 100 records). A wait parked anew leaves its lease."""
+    from tests.commandstats import command_calls
+
+    prefix = "bucket-leases"
+    scripts, keys = parked_scripts_for(redis_client), parked_keys(prefix)
+    waiters = [f"{i:08d}-aaaa-bbbb-cccc-dddddddddddd" for i in range(20_000)]
+    _park(redis_client, prefix, waiters)
+    woken = waiters[:51]
+    assert len(scripts.claim_parked_waiters(keys, prefix=prefix, base="line", waiters=woken, lease_ms=0)) == 51
+    assert redis_client.zcard(keys.leases) == 51
+    _park(redis_client, prefix, woken[-1:])  # parked anew: its lease is gone, its record due later
+    assert redis_client.zcard(keys.leases) == 50
+    redis_client.config_resetstat()
+    taken = scripts.claim_parked(keys, prefix=prefix, most=100)
+    counts = command_calls(redis_client)
+    assert sorted(record.waiter for record in taken if record is not None) == sorted(woken[:50])
+    assert counts.get("hgetall", 0) == 0, counts
+    assert (counts["hget"], counts["hdel"]) == (50, 50), counts
+    assert redis_client.zcard(keys.leases) == 0
+    assert len(records(redis_client, keys)) == len(waiters) - 50

@@ -7,7 +7,9 @@
 --   KEYS[1] buckets  ZSET  (see park.lua): a record is in the bucket of its entry, the records
 --                          key KEYS[3] with ":<bucket>" after it (parked_records.record_bucket:
 --                          the first 32 bits of the entry's SHA-1, modulo RECORD_BUCKETS), its
---                          value starting with its due time
+--                          value starting with its due time; a record taken here keeps that due
+--                          time and is leased in "...:record-leases" (named from KEYS[1], see
+--                          claim_parked.lua): few at a time, swept cheaply
 --   KEYS[2] due, KEYS[3] records: an earlier release's, one of each (see claim_parked.lua),
 --           looked in for a waiter with no record in its bucket
 --   KEYS[4] old due, KEYS[5] old copies, KEYS[6] old waiters: a release before it's records
@@ -32,6 +34,7 @@
 
 local RECORD_BUCKETS = 1024  -- parked_records.RECORD_BUCKETS
 local base, lease_ms = ARGV[1], tonumber(ARGV[2])
+local leases_key = string.sub(KEYS[1], 1, -#'record-buckets' - 1) .. 'record-leases'
 local now = now_ms()
 
 -- the line as its records name it (parked_records.record_line): the semaphore's name where the
@@ -58,8 +61,10 @@ end
 local function takeable(entry)
   local records_key, bucket = bucket_of(entry)
   local record = redis.call('HGET', records_key, entry)
+  local due = ''
   if record then
-    record = string.gsub(record, '^%d*', '', 1)
+    due = string.match(record, '^%d*')
+    record = string.sub(record, #due + 1)
   else
     records_key, bucket = KEYS[3], nil
     record = redis.call('HGET', records_key, entry)
@@ -67,7 +72,7 @@ local function takeable(entry)
       return nil, nil
     end
   end
-  local where = {records_key, bucket}
+  local where = {records_key, bucket, due}
   local cut = string.find(record, RECORD_SEPARATOR, 1, true)
   if not cut or string.sub(record, 1, #TAKEN_RECORD_MARK) == TAKEN_RECORD_MARK then
     return nil, nil, where
@@ -131,7 +136,7 @@ for _, waiter in ipairs(waiters) do
   local entry = line .. RECORD_SEPARATOR .. waiter
   local header, copy, where = takeable(entry)
   if header then
-    local records_key, bucket = where[1], where[2]
+    local records_key, bucket, due = where[1], where[2], where[3]
     if not bucket and not redis.call('ZSCORE', KEYS[2], entry) then
       redis.call('HDEL', records_key, entry)
     else
@@ -140,9 +145,9 @@ for _, waiter in ipairs(waiters) do
       end
       local taken = TAKEN_RECORD_MARK .. header .. RECORD_SEPARATOR .. WOKEN_COPY_MARK .. copy
       if bucket then
-        redis.call('HSET', records_key, entry, string.format('%.0f', now + lease_ms) .. taken)
-        redis.call('ZADD', KEYS[1], 'LT', now + lease_ms, bucket)  -- LT still adds a new member
-        extend_exactly(KEYS[1], lease_ms + SWEEP_GRACE_MS)
+        redis.call('HSET', records_key, entry, due .. taken)
+        redis.call('ZADD', leases_key, now + lease_ms, entry)
+        extend_exactly(leases_key, lease_ms + SWEEP_GRACE_MS)
       else
         redis.call('ZADD', KEYS[2], now + lease_ms, entry)
         redis.call('HSET', records_key, entry, taken)

@@ -14,7 +14,10 @@
 --   KEYS[2] lines    ZSET  "[<line base>, <limit>]" -> until when it has parked waiters: the
 --                          lines a tick looks at (tick.lua), since no script may run on a line
 --                          whose waiters are all parked
---   KEYS[3] buckets  ZSET  bucket -> no later than the first due time in it (claim_parked.lua)
+--   KEYS[3] buckets  ZSET  bucket -> no later than the first due time in it (claim_parked.lua);
+--                          "...:record-leases" beside it (named from it, the same hash tag) holds
+--                          the leases of records a wake-up took (claim_parked_waiter.lua): a
+--                          record parked anew or forgotten leaves it
 --   ARGV[1] entry   "<line>\n<waiter>" (parked_records.record_entry: the line by its name)
 --   ARGV[2] look_in_ms
 --   ARGV[3] value   the record to keep, its due time left out; with "forget", its header alone
@@ -33,6 +36,7 @@
 -- (plus a grace), unless swept before.
 
 local entry, value, mode = ARGV[1], ARGV[3], ARGV[4]
+local leases_key = string.sub(KEYS[3], 1, -#'record-buckets' - 1) .. 'record-leases'
 -- a kept record as a wait's header starts it: its due time and taken mark off
 local function as_kept(record)
   record = string.gsub(record, '^%d*', '', 1)
@@ -45,6 +49,7 @@ if mode == 'forget' then
   local kept = redis.call('HGET', KEYS[1], entry)
   if kept and string.sub(as_kept(kept), 1, #value + 1) == value .. RECORD_SEPARATOR then
     redis.call('HDEL', KEYS[1], entry)
+    redis.call('ZREM', leases_key, entry)
   end
   kept = KEYS[5] and redis.call('HGET', KEYS[5], entry)  -- the earlier release's records
   if kept and string.sub(as_kept(kept), 1, #value + 1) == value .. RECORD_SEPARATOR then
@@ -70,6 +75,7 @@ if mode == 'nx' then
   end
 else
   redis.call('HSET', KEYS[1], entry, string.format('%.0f', due_at) .. value)
+  redis.call('ZREM', leases_key, entry)  -- parked anew: a copy of the wait asked
 end
 redis.call('ZADD', KEYS[3], 'LT', due_at, ARGV[6])  -- LT still adds a new member
 extend_exactly(KEYS[1], ttl_ms)
