@@ -145,10 +145,15 @@ class Parking:
         key = (id(semaphore.client), f"{channel}\n{waiter}")
         entry: _Parked | None = None
 
-        def woken() -> None:
+        def woken(taken: bool = False) -> None:
             with self._lock:
-                parked = self._parked.pop(key, None)
-            if parked is not None and parked is entry:
+                parked = self._parked.pop(key) if self._parked.get(key) is entry else None
+                # "taken": the release took the record and sends the copy; forgotten, Redis not asked
+                forgotten = parked is not None and taken and parked.recorded
+                self.sent_elsewhere += forgotten
+            if parked is not None and forgotten:
+                parked.handle.close()
+            elif parked is not None:
                 self._to_send.put(parked)
 
         script_run = self.record_run(semaphore, waiter, run, wake_copy, away_for, stored_in_broker, stands_by_ms)
@@ -157,7 +162,7 @@ class Parking:
             script(keys=keys, args=args)
             self.sweep_from_here(semaphore, wake_copy.app)
         recorded = script_run is not None
-        handle = wake_ups.on_wake(channel, waiter, woken)
+        handle = wake_ups.on_wake(channel, waiter, woken, on_taken=lambda: woken(taken=True))
         entry = _Parked(
             handle,
             wake_copy,
@@ -387,7 +392,7 @@ class Parking:
                 raise reply
             return [send_claimed(app, record) for record in records_claimed(reply, semaphore.prefix) if record]
 
-        return ReleaseFollower(run, woke)
+        return ReleaseFollower(run, woke, takes_parked=True)
 
     def _send_parked_here(self, bases: list[str], waiter: str) -> None:
         with self._lock:

@@ -60,6 +60,9 @@ class ReleaseFollower(NamedTuple):
 
     run: tuple[Script, list[bytes], list[Any]]
     woke: Callable[[Any], Collection[str]]
+    # the script takes the records of the parked waiters the release offers a slot: the release
+    # tells their processes so (lua/_lib.lua, notify) rather than have them race for the records
+    takes_parked: bool = False
 
 
 # Asked, before a release of a semaphore, for the script to run after it (None: none).

@@ -136,11 +136,20 @@ def acquire_reply(reply: Any) -> AcquireReply:
 
 
 def release(
-    keys: SemaphoreKeys, *, token: str, rules: Rules, run: str = "", remember_ms: int = 0
+    keys: SemaphoreKeys,
+    *,
+    token: str,
+    rules: Rules,
+    run: str = "",
+    remember_ms: int = 0,
+    caller_takes_parked: bool = False,
 ) -> ScriptCall[HandOffReply]:
+    named = keys.encoded if run else keys.line_keys  # a run: its records too
+    if caller_takes_parked:
+        return ScriptCall("release", named, [token, rules.arg, run, number(remember_ms), "1"], hand_off_reply)
     if run:
-        return ScriptCall("release", keys.encoded, [token, rules.arg, run, number(remember_ms)], hand_off_reply)
-    return ScriptCall("release", keys.line_keys, [token, rules.arg], hand_off_reply)
+        return ScriptCall("release", named, [token, rules.arg, run, number(remember_ms)], hand_off_reply)
+    return ScriptCall("release", named, [token, rules.arg], hand_off_reply)
 
 
 def renew(

@@ -305,8 +305,15 @@ class FairSemaphore(SemaphoreConfig["redis.Redis | redis.cluster.RedisCluster"],
 
     def _release(self, token: str, run: str | None, remember_ms: int) -> bool:
         """``release``, marking the run ``run`` (if any) finished for ``remember_ms``."""
-        call = script_calls.release(self.keys, token=token, rules=self.rules, run=run or "", remember_ms=remember_ms)
         follower = follower_for(self)
+        call = script_calls.release(
+            self.keys,
+            token=token,
+            rules=self.rules,
+            run=run or "",
+            remember_ms=remember_ms,
+            caller_takes_parked=follower is not None and follower.takes_parked,
+        )
         try:
             if follower is None:
                 reply = self._scripts.run(call)

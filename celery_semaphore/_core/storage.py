@@ -64,7 +64,9 @@ RECORD_SEPARATOR = "\n"  # the parked tasks' records: "<line>\n<waiter>" -> "<he
 # leased, not dropped, so that a sweep sends it again if that copy is lost before it is granted
 WOKEN_COPY_MARK = "woken\n"
 # records: a record whose copy a wake-up took (claim_parked_waiter) has this in front, so that no
-# second wake-up takes it; a sweep or a new park of the wait makes it takeable again
+# second wake-up takes it; a sweep or a new park of the wait makes it takeable again. A wake-up
+# "~<waiter>" says the same to a parked waiter's process: the script's caller took its record and
+# sends its copy (lua/_lib.lua, notify), and the process forgets the wait (wakeups.py, parking.py)
 TAKEN_RECORD_MARK = "~"
 # A wake address is "<base>:wake:<listener id>". A mark in front of the listener id tells the
 # scripts how to publish on it (lua/_lib.lua, notify; in Lua the marks live inside patterns).

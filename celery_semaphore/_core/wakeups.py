@@ -60,9 +60,10 @@ import redis
 import redis.cluster
 
 from .pubsub import ShardedSubscription, Subscription, uses_sharded_pubsub
-from .storage import CLUSTER_MARK, SHARDED_MARK, as_text
+from .storage import CLUSTER_MARK, SHARDED_MARK, TAKEN_RECORD_MARK, as_text
 
 logger = logging.getLogger("celery_semaphore")
+Call = Callable[[], None]
 
 # A channel nobody waits on is unsubscribed after this long: per-key semaphores must not pile up
 # subscriptions, yet a busy one should not churn them.
@@ -143,18 +144,11 @@ class WakeHandle:
     keep it short) when a wake-up names the waiter. For a blocked caller the callback sets
     ``event``. Close when done: the channel is unsubscribed once nobody has used it for a while."""
 
-    def __init__(
-        self,
-        wake_ups: WakeUps,
-        channel: str,
-        waiter: str,
-        callback: Callable[[], None] | None = None,
-    ) -> None:
-        self.wake_ups = wake_ups
-        self.channel = channel
-        self.waiter = waiter
+    def __init__(self, wake_ups: WakeUps, channel: str, waiter: str, callback: Call | None = None) -> None:
+        self.wake_ups, self.channel, self.waiter = wake_ups, channel, waiter
         self.event = Flag()
         self.callback = self.event.set if callback is None else callback
+        self.on_taken: Call | None = None  # for "~<waiter>": its record was taken (lua/_lib.lua, notify)
         # a blocked caller asks again after a reconnect (wake-ups may have been lost meanwhile);
         # a callback fires only for a real wake-up
         self.poll_on_reconnect = callback is None
@@ -228,11 +222,13 @@ class WakeUps:
         Registering is cheap and opens nothing."""
         return self.on_wake(channel, waiter, None)
 
-    def on_wake(self, channel: str, waiter: str, callback: Callable[[], None] | None) -> WakeHandle:
+    def on_wake(self, channel: str, waiter: str, callback: Call | None, *, on_taken: Call | None = None) -> WakeHandle:
         """Register ``callback`` to run (on the listener thread) when a wake-up names ``waiter``
-        on ``channel``; a later registration of the same waiter replaces it. Call
+        on ``channel``, and ``on_taken`` when one says another process took its record (a
+        parked waiter's); a later registration of the same waiter replaces it. Call
         ``subscribe`` on the handle to be sure the channel is listened to."""
         signal = WakeHandle(self, channel, waiter, callback)
+        signal.on_taken = on_taken
         key = (channel, waiter)
         with self._lock:
             self._signals[key] = signal
@@ -434,12 +430,14 @@ class WakeUps:
             return
         key = (channel, as_text(message.get("data")))
         with self._lock:
-            handle = self._signals.get(key)
-            if handle is None:
+            handle = self._signals.get(key)  # a waiter whose own id begins with "~" matches whole
+            taken = key[1].startswith(TAKEN_RECORD_MARK) and self._signals.get((channel, key[1][1:]))
+            callback = handle.callback if handle is not None else taken.on_taken if taken else None
+            if handle is None and not taken:
                 self._keep_unclaimed(key)
-        if handle is not None:
+        if callback is not None:
             try:
-                handle.callback()
+                callback()
             except Exception:  # a callback must never stop the listener
                 logger.exception("wake-up callback for %r failed", key[1])
 

@@ -71,12 +71,18 @@ def test_an_offer_sends_the_wake_copy_at_once(redis_server: RedisServer, redis_c
 
 
 def test_the_releasing_process_sends_the_wake_copy_and_the_parked_one_does_not_send_it_again(
-    redis_server: RedisServer, redis_client: redis.Redis
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The process whose release offers a parked waiter its turn sends the wake copy itself (it
     is running; the parked task's process may be busy with another task). The parked process,
-    told too, finds the record taken and sends nothing: one copy."""
+    told that the release took the record ("~<waiter>", lua/_lib.lua), forgets the wait and
+    sends nothing: one copy, and no question of the parked process to Redis while the woken
+    task starts (``_take_record`` is spied on: never called)."""
     from celery_semaphore._celery.parking import parking
+
+    took: list[str] = []
+    take_record = Parking._take_record
+    monkeypatch.setattr(Parking, "_take_record", staticmethod(lambda p: took.append(p.waiter) or take_record(p)))
 
     app = _app(redis_server)
     prefix = f"{PREFIX}-releaser"
@@ -93,8 +99,41 @@ def test_the_releasing_process_sends_the_wake_copy_and_the_parked_one_does_not_s
         wait_until(lambda: parked.sent_elsewhere == 1, timeout=10, what="the parked process told, the copy sent")
         assert _queued(redis_server, "q-releaser.semaphore-wake") == 1
         assert parked.parked_count() == 0
+        assert took == [], "told the record was taken, the parked process asks Redis nothing"
     finally:
         # no sweeping of this test's deployment for the rest of the session
+        releasing._sweep_targets.pop((id(redis_client), prefix), None)
+
+
+def test_a_wait_kept_in_its_process_only_is_sent_from_there_when_told_its_record_was_taken(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parked wait whose record could not be kept in Redis (its copy lives in its process
+    only: played by ``serialized`` giving nothing, a fault a real copy cannot be made to show)
+    is still sent by its own process when the release says the record was taken: the release
+    took nothing, and only that process holds the copy."""
+    from celery_semaphore._celery import parking as parking_module
+
+    app = _app(redis_server)
+    prefix = f"{PREFIX}-kept-here"
+    releasing = parking_module.parking()
+    releasing.sweep(app, redis_client, prefix)
+    try:
+        semaphore = FairSemaphore(redis_client, "park-kept-here", 1, prefix=prefix)
+        holder = semaphore.acquire(timeout=5)
+        assert isinstance(semaphore.try_acquire(token="t1:a", waiter="t1"), Waiting)
+        parked = Parking()
+        wake_copy = app.signature("parking.job", queue="q-kept-here.semaphore-wake")
+        monkeypatch.setattr(parking_module, "serialized", lambda copy: None)
+        semaphore._leave("t1", 30, parked.park(semaphore, "t1", wake_copy, away_for=30, run="t1#0"))
+        monkeypatch.undo()
+        assert records(redis_client, prefix) == {}, "no record kept in Redis"
+        holder.release()
+        wait_until(
+            lambda: _queued(redis_server, "q-kept-here.semaphore-wake") == 1, timeout=10, what="the wake copy sent"
+        )
+        assert parked.sent_elsewhere == 0 and parked.parked_count() == 0
+    finally:
         releasing._sweep_targets.pop((id(redis_client), prefix), None)
 
 

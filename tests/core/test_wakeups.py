@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_semaphore import ConfigurationError, FairSemaphore, Granted, Waiting
+from celery_semaphore import ConfigurationError, FairSemaphore, Granted, MultiSemaphore, Waiting
 from celery_semaphore._core import wakeups as wakeups_module
 from celery_semaphore._core.attempts import Ask, Duplicate
 from celery_semaphore._core.wakeups import WakeUps, wake_ups_for
@@ -685,3 +685,57 @@ def test_a_wake_address_is_kept_relative_to_its_line_and_a_whole_one_still_reach
     assert heard == ["kept-relative", "kept-whole"]
     holder.release()
     semaphore.reset()
+
+
+def test_a_release_whose_caller_takes_the_parked_records_tells_their_process_so(redis_client: redis.Redis) -> None:
+    """A release whose follower script takes the records of the parked waiters it offers a slot
+    tells a parked waiter's process "~<waiter>", which the listener hands to the waiter's
+    on_taken (nothing to ask Redis); a waiter of several keys (its record is under its first
+    key) and a release without such a follower publish the waiter as before. A waiter whose own
+    id begins with the mark still hears its plain wake-ups."""
+    from celery_semaphore._core import hand_offs
+    from celery_semaphore._core.hand_offs import ReleaseFollower
+
+    semaphore = FairSemaphore(redis_client, "taken-records", 1, patience=30)
+    wake_ups = wake_ups_for(redis_client)
+    channel = semaphore.keys.wake_address(wake_ups.listener_id)
+    heard: list[str] = []
+    from celery_semaphore._core import script_calls
+
+    status = script_calls.status(semaphore.keys, listed=0, rules=semaphore.rules)  # changes nothing
+    noop = (semaphore._scripts._scripts["status"], status.keys, status.args)
+
+    def follower(takes: bool) -> ReleaseFollower:
+        return ReleaseFollower(noop, lambda _: (), takes)
+
+    source = hand_offs._follower_source
+    try:
+        several = MultiSemaphore([semaphore])  # its waiters are "*<weight>*<id>"
+        for asker, waiter, takes, expected in (
+            (semaphore, "task-1", True, "taken task-1"),
+            (semaphore, "task-2", False, "woken task-2"),
+            (several, several.waiter_id("task-3"), True, "woken *1*task-3"),
+            (semaphore, "~task-4", False, "woken ~task-4"),
+        ):
+            holder = semaphore.acquire(timeout=0)
+            assert isinstance(asker.try_acquire(waiter=waiter), Waiting)
+            handle = wake_ups.on_wake(
+                channel,
+                waiter,
+                lambda w=waiter: heard.append(f"woken {w}"),
+                on_taken=lambda w=waiter: heard.append(f"taken {w}"),
+            )
+            assert handle.subscribe(5)
+            assert asker._leave(waiter, 30, channel) is True
+            hand_offs.on_release(lambda _, takes=takes: follower(takes))
+            assert holder.release()
+            wait_until(lambda: len(heard) == 1, timeout=5, what=f"the wake-up of {waiter}")
+            assert heard.pop() == expected
+            handle.close()
+            granted = asker.try_acquire(waiter=waiter)
+            assert isinstance(granted, Granted)
+            granted.lease.release()
+    finally:
+        hand_offs.on_release(source)
+        semaphore._release_holders_with_prefix("")
+        semaphore.reset()

@@ -298,9 +298,9 @@ local function answer_renewal(codes, code, run, token, now, lease_ms)
   codes[#codes + 1] = code
 end
 
--- The waiters offered a slot whom the script's caller wakes: parked, or nobody heard (see notify).
--- A script's reply lists them.
-local to_wake = {}
+-- The waiters offered a slot whom the script's caller wakes: parked, or nobody heard (see notify),
+-- listed in a script's reply; and whether the caller takes the parked ones' records itself.
+local to_wake, caller_takes_parked = {}, false
 
 -- @rest-of-lib
 -- The rest: the line, offers and hand-off, wake-ups, purges, several semaphores. A script that
@@ -391,11 +391,13 @@ local function notify(address, waiter)
     if parked then
       address = string.sub(address, 2)
     end
+    -- its record taken by the caller: "~<waiter>" (a waiter of several keys: its process takes it)
+    local told = (parked and caller_takes_parked and not string.find(waiter, WEIGHTED_WAITER_PATTERN)) and TAKEN_RECORD_MARK .. waiter or waiter
     local heard
     if HAS_GT and string.find(address, SHARDED_ADDRESS_PATTERN) then
-      heard = redis.call('SPUBLISH', address, waiter)
+      heard = redis.call('SPUBLISH', address, told)
     else
-      heard = redis.call('PUBLISH', address, waiter)
+      heard = redis.call('PUBLISH', address, told)
       if string.find(address, CLUSTER_ADDRESS_PATTERN) then
         heard = 1
       end

@@ -6,7 +6,10 @@
 --   ARGV[3] run          "" or the run id the slot was granted to (see acquire): a release
 --                        marks it finished, so that a later copy of it is dropped
 --   ARGV[4] remember_ms  with a run: how long the finished run is remembered
---   ARGV[3..4] may be left out when empty; KEYS[11..12] are passed only with a run
+--   ARGV[5] "1": the caller takes the records of the parked waiters this release offers the
+--                slot, in the same round trip (the Celery layer's follower script): their
+--                parking process is told so, not asked to take them (see notify in _lib.lua)
+--   ARGV[3..5] may be left out when empty; KEYS[11..12] are passed only with a run
 -- Returns 1 if token held a slot and now does not; 0 if its lease was already gone (expired,
 -- released before, or never granted); {1, to_wake...} when the hand-off offered the slot to a
 -- waiter whose wake-up nobody heard (see notify in _lib.lua). Safe to repeat.
@@ -17,6 +20,7 @@
 -- known to the next line; it goes with the last holder.)
 
 local token = ARGV[1]
+caller_takes_parked = ARGV[5] == '1'
 local run, remember_ms = ARGV[3] or '', tonumber(ARGV[4])
 if run ~= '' then
   -- the run finished (also when its lease had lapsed meanwhile): a later copy is told RAN
