@@ -129,6 +129,34 @@ def test_a_cap_per_tenant_in_the_settings_reaches_the_keys_semaphore() -> None:
     assert uncapped.per_tenant is None and uncapped.rules.arg == b"2"  # type: ignore[union-attr]
 
 
+def test_a_calls_semaphore_is_built_once_per_key_and_settings() -> None:
+    """Every call of a key gets the same semaphore object (built once: a FairSemaphore holds its
+    settings only); another key, or the settings parsed again, build their own; the cache keeps
+    the keys used last (keys made per call come and go)."""
+    from celery_semaphore._celery import catalogue
+
+    app = make_app(semaphore_limits={"api:*": 3}, semaphore_backend_url="redis://127.0.0.1:1/1")
+
+    @app.task(base=SemaphoreTask, semaphore_key="api:{name}", shared=False, lazy=False)
+    def call(name: str) -> None: ...
+
+    first = semaphore_for_call(call, ("a",), {})
+    assert semaphore_for_call(call, ("a",), {}) is first
+    other = semaphore_for_call(call, ("b",), {})
+    assert other is not first and other.name == "api:b" and first.name == "api:a"  # type: ignore[union-attr]
+    forget_config(app)  # settings changed: parsed again, built again
+    again = semaphore_for_call(call, ("a",), {})
+    assert again is not first and again.name == first.name and again.limit == 3  # type: ignore[union-attr]
+    kept = catalogue.BUILT_PER_CONFIG
+    catalogue.BUILT_PER_CONFIG = 2
+    try:
+        semaphore_for_call(call, ("c",), {})
+        semaphore_for_call(call, ("d",), {})
+        assert semaphore_for_call(call, ("a",), {}) is not again  # the least lately used went
+    finally:
+        catalogue.BUILT_PER_CONFIG = kept
+
+
 @pytest.mark.parametrize(
     ("entry", "part", "says"),
     [
