@@ -147,8 +147,10 @@ def _semaphore(
 
 
 # Semaphores kept built per app's settings (by the settings' identity: a new config builds anew),
-# for the settings of the last few apps.
-BUILT_PER_CONFIG = 4096
+# for the settings of the last few apps. About 2.7 KB each (tracemalloc, 1,000 keys of a
+# template): 256 keep a pool process's hot keys in 0.7 MB; a longer tail of keys made per call
+# (a crawler's hosts) builds its semaphores as every call did before.
+BUILT_PER_CONFIG = 256
 CONFIGS_KEPT = 8
 _built: OrderedDict[int, tuple[SemaphoreConfig, OrderedDict[tuple[Any, ...], FairSemaphore]]] = OrderedDict()
 _built_lock = fork_locks.reset_in_child()
