@@ -90,6 +90,22 @@ _unavailable = False  # the import failed once: stay a no-op rather than retry o
 _lock = fork_locks.held_over_fork()
 
 
+def import_early() -> None:
+    """Import ``prometheus_client`` now, if it is installed: in a worker's main process before
+    its pool forks, so that its pool processes have it. Its import takes tens of milliseconds
+    (45 ms a pool process, measured under ``python -m benchmarks.bench_celery --only handoff``),
+    which each new pool process (a worker's start, a restart, each recycling under
+    ``worker_max_tasks_per_child``) otherwise paid in its first task's count: after its first
+    grant, before the body, or after its first refusal, before the task parks."""
+    global _unavailable
+    if _instruments is not None or _unavailable:
+        return
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        _unavailable = True
+
+
 def _get() -> _Instruments | None:
     """The instruments, created on first use in the default registry; None without
     prometheus_client. Created once per process: a second registration of the same names

@@ -90,7 +90,17 @@ def check_template(setting: str, template: str, parameters: list[inspect.Paramet
 
 # A task's signature, read once: inspect builds it anew on every call (about 40 % of a call's
 # key and semaphore lookup, measured on a template key; a task's signature does not change).
-_signature_of = functools.lru_cache(maxsize=1024)(inspect.signature)
+_signature_cached = functools.lru_cache(maxsize=1024)(inspect.signature)
+
+
+def _signature_of(function: Callable[..., Any]) -> inspect.Signature:
+    """``function``'s signature, from the cache when ``function`` can be a key of it: a bound
+    method of a task class that defines ``__eq__`` without ``__hash__`` cannot, and is read
+    anew (its call's TypeError would otherwise pass for a call that does not fit)."""
+    try:
+        return _signature_cached(function)
+    except TypeError:
+        return inspect.signature(function)
 
 
 def render(

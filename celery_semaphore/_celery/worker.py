@@ -71,6 +71,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         size = max(int(getattr(worker, "concurrency", 0) or 0), int(max(autoscale)))
         pool_room.prepare(size, prefork=is_prefork(worker))
         node_names.begin(worker.app, worker.hostname)  # its pool inherits the instance id
+        metrics.import_early()  # not in each pool process at its first grant
 
     def start(self, worker: Any) -> None:
         node_names.start()

@@ -157,6 +157,26 @@ def test_a_calls_semaphore_is_built_once_per_key_and_settings() -> None:
         catalogue.BUILT_PER_CONFIG = kept
 
 
+def test_a_key_template_fills_from_a_callable_that_cannot_be_hashed() -> None:
+    """Signatures are cached by callable; one that cannot be hashed (an ``__eq__`` without a
+    ``__hash__``) is read anew, and its call's key fills as any other's."""
+    from celery_semaphore._celery.keys import render
+
+    class Unhashable:
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+        def __call__(self, host: str, path: str = "/") -> None: ...
+
+    function = Unhashable()
+    with pytest.raises(TypeError):
+        hash(function)
+    assert render("t.semaphore_key", "crawl:{host}{path}", function, ("h",), {}) == "crawl:h/"
+    assert render("t.semaphore_key", "crawl:{host}{path}", function, (), {"host": "g", "path": "/x"}) == "crawl:g/x"
+    with pytest.raises(ConfigurationError, match="does not fit the task's signature"):
+        render("t.semaphore_key", "crawl:{host}", function, ("h", "/", "extra"), {})
+
+
 @pytest.mark.parametrize(
     ("entry", "part", "says"),
     [

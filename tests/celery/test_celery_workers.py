@@ -69,6 +69,14 @@ def test_limit_holds_and_is_reached_with_40_tasks_on_two_workers(proj: Any) -> N
     wait_until(lambda: holders(proj, "proj.hold") == 0, timeout=10, what="every slot released")
 
 
+def test_a_pool_process_has_prometheus_client_before_its_first_task(proj: Any) -> None:
+    """The worker imports prometheus_client before its pool forks: a pool process importing it
+    at its first grant held that hand-off back by about 45 ms. A plain task (no grant, nothing
+    of the library's in its call) finds it imported, in every pool process it reaches."""
+    results = [send(proj.imported, "prometheus_client") for _ in range(16)]
+    assert [result.get(timeout=60) for result in results] == [True] * 16
+
+
 def test_waiting_by_countdown_leaves_retries_and_max_retries_alone(proj: Any) -> None:
     """A task with max_retries=0 that waits through countdown re-sends still succeeds, with
     request.retries untouched and the wait count carried in headers: the package's own, under

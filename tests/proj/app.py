@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -137,6 +138,12 @@ def unlimited(self: Any, seconds: float, key: str) -> str:
     """No semaphore: a baseline for the benchmarks (the worker's concurrency is the limit)."""
     _held(key, seconds, self.request.id)
     return str(self.request.id)
+
+
+@app.task(name="proj.imported")
+def imported(module: str) -> bool:
+    """No semaphore: whether the pool process that runs it has ``module`` imported already."""
+    return module in sys.modules
 
 
 @app.task(base=SemaphoreTask, semaphore_limit=1, name="proj.sleepy", bind=True)
