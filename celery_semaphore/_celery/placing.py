@@ -150,7 +150,9 @@ def placed_at_send(
         return None
     if isinstance(attempt, StartsOnArrival):
         return Placement(task_id, False, {**headers, **_offered_start(task, task_id, headers, attempt.ticket)})
-    if attempt.ticket is not None and policy.sent_to_stand_by(attempt, wait_options(task, config_for(app)).inline_wait):
+    if attempt.ticket is not None and policy.sent_to_stand_by(
+        attempt, wait_options(task, config_for(app)).inline_wait, by_rules=expected_start_of(semaphore, attempt)
+    ):
         # near its turn: its delivery keeps the place its ticket names, and stands by for it
         return Placement(task_id, False, {**headers, **_offered_start(task, task_id, headers, attempt.ticket)})
     _ParkedAtSend(task, args, kwargs, task_id, options, headers, queue, semaphore, attempt).park()

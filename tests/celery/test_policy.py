@@ -169,6 +169,10 @@ def test_a_task_placed_near_its_turn_is_sent_to_stand_by_the_rest_are_parked() -
     assert not sent_to_stand_by(waiting(0), 0)  # it never waits in process
     assert not sent_to_stand_by(waiting(0, retry_after=1.0), 2.0)
     assert not sent_to_stand_by(waiting(0, opens_in=30.0), 2.0)
+    # a rate on a limit never reached: the holds say at once, the rate says later
+    assert sent_to_stand_by(waiting(0), 2.0, by_rules=STAND_BY_MOST_S)
+    assert not sent_to_stand_by(waiting(0), 2.0, by_rules=STAND_BY_MOST_S + 0.01)
+    assert not sent_to_stand_by(waiting(0, hold=0.005), 0.2, by_rules=0.3)  # beyond its own inline wait
 
 
 def test_a_delivery_sent_to_stand_by_stands_by_beyond_the_next_two() -> None:
@@ -183,3 +187,19 @@ def test_a_delivery_sent_to_stand_by_stands_by_beyond_the_next_two() -> None:
     assert not stands_by(waiting(WAKE_AHEAD + 3))
     assert not stands_by(waiting(40), placed=True)  # ceil(41 / 4) x 50 ms: beyond half a second
     assert not stands_by(waiting(0, hold=STAND_BY_MOST_S * 2), placed=True)
+
+
+def test_a_waiter_whose_start_is_reserved_for_later_does_not_stand_by() -> None:
+    """Under a rate, a spacing or a pause its start is reserved for a known moment: it stands by
+    only if that is within half a second, however short the line's holds (a rate on a limit never
+    reached: a task 722nd in line under 20/s, holds of 5 ms, its start 36 s away, stood by for its
+    whole inline wait and was refused, and the next deliveries waited behind it)."""
+
+    def waiting(turn: int, retry_after: float) -> Waiting:
+        return Waiting(position=turn, free=0, limit=1000, turn=turn, hold_time=0.005, retry_after=retry_after)
+
+    assert not stands_by(waiting(722, 36.1), placed=True)
+    assert not stands_by(waiting(0, 36.1))
+    assert not stands_by(waiting(0, STAND_BY_MOST_S + 0.01), placed=True)
+    assert stands_by(waiting(0, STAND_BY_MOST_S))
+    assert stands_by(waiting(30, 0.2), placed=True)

@@ -802,6 +802,23 @@ def rated(self: Any, seconds: float, key: str = "rated") -> str:
     return str(self.request.id)
 
 
+@app.task(base=SemaphoreTask, semaphore_rate=(10, 1.0), bind=True, name="proj.rated_placed")
+def rated_placed(self: Any, seconds: float, key: str = "rated_placed") -> str:
+    """10 starts a second, no concurrency limit: once its line knows its holds are short, they
+    say a slot comes at once, and only its rate says when (tests/celery/test_celery_rates.py)."""
+    _record_grant(self, key)
+    _held(key, seconds, self.request.id)
+    return str(self.request.id)
+
+
+@signals.task_prerun.connect
+def _record_rated_placed_delivery(task_id: str | None = None, task: Any = None, args: Any = None, **_: Any) -> None:
+    """Every run of a proj.rated_placed task in a pool process, refused ones included."""
+    if getattr(task, "name", None) == "proj.rated_placed" and task_id is not None:
+        key = args[1] if args and len(args) > 1 else "rated_placed"
+        probe(key).client.hincrby(f"probe:{key}:deliveries", task_id, 1)
+
+
 @app.task(base=SemaphoreTask, semaphore_limit=3, semaphore_spacing=0.3, bind=True, name="proj.spaced")
 def spaced(self: Any, seconds: float, key: str = "spaced") -> str:
     """A host with a Crawl-delay of 0.3 s, 3 at once."""
