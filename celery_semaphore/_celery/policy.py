@@ -103,12 +103,12 @@ def stands_by(waiting: Waiting, *, placed: bool = False) -> bool:
     wait)."""
     if waiting.turn is None or waiting.opens_in is not None:
         return False
-    if waiting.retry_after is not None:
-        # a rate, a spacing or a pause reserved its start: nothing comes sooner, whatever the
-        # holds say (a task far back under "20/s" with a limit never reached stood by for its
-        # whole inline wait, 2 s of a pool process, and was refused: measured, at most 6 such
+    if waiting.retry_after is not None and waiting.retry_after > STAND_BY_MOST_S:
+        # a rate, a spacing or a pause reserved its start later: nothing comes sooner, whatever
+        # the holds say (a task far back under "20/s" with a limit never reached stood by for
+        # its whole inline wait, 2 s of a pool process, and was refused: at most 6 such
         # refusals a second per 12 processes, and the line's wake copies waited behind them)
-        return waiting.retry_after <= STAND_BY_MOST_S
+        return False
     if waiting.turn >= WAKE_AHEAD and not placed:
         return False
     expected = expected_wait(waiting, among_present=True)
