@@ -79,7 +79,7 @@ from .wait_headers import (
     header_in,
 )
 from .wait_runs import AWAY_SLACK
-from .waiting_delivery import expected_start_of, leave
+from .waiting_delivery import expected_start_of, leave, start_by_rules_of
 from .wake_copies import serialized
 from .wake_queues import backstop_queue, is_derived_queue, wake_aware, wake_queue
 
@@ -151,7 +151,7 @@ def placed_at_send(
     if isinstance(attempt, StartsOnArrival):
         return Placement(task_id, False, {**headers, **_offered_start(task, task_id, headers, attempt.ticket)})
     if attempt.ticket is not None and policy.sent_to_stand_by(
-        attempt, wait_options(task, config_for(app)).inline_wait, by_rules=expected_start_of(semaphore, attempt)
+        attempt, wait_options(task, config_for(app)).inline_wait, by_rules=start_by_rules_of(semaphore, attempt)
     ):
         # near its turn: its delivery keeps the place its ticket names, and stands by for it
         return Placement(task_id, False, {**headers, **_offered_start(task, task_id, headers, attempt.ticket)})

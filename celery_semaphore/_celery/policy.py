@@ -66,12 +66,16 @@ def expected_wait(waiting: Waiting, *, among_present: bool = False) -> float | N
     return math.ceil(releases_needed / waiting.limit) * waiting.hold_time
 
 
-def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
+def waits_in_process(waiting: Waiting, inline_wait: float, *, by_rules: float = 0.0) -> bool:
     """Whether to wait for a release signal in-process rather than be re-sent.
 
     Judged by the place among present waiters: waiters away on a countdown are passed by, so
-    what keeps a freed slot from idling is enough waiters present to take it."""
-    if inline_wait <= 0:
+    what keeps a freed slot from idling is enough waiters present to take it. ``by_rules``:
+    when its start comes at the earliest by its line's rate and spacing (``start_by_rules``),
+    which only the line's head is told (``retry_after``): a task 700th in line under 20/s,
+    whose holds say a slot at once, would hold its pool process for the whole inline wait and
+    be refused."""
+    if inline_wait <= 0 or by_rules > inline_wait:
         return False
     if waiting.retry_after is not None:
         # its start is reserved for a known moment (a rate, a spacing or a pause): no guess
@@ -92,7 +96,7 @@ def waits_in_process(waiting: Waiting, inline_wait: float) -> bool:
     return expected <= inline_wait
 
 
-def stands_by(waiting: Waiting, *, placed: bool = False) -> bool:
+def stands_by(waiting: Waiting, *, placed: bool = False, by_rules: float = 0.0) -> bool:
     """Whether a refused waiter waits for its slot in its pool process even where that takes the
     worker's last free one (``pool_room``): a slot should reach it within ``STAND_BY_MOST_S``
     (its hold time known), and it is among the next ``WAKE_AHEAD`` to be offered one (one
@@ -103,11 +107,11 @@ def stands_by(waiting: Waiting, *, placed: bool = False) -> bool:
     wait)."""
     if waiting.turn is None or waiting.opens_in is not None:
         return False
-    if waiting.retry_after is not None and waiting.retry_after > STAND_BY_MOST_S:
-        # a rate, a spacing or a pause reserved its start later: nothing comes sooner, whatever
-        # the holds say (a task far back under "20/s" with a limit never reached stood by for
-        # its whole inline wait, 2 s of a pool process, and was refused: at most 6 such
-        # refusals a second per 12 processes, and the line's wake copies waited behind them)
+    if max(waiting.retry_after or 0.0, by_rules) > STAND_BY_MOST_S:
+        # a rate, a spacing or a pause puts its start later (reserved, at the head, or by the
+        # waiters ahead, ``by_rules``): nothing comes sooner, whatever the holds say (a task far
+        # back under "20/s" with a limit never reached stood by for its whole inline wait, 2 s
+        # of a pool process, and was refused, and the line's wake copies waited behind them)
         return False
     if waiting.turn >= WAKE_AHEAD and not placed:
         return False
@@ -165,10 +169,16 @@ def countdown(
 def expected_start(waiting: Waiting, rules: Rules) -> float:
     """Seconds until this waiter's turn at the earliest, from its place in line and every rule
     declared: the hold times and the limit, the rate, the spacing (0 when none says more)."""
+    return max(expected_wait(waiting) or 0.0, start_by_rules(waiting, rules))
+
+
+def start_by_rules(waiting: Waiting, rules: Rules) -> float:
+    """Seconds until this waiter's start at the earliest by its line's rate and spacing alone
+    (0 with neither): every waiter ahead of it, present or away, takes a start first."""
     ahead = waiting.position
     by_rate = ahead * rules.rate.period / rules.rate.count if rules.rate is not None else 0.0
     by_spacing = ahead * rules.spacing if rules.spacing is not None else 0.0
-    return max(expected_wait(waiting) or 0.0, by_rate, by_spacing)
+    return max(by_rate, by_spacing)
 
 
 def backstop(

@@ -72,7 +72,7 @@ from .wait_headers import (
     WaitHistory,
 )
 from .wait_runs import begin_at_most_once, continued_wait, remember_for, reopen_run
-from .waiting_delivery import WaitingDelivery
+from .waiting_delivery import WaitingDelivery, start_by_rules_of
 
 # What a call holds: one semaphore, or (several keys, or a weight) a MultiSemaphore, driven alike.
 AnySemaphore = FairSemaphore | MultiSemaphore
@@ -332,11 +332,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             placed = history.waits == 0 and history.ticket is not None
             node_names.note_held(semaphore)  # before the grant: a worker killed right after it is found
             attempt = semaphore._try(ask)
+            by_rules = start_by_rules_of(semaphore, attempt) if isinstance(attempt, Waiting) else 0.0
             if (
                 isinstance(attempt, Waiting)
-                and policy.waits_in_process(attempt, options.inline_wait)
+                and policy.waits_in_process(attempt, options.inline_wait, by_rules=by_rules)
                 and (
-                    pool_room.leaves_one_free() or (policy.stands_by(attempt, placed=placed) and pool_room.has_others())
+                    pool_room.leaves_one_free()
+                    or (policy.stands_by(attempt, placed=placed, by_rules=by_rules) and pool_room.has_others())
                 )
             ):
                 attempt = semaphore._wait(

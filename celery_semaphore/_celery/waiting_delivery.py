@@ -298,8 +298,17 @@ class WaitingDelivery:
 def expected_start_of(semaphore: AnySemaphore, attempt: Waiting) -> float:
     """Seconds until a refused task's turn at the earliest, by the rules of its semaphore (of its
     first key, for several: the line it waits in longest is at least that long)."""
-    first = semaphore if isinstance(semaphore, FairSemaphore) else semaphore.semaphores[0]
-    return policy.expected_start(attempt, first.rules)
+    return policy.expected_start(attempt, _first(semaphore).rules)
+
+
+def start_by_rules_of(semaphore: AnySemaphore, attempt: Waiting) -> float:
+    """``policy.start_by_rules`` of a refused task, by the rate and spacing of its semaphore (of
+    its first key, for several, as ``expected_start_of``)."""
+    return policy.start_by_rules(attempt, _first(semaphore).rules)
+
+
+def _first(semaphore: AnySemaphore) -> FairSemaphore:
+    return semaphore if isinstance(semaphore, FairSemaphore) else semaphore.semaphores[0]
 
 
 def leave(semaphore: AnySemaphore, waiter: str, *, away_for: float | None = None, wake: str = "") -> None:

@@ -15,9 +15,11 @@ from celery_semaphore._celery.policy import (
     expected_wait,
     sent_to_stand_by,
     stands_by,
+    start_by_rules,
     waits_in_process,
 )
 from celery_semaphore._core.attempts import Waiting
+from celery_semaphore._core.rules import Rate, Rules
 
 waitings = st.builds(
     Waiting,
@@ -203,3 +205,29 @@ def test_a_waiter_whose_start_is_reserved_for_later_does_not_stand_by() -> None:
     assert not stands_by(waiting(0, STAND_BY_MOST_S + 0.01), placed=True)
     assert stands_by(waiting(0, STAND_BY_MOST_S))
     assert stands_by(waiting(30, 0.2), placed=True)
+
+
+def test_a_waiter_far_back_under_a_rate_does_not_wait_in_its_process() -> None:
+    """Only the head of a line is told its reserved start (``retry_after``); the rest are told
+    when the next start comes (``opens_in``) and their place. By the holds alone (5 ms, a limit
+    never reached) each would wait in its process, the 700th of a line under 20/s too: 35 s
+    off, it held its pool process for the whole inline wait and was refused. Its place and the
+    rate put its start off, and it neither waits in its process nor stands by."""
+    rules = Rules(1000, Rate(20, 1.0))
+
+    def waiting(position: int, opens_in: float | None = 0.9) -> Waiting:
+        return Waiting(position=position, free=0, limit=1000, turn=position, hold_time=0.005, opens_in=opens_in)
+
+    assert start_by_rules(waiting(700), rules) == pytest.approx(35.0)
+    assert start_by_rules(waiting(700), Rules(1000)) == 0.0  # no rate, no spacing: the holds decide
+    assert start_by_rules(waiting(4), Rules(3, None, 0.3)) == pytest.approx(1.2)  # a spacing
+    far, near = waiting(700), waiting(10)
+    assert waits_in_process(far, 2.0)  # by the holds alone
+    assert not waits_in_process(far, 2.0, by_rules=start_by_rules(far, rules))
+    assert waits_in_process(near, 2.0, by_rules=start_by_rules(near, rules))  # half a second off
+    # (a line whose next start the rate allows now: it tells nobody when it opens)
+    far, near, further = waiting(700, None), waiting(10, None), waiting(11, None)
+    assert stands_by(far, placed=True)  # by the holds alone
+    assert not stands_by(far, placed=True, by_rules=start_by_rules(far, rules))
+    assert stands_by(near, placed=True, by_rules=start_by_rules(near, rules))
+    assert not stands_by(further, placed=True, by_rules=start_by_rules(further, rules))
