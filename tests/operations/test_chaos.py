@@ -197,8 +197,8 @@ def test_kills_of_children_and_a_whole_worker_lose_no_waiting_task(
     sent_near: list[bool] = []
     decide = policy.sent_to_stand_by
 
-    def observed(waiting: Any, inline_wait: float) -> bool:
-        sent_near.append(decide(waiting, inline_wait))
+    def observed(waiting: Any, inline_wait: float, **rules: float) -> bool:
+        sent_near.append(decide(waiting, inline_wait, **rules))
         return sent_near[-1]
 
     monkeypatch.setattr(policy, "sent_to_stand_by", observed)

@@ -833,9 +833,14 @@ def throttled_api(self: Any, seconds: float, answer_429_for: float = 0.0, key: s
     and pauses the key for that long."""
     _record_grant(self, key)
     if answer_429_for and probe(key).client.sadd(f"probe:{key}:told", self.request.id):
-        seconds, micros = self.semaphore_held().semaphore.client.time()
-        probe(key).client.rpush(f"probe:{key}:paused", f"{self.request.id} {seconds * 1000 + micros // 1000}")
-        self.semaphore_pause(answer_429_for)
+        server = self.semaphore_held().semaphore.client
+        now_s, micros = server.time()
+        probe(key).client.rpush(f"probe:{key}:paused", f"{self.request.id} {now_s * 1000 + micros // 1000}")
+        try:
+            self.semaphore_pause(answer_429_for)
+        finally:  # in force from here: a grant between the stamp above and the pause came before it
+            now_s, micros = server.time()
+            probe(key).client.rpush(f"probe:{key}:paused_after", f"{self.request.id} {now_s * 1000 + micros // 1000}")
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 
