@@ -827,6 +827,12 @@ def spaced(self: Any, seconds: float, key: str = "spaced") -> str:
     return str(self.request.id)
 
 
+def _server_ms(client: Any) -> int:
+    """The semaphore's Redis server time, in ms (what its scripts stamp grants and pauses with)."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 @app.task(base=SemaphoreTask, semaphore_limit=2, bind=True, name="proj.throttled_api")
 def throttled_api(self: Any, seconds: float, answer_429_for: float = 0.0, key: str = "throttled_api") -> str:
     """An API call; a call given ``answer_429_for`` hears "429, Retry-After" on its first run
@@ -834,13 +840,11 @@ def throttled_api(self: Any, seconds: float, answer_429_for: float = 0.0, key: s
     _record_grant(self, key)
     if answer_429_for and probe(key).client.sadd(f"probe:{key}:told", self.request.id):
         server = self.semaphore_held().semaphore.client
-        now_s, micros = server.time()
-        probe(key).client.rpush(f"probe:{key}:paused", f"{self.request.id} {now_s * 1000 + micros // 1000}")
+        probe(key).client.rpush(f"probe:{key}:paused", f"{self.request.id} {_server_ms(server)}")
         try:
             self.semaphore_pause(answer_429_for)
         finally:  # in force from here: a grant between the stamp above and the pause came before it
-            now_s, micros = server.time()
-            probe(key).client.rpush(f"probe:{key}:paused_after", f"{self.request.id} {now_s * 1000 + micros // 1000}")
+            probe(key).client.rpush(f"probe:{key}:paused_after", f"{self.request.id} {_server_ms(server)}")
     _held(key, seconds, self.request.id)
     return str(self.request.id)
 
